@@ -1,0 +1,136 @@
+//! The engine's one public error type.
+//!
+//! Lives here: [`Error`], made of a small matchable [`ErrorKind`], context (operation,
+//! volume, byte offset) and an optional source. Not here: mapping to protocol codes;
+//! the server maps an [`ErrorKind`] to an NBD errno or a gRPC status.
+
+use std::fmt;
+
+/// What went wrong, coarse enough to match on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// No volume (or pool) of that name.
+    NotFound,
+    /// A volume of that name exists already.
+    AlreadyExists,
+    /// An argument is malformed: a bad name, a size not a multiple of 4096, a shrink.
+    InvalidArgument,
+    /// An offset or length lies past the end of the volume.
+    OutOfRange,
+    /// The pool has no free data unit for an allocating write.
+    NoSpace,
+    /// The pool file or device returned an error.
+    Io,
+    /// On-disk metadata is inconsistent or fails its checksum; or the file is not a pool.
+    Corrupt,
+    /// The pool stopped accepting writes after an I/O error on a metadata commit.
+    Failed,
+}
+
+impl ErrorKind {
+    fn describe(self) -> &'static str {
+        match self {
+            ErrorKind::NotFound => "not found",
+            ErrorKind::AlreadyExists => "already exists",
+            ErrorKind::InvalidArgument => "invalid argument",
+            ErrorKind::OutOfRange => "out of range",
+            ErrorKind::NoSpace => "no space left in pool",
+            ErrorKind::Io => "I/O error",
+            ErrorKind::Corrupt => "corrupt pool",
+            ErrorKind::Failed => "pool failed and refuses writes",
+        }
+    }
+}
+
+/// An engine error: kind, a message, where it happened, and the underlying cause.
+#[derive(Debug)]
+pub struct Error {
+    kind: ErrorKind,
+    message: String,
+    op: Option<&'static str>,
+    volume: Option<String>,
+    offset: Option<u64>,
+    source: Option<Box<dyn std::error::Error + Send + Sync + 'static>>,
+}
+
+/// `Result` with the engine's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    /// A new error of `kind` with a human-readable message.
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Error {
+        Error { kind, message: message.into(), op: None, volume: None, offset: None, source: None }
+    }
+
+    /// An [`ErrorKind::Io`] error wrapping `e`.
+    pub fn io(message: impl Into<String>, e: std::io::Error) -> Error {
+        Error::new(ErrorKind::Io, message).with_source(e)
+    }
+
+    /// An [`ErrorKind::Corrupt`] error.
+    pub fn corrupt(message: impl Into<String>) -> Error {
+        Error::new(ErrorKind::Corrupt, message)
+    }
+
+    /// Adds the cause.
+    pub fn with_source(mut self, e: impl std::error::Error + Send + Sync + 'static) -> Error {
+        self.source = Some(Box::new(e));
+        self
+    }
+
+    /// Adds the operation (e.g. "write", "create volume").
+    pub fn op(mut self, op: &'static str) -> Error {
+        self.op = Some(op);
+        self
+    }
+
+    /// Adds the volume name.
+    pub fn volume(mut self, name: &str) -> Error {
+        self.volume = Some(name.to_owned());
+        self
+    }
+
+    /// Adds the byte offset.
+    pub fn offset(mut self, offset: u64) -> Error {
+        self.offset = Some(offset);
+        self
+    }
+
+    /// The matchable kind.
+    pub fn kind(&self) -> ErrorKind {
+        self.kind
+    }
+
+    /// The message without context.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(op) = self.op {
+            write!(f, "{op}")?;
+            if let Some(v) = &self.volume {
+                write!(f, " on volume '{v}'")?;
+            }
+            if let Some(o) = self.offset {
+                write!(f, " at offset {o}")?;
+            }
+            write!(f, ": ")?;
+        } else if let Some(v) = &self.volume {
+            write!(f, "volume '{v}': ")?;
+        }
+        write!(f, "{}: {}", self.kind.describe(), self.message)?;
+        if let Some(s) = &self.source {
+            write!(f, ": {s}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source.as_deref().map(|e| e as &(dyn std::error::Error + 'static))
+    }
+}

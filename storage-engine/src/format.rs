@@ -1,0 +1,319 @@
+//! The on-disk format: fixed-layout little-endian structs and the pool geometry.
+//!
+//! Lives here: the superblock, the log batch header, the checkpoint chunk header, the
+//! record framing shared by the log and checkpoints, and every record body, each a
+//! `#[repr(C)]` zerocopy struct with a compile-time size check. docs/on-disk-format.md
+//! draws them byte by byte. Not here: the logic that writes them (`journal`, `pool`).
+
+use zerocopy::little_endian::{U16, U32, U64};
+use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
+
+/// Magic at byte 0 of both superblock slots.
+pub const SUPERBLOCK_MAGIC: [u8; 8] = *b"FERROVOL";
+/// Format version written by this build; pools of any other version are refused.
+pub const FORMAT_VERSION: u32 = 1;
+/// Size of the I/O block, in bytes: the granularity of the written-block bitmap, of
+/// O_DIRECT I/O and of log and checkpoint writes.
+pub const BLOCK_SIZE: u64 = 4096;
+/// Byte offsets of the two superblock slots; generation `g` is written to slot `g % 2`.
+pub const SUPERBLOCK_OFFSETS: [u64; 2] = [0, 4096];
+/// Byte offset of the log region.
+pub const LOG_OFFSET: u64 = 1 << 20;
+/// Magic of a log batch header ("FVLG").
+pub const LOG_MAGIC: u32 = u32::from_le_bytes(*b"FVLG");
+/// Magic of a checkpoint chunk header ("FVCP").
+pub const CHECKPOINT_MAGIC: u32 = u32::from_le_bytes(*b"FVCP");
+/// "No unit" in on-disk unit fields.
+pub const NO_UNIT: u64 = u64::MAX;
+/// Smallest and largest allowed data-unit sizes, in bytes. The written-block bitmap of
+/// a unit is kept in 32 bits in memory, so a unit holds at most 32 blocks.
+pub const MIN_UNIT_SIZE: u32 = 16 * 1024;
+/// See [`MIN_UNIT_SIZE`].
+pub const MAX_UNIT_SIZE: u32 = 128 * 1024;
+/// Largest log batch, in bytes including its header.
+pub const MAX_BATCH_BYTES: usize = 1 << 20;
+
+/// CRC-32C (Castagnoli) of `bytes`.
+pub fn crc(bytes: &[u8]) -> u32 {
+    crc32c::crc32c(bytes)
+}
+
+/// The pool header, 256 bytes, stored twice (slots at byte 0 and 4096). The slot with
+/// a valid checksum and the highest `generation` is current.
+#[derive(Debug, Clone, FromBytes, IntoBytes, KnownLayout, Immutable)]
+#[repr(C)]
+pub struct Superblock {
+    /// [`SUPERBLOCK_MAGIC`].
+    pub magic: [u8; 8],
+    /// [`FORMAT_VERSION`].
+    pub version: U32,
+    /// `size_of::<Superblock>()`, 256.
+    pub header_size: U32,
+    /// Random UUID chosen at pool creation; log batches and checkpoint chunks carry it.
+    pub pool_uuid: [u8; 16],
+    /// Bytes of the file or device the pool was created on.
+    pub pool_size: U64,
+    /// Data-unit (allocation-unit) size in bytes, a power of two in 16..=128 KiB.
+    pub unit_size: U32,
+    /// [`BLOCK_SIZE`].
+    pub block_size: U32,
+    /// Byte offset of the log region ([`LOG_OFFSET`]).
+    pub log_offset: U64,
+    /// Bytes in the log region, a multiple of [`BLOCK_SIZE`].
+    pub log_size: U64,
+    /// Byte offset of data unit 0, a multiple of `unit_size`.
+    pub data_offset: U64,
+    /// Number of data units.
+    pub unit_count: U64,
+    /// Incremented on every superblock write.
+    pub generation: U64,
+    /// First unit of the current checkpoint, or [`NO_UNIT`] for an empty pool.
+    pub checkpoint_unit: U64,
+    /// Number of chunks (units) in the current checkpoint.
+    pub checkpoint_chunks: U64,
+    /// Sequence number of the last log batch the checkpoint includes; replay starts
+    /// with `checkpoint_seq + 1`.
+    pub checkpoint_seq: U64,
+    /// Absolute log position (bytes, not yet reduced modulo `log_size`) where replay starts.
+    pub log_head: U64,
+    /// Feature bits; none are defined and a non-zero value is refused.
+    pub features: U64,
+    /// Zero.
+    pub reserved: [u8; 120],
+    /// CRC-32C of bytes 0..248.
+    pub crc: U32,
+    /// Zero.
+    pub pad: U32,
+}
+const _: () = assert!(size_of::<Superblock>() == 256);
+
+impl Superblock {
+    /// The checksum this superblock should carry.
+    pub fn compute_crc(&self) -> u32 {
+        crc(&self.as_bytes()[..248])
+    }
+}
+
+/// Header of a log batch: one write of whole 4 KiB blocks to the log region holding a
+/// run of records. 32 bytes.
+#[derive(Debug, Clone, FromBytes, IntoBytes, KnownLayout, Immutable)]
+#[repr(C)]
+pub struct BatchHeader {
+    /// [`LOG_MAGIC`].
+    pub magic: U32,
+    /// CRC-32C of the header (with this field zero) followed by the payload.
+    pub crc: U32,
+    /// Sequence number: one more than the previous batch's, never reused.
+    pub seq: U64,
+    /// First 8 bytes of the pool UUID.
+    pub pool_tag: U64,
+    /// Bytes of records after the header.
+    pub payload_len: U32,
+    /// Blocks occupied by the batch, header included.
+    pub blocks: U32,
+}
+const _: () = assert!(size_of::<BatchHeader>() == 32);
+
+/// Header of a checkpoint chunk: one data unit holding a run of records. 64 bytes.
+#[derive(Debug, Clone, FromBytes, IntoBytes, KnownLayout, Immutable)]
+#[repr(C)]
+pub struct ChunkHeader {
+    /// [`CHECKPOINT_MAGIC`].
+    pub magic: U32,
+    /// CRC-32C of the header (with this field zero) followed by the payload.
+    pub crc: U32,
+    /// The checkpoint's `checkpoint_seq` (identifies which checkpoint this chunk is of).
+    pub checkpoint_seq: U64,
+    /// Index of this chunk in the checkpoint, from 0.
+    pub index: U64,
+    /// Unit of the next chunk, or [`NO_UNIT`] for the last.
+    pub next_unit: U64,
+    /// Bytes of records after the header.
+    pub payload_len: U32,
+    /// Zero.
+    pub pad: U32,
+    /// The pool UUID.
+    pub pool_uuid: [u8; 16],
+    /// Zero.
+    pub reserved: U64,
+}
+const _: () = assert!(size_of::<ChunkHeader>() == 64);
+
+/// Framing of one record in a log batch or checkpoint chunk: 4 bytes, then `len` bytes
+/// of body. Records never span batches or chunks.
+#[derive(Debug, Clone, FromBytes, IntoBytes, KnownLayout, Immutable)]
+#[repr(C)]
+pub struct RecordHeader {
+    /// One of the `REC_*` kinds.
+    pub kind: u8,
+    /// Zero.
+    pub pad: u8,
+    /// Body length in bytes.
+    pub len: U16,
+}
+const _: () = assert!(size_of::<RecordHeader>() == 4);
+
+/// Log: map logical unit `lunit` of a volume to data unit `punit` with the given
+/// written-block bitmap (the full new state of the mapping entry).
+pub const REC_MAP: u8 = 1;
+/// Log: remove the mapping of `lunit` (its data unit loses one reference).
+pub const REC_UNMAP: u8 = 2;
+/// Log and checkpoint: a volume exists ([`VolumeRec`] followed by its name).
+pub const REC_VOLUME: u8 = 3;
+/// Log: delete a volume and drop its mappings' references.
+pub const REC_VOLUME_DELETE: u8 = 4;
+/// Log: set a volume's virtual size.
+pub const REC_VOLUME_RESIZE: u8 = 5;
+/// Checkpoint: pool-wide counters ([`PoolRec`]).
+pub const REC_POOL: u8 = 16;
+/// Checkpoint: one mapping page of a volume ([`PageRec`] then [`PageEntry`]s).
+pub const REC_PAGE: u8 = 17;
+/// Checkpoint: a volume's page index refers to a page already written ([`PageRefRec`]).
+pub const REC_PAGE_REF: u8 = 18;
+/// Checkpoint: reference counts of data units ([`RefcountEntry`]s).
+pub const REC_REFCOUNTS: u8 = 19;
+/// Checkpoint: end marker with totals ([`EndRec`]); a checkpoint without it is invalid.
+pub const REC_END: u8 = 20;
+
+/// Body of [`REC_MAP`]. 32 bytes.
+#[derive(Debug, Clone, FromBytes, IntoBytes, KnownLayout, Immutable)]
+#[repr(C)]
+pub struct MapRec {
+    /// Volume id.
+    pub volume: U64,
+    /// Logical unit: byte offset in the volume divided by the unit size.
+    pub lunit: U64,
+    /// Data unit in the pool.
+    pub punit: U64,
+    /// Bit `i` set: block `i` of the unit has been written (else it reads as zeros).
+    pub bitmap: U64,
+}
+const _: () = assert!(size_of::<MapRec>() == 32);
+
+/// Body of [`REC_UNMAP`]. 16 bytes.
+#[derive(Debug, Clone, FromBytes, IntoBytes, KnownLayout, Immutable)]
+#[repr(C)]
+pub struct UnmapRec {
+    /// Volume id.
+    pub volume: U64,
+    /// Logical unit.
+    pub lunit: U64,
+}
+const _: () = assert!(size_of::<UnmapRec>() == 16);
+
+/// Body of [`REC_VOLUME`]: 24 bytes, then `name_len` bytes of UTF-8 name.
+#[derive(Debug, Clone, FromBytes, IntoBytes, KnownLayout, Immutable)]
+#[repr(C)]
+pub struct VolumeRec {
+    /// Volume id, unique in the pool's lifetime.
+    pub volume: U64,
+    /// Virtual size in bytes.
+    pub size: U64,
+    /// Creation time, seconds since the Unix epoch.
+    pub created: U32,
+    /// Name length in bytes (1..=128).
+    pub name_len: U16,
+    /// Zero.
+    pub pad: U16,
+}
+const _: () = assert!(size_of::<VolumeRec>() == 24);
+
+/// Body of [`REC_VOLUME_DELETE`]. 8 bytes.
+#[derive(Debug, Clone, FromBytes, IntoBytes, KnownLayout, Immutable)]
+#[repr(C)]
+pub struct VolumeDeleteRec {
+    /// Volume id.
+    pub volume: U64,
+}
+
+/// Body of [`REC_VOLUME_RESIZE`]. 16 bytes.
+#[derive(Debug, Clone, FromBytes, IntoBytes, KnownLayout, Immutable)]
+#[repr(C)]
+pub struct VolumeResizeRec {
+    /// Volume id.
+    pub volume: U64,
+    /// New virtual size in bytes.
+    pub size: U64,
+}
+
+/// Body of [`REC_POOL`]. 16 bytes.
+#[derive(Debug, Clone, FromBytes, IntoBytes, KnownLayout, Immutable)]
+#[repr(C)]
+pub struct PoolRec {
+    /// The id the next created volume gets.
+    pub next_volume: U64,
+    /// Number of volumes in the checkpoint.
+    pub volumes: U64,
+}
+
+/// Head of a [`REC_PAGE`] body (32 bytes), followed by `entries` [`PageEntry`]s.
+/// A page covers 512 consecutive logical units; only mapped entries are stored.
+#[derive(Debug, Clone, FromBytes, IntoBytes, KnownLayout, Immutable)]
+#[repr(C)]
+pub struct PageRec {
+    /// Volume id.
+    pub volume: U64,
+    /// Page index: first logical unit / 512.
+    pub page_index: U64,
+    /// Id of the page within this checkpoint, so other volumes can share it ([`REC_PAGE_REF`]).
+    pub page_id: U64,
+    /// Number of entries that follow.
+    pub entries: U32,
+    /// Zero.
+    pub pad: U32,
+}
+const _: () = assert!(size_of::<PageRec>() == 32);
+
+/// One mapped entry of a page. 16 bytes.
+#[derive(Debug, Clone, FromBytes, IntoBytes, KnownLayout, Immutable)]
+#[repr(C)]
+pub struct PageEntry {
+    /// Index in the page, 0..512.
+    pub index: U32,
+    /// Written-block bitmap (bit `i` = block `i` of the unit).
+    pub bitmap: U32,
+    /// Data unit.
+    pub punit: U64,
+}
+const _: () = assert!(size_of::<PageEntry>() == 16);
+
+/// Body of [`REC_PAGE_REF`]. 24 bytes.
+#[derive(Debug, Clone, FromBytes, IntoBytes, KnownLayout, Immutable)]
+#[repr(C)]
+pub struct PageRefRec {
+    /// Volume id.
+    pub volume: U64,
+    /// Page index in that volume.
+    pub page_index: U64,
+    /// A `page_id` of an earlier [`REC_PAGE`] in the same checkpoint.
+    pub page_id: U64,
+}
+
+/// One entry of a [`REC_REFCOUNTS`] body. 16 bytes. Units not listed have refcount 0.
+#[derive(Debug, Clone, FromBytes, IntoBytes, KnownLayout, Immutable)]
+#[repr(C)]
+pub struct RefcountEntry {
+    /// Data unit.
+    pub unit: U64,
+    /// Number of mapping-page entries that reference it.
+    pub refcount: U32,
+    /// Zero.
+    pub pad: U32,
+}
+
+/// Body of [`REC_END`]. 32 bytes.
+#[derive(Debug, Clone, FromBytes, IntoBytes, KnownLayout, Immutable)]
+#[repr(C)]
+pub struct EndRec {
+    /// Volumes written.
+    pub volumes: U64,
+    /// Pages written ([`REC_PAGE`] count).
+    pub pages: U64,
+    /// Refcount entries written.
+    pub refcounts: U64,
+    /// Number of chunks in the checkpoint.
+    pub chunks: U64,
+}
+
+/// Mapping entries per page (in memory and in checkpoints).
+pub const PAGE_ENTRIES: usize = 512;

@@ -1,0 +1,691 @@
+//! Metadata records, the redo log, and checkpoints: encoding, decoding and replay.
+//!
+//! Lives here: [`Record`] (one metadata change), its encoding into log batches and
+//! checkpoint chunks, [`State`] (the whole metadata of a pool as a plain value) with
+//! [`State::apply`] (replay of one record), checkpoint serialisation, and
+//! [`load`] (superblock + checkpoint + log replay, used by open and by `check`).
+//! Not here: when to commit (the pool's committer), the data path.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use zerocopy::{FromBytes, IntoBytes};
+
+use crate::error::{Error, Result};
+use crate::format::*;
+use crate::meta::{Allocator, Entry, MapPage, MapTable, META};
+
+/// One metadata change, as logged.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Record {
+    Map { volume: u64, lunit: u64, punit: u32, bitmap: u32 },
+    Unmap { volume: u64, lunit: u64 },
+    Volume { volume: u64, size: u64, created: u32, name: String },
+    VolumeDelete { volume: u64 },
+    VolumeResize { volume: u64, size: u64 },
+}
+
+fn push_record(out: &mut Vec<u8>, kind: u8, parts: &[&[u8]]) {
+    let len: usize = parts.iter().map(|p| p.len()).sum();
+    let h = RecordHeader { kind, pad: 0, len: (len as u16).into() };
+    out.extend_from_slice(h.as_bytes());
+    for p in parts {
+        out.extend_from_slice(p);
+    }
+}
+
+impl Record {
+    /// Appends the framed record to `out`.
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        match self {
+            Record::Map { volume, lunit, punit, bitmap } => {
+                let r = MapRec {
+                    volume: (*volume).into(),
+                    lunit: (*lunit).into(),
+                    punit: u64::from(*punit).into(),
+                    bitmap: u64::from(*bitmap).into(),
+                };
+                push_record(out, REC_MAP, &[r.as_bytes()]);
+            }
+            Record::Unmap { volume, lunit } => {
+                let r = UnmapRec { volume: (*volume).into(), lunit: (*lunit).into() };
+                push_record(out, REC_UNMAP, &[r.as_bytes()]);
+            }
+            Record::Volume { volume, size, created, name } => {
+                let r = VolumeRec {
+                    volume: (*volume).into(),
+                    size: (*size).into(),
+                    created: (*created).into(),
+                    name_len: (name.len() as u16).into(),
+                    pad: 0.into(),
+                };
+                push_record(out, REC_VOLUME, &[r.as_bytes(), name.as_bytes()]);
+            }
+            Record::VolumeDelete { volume } => {
+                push_record(out, REC_VOLUME_DELETE, &[VolumeDeleteRec { volume: (*volume).into() }.as_bytes()]);
+            }
+            Record::VolumeResize { volume, size } => {
+                let r = VolumeResizeRec { volume: (*volume).into(), size: (*size).into() };
+                push_record(out, REC_VOLUME_RESIZE, &[r.as_bytes()]);
+            }
+        }
+    }
+
+    /// Decodes a log record body of `kind`.
+    pub fn decode(kind: u8, body: &[u8]) -> Result<Record> {
+        let bad = || Error::corrupt(format!("malformed log record of kind {kind} ({} bytes)", body.len()));
+        Ok(match kind {
+            REC_MAP => {
+                let r = MapRec::read_from_bytes(body).map_err(|_| bad())?;
+                let punit = u32::try_from(r.punit.get()).map_err(|_| bad())?;
+                let bitmap = u32::try_from(r.bitmap.get()).map_err(|_| bad())?;
+                Record::Map { volume: r.volume.get(), lunit: r.lunit.get(), punit, bitmap }
+            }
+            REC_UNMAP => {
+                let r = UnmapRec::read_from_bytes(body).map_err(|_| bad())?;
+                Record::Unmap { volume: r.volume.get(), lunit: r.lunit.get() }
+            }
+            REC_VOLUME => {
+                let (r, name) = VolumeRec::read_from_prefix(body).map_err(|_| bad())?;
+                if name.len() != r.name_len.get() as usize {
+                    return Err(bad());
+                }
+                let name = String::from_utf8(name.to_vec()).map_err(|_| bad())?;
+                Record::Volume { volume: r.volume.get(), size: r.size.get(), created: r.created.get(), name }
+            }
+            REC_VOLUME_DELETE => {
+                Record::VolumeDelete { volume: VolumeDeleteRec::read_from_bytes(body).map_err(|_| bad())?.volume.get() }
+            }
+            REC_VOLUME_RESIZE => {
+                let r = VolumeResizeRec::read_from_bytes(body).map_err(|_| bad())?;
+                Record::VolumeResize { volume: r.volume.get(), size: r.size.get() }
+            }
+            _ => return Err(Error::corrupt(format!("unknown log record kind {kind}"))),
+        })
+    }
+}
+
+/// Splits a run of framed records into (kind, body) pairs.
+pub(crate) fn split_records(mut payload: &[u8]) -> Result<Vec<(u8, &[u8])>> {
+    let mut out = Vec::new();
+    while !payload.is_empty() {
+        let (h, rest) = RecordHeader::read_from_prefix(payload)
+            .map_err(|_| Error::corrupt("truncated record header"))?;
+        let len = h.len.get() as usize;
+        if rest.len() < len {
+            return Err(Error::corrupt("record runs past its batch or chunk"));
+        }
+        out.push((h.kind, &rest[..len]));
+        payload = &rest[len..];
+    }
+    Ok(out)
+}
+
+/// Metadata of one volume as a plain value.
+#[derive(Clone)]
+pub(crate) struct VolumeMeta {
+    pub name: String,
+    pub size: u64,
+    pub created: u32,
+    pub map: MapTable,
+}
+
+/// The whole metadata of a pool: what a checkpoint holds and the log updates.
+pub(crate) struct State {
+    pub volumes: BTreeMap<u64, VolumeMeta>,
+    pub next_volume: u64,
+    pub alloc: Allocator,
+    pub unit_size: u64,
+}
+
+impl State {
+    pub fn units_of(&self, size: u64) -> u64 {
+        size.div_ceil(self.unit_size)
+    }
+
+    fn check_unit(&self, punit: u32) -> Result<()> {
+        if u64::from(punit) >= self.alloc.unit_count() {
+            return Err(Error::corrupt(format!("mapping names data unit {punit} past the pool's {} units", self.alloc.unit_count())));
+        }
+        if self.alloc.refcount(punit) == META {
+            return Err(Error::corrupt(format!("mapping names data unit {punit}, which holds checkpoint metadata")));
+        }
+        Ok(())
+    }
+
+    /// Applies one replayed log record, keeping refcounts in step with mappings.
+    pub fn apply(&mut self, rec: Record) -> Result<()> {
+        match rec {
+            Record::Map { volume, lunit, punit, bitmap } => {
+                self.check_unit(punit)?;
+                let vol = self.volumes.get_mut(&volume).ok_or_else(|| Error::corrupt(format!("log maps unit of unknown volume {volume}")))?;
+                if lunit >= vol.size.div_ceil(self.unit_size) {
+                    return Err(Error::corrupt(format!("log maps logical unit {lunit} past the end of volume {volume}")));
+                }
+                let old = vol.map.set(lunit, Entry { punit, bitmap });
+                if old.punit != punit {
+                    self.alloc.incref(punit);
+                    if old.is_mapped() {
+                        self.alloc.decref(old.punit);
+                    }
+                }
+            }
+            Record::Unmap { volume, lunit } => {
+                let vol = self.volumes.get_mut(&volume).ok_or_else(|| Error::corrupt(format!("log unmaps unit of unknown volume {volume}")))?;
+                if lunit < vol.size.div_ceil(self.unit_size) {
+                    let old = vol.map.set(lunit, Entry::EMPTY);
+                    if old.is_mapped() {
+                        self.alloc.decref(old.punit);
+                    }
+                }
+            }
+            Record::Volume { volume, size, created, name } => {
+                if self.volumes.contains_key(&volume) {
+                    return Err(Error::corrupt(format!("volume id {volume} created twice")));
+                }
+                let map = MapTable::with_units(size.div_ceil(self.unit_size));
+                self.volumes.insert(volume, VolumeMeta { name, size, created, map });
+                self.next_volume = self.next_volume.max(volume + 1);
+            }
+            Record::VolumeDelete { volume } => {
+                let mut vol = self.volumes.remove(&volume).ok_or_else(|| Error::corrupt(format!("log deletes unknown volume {volume}")))?;
+                for (_, e) in vol.map.take_all() {
+                    self.alloc.decref(e.punit);
+                }
+            }
+            Record::VolumeResize { volume, size } => {
+                let vol = self.volumes.get_mut(&volume).ok_or_else(|| Error::corrupt(format!("log resizes unknown volume {volume}")))?;
+                if size < vol.size {
+                    return Err(Error::corrupt(format!("log shrinks volume {volume}")));
+                }
+                vol.size = size;
+                vol.map.grow(size.div_ceil(self.unit_size));
+            }
+        }
+        Ok(())
+    }
+
+    /// Serialises the state into checkpoint chunk payloads, each at most `chunk_payload`
+    /// bytes. The caller adds chunk headers.
+    pub fn encode_checkpoint(&self, chunk_payload: usize) -> Vec<Vec<u8>> {
+        let mut w = ChunkWriter { chunks: vec![Vec::new()], limit: chunk_payload };
+        let rec = PoolRec { next_volume: self.next_volume.into(), volumes: (self.volumes.len() as u64).into() };
+        w.push(REC_POOL, &[rec.as_bytes()]);
+        let mut page_ids: std::collections::HashMap<*const MapPage, u64> = Default::default();
+        let mut pages = 0u64;
+        for (&id, v) in &self.volumes {
+            let r = VolumeRec {
+                volume: id.into(),
+                size: v.size.into(),
+                created: v.created.into(),
+                name_len: (v.name.len() as u16).into(),
+                pad: 0.into(),
+            };
+            w.push(REC_VOLUME, &[r.as_bytes(), v.name.as_bytes()]);
+            for (index, page) in v.map.pages().iter().enumerate() {
+                let Some(page) = page else { continue };
+                let key = Arc::as_ptr(page);
+                if let Some(&pid) = page_ids.get(&key) {
+                    let r = PageRefRec { volume: id.into(), page_index: (index as u64).into(), page_id: pid.into() };
+                    w.push(REC_PAGE_REF, &[r.as_bytes()]);
+                    continue;
+                }
+                let pid = pages;
+                pages += 1;
+                page_ids.insert(key, pid);
+                let mut body = Vec::with_capacity(page.mapped as usize * 16);
+                for (i, e) in page.entries.iter().enumerate() {
+                    if e.is_mapped() {
+                        let pe = PageEntry { index: (i as u32).into(), bitmap: e.bitmap.into(), punit: u64::from(e.punit).into() };
+                        body.extend_from_slice(pe.as_bytes());
+                    }
+                }
+                let head = PageRec {
+                    volume: id.into(),
+                    page_index: (index as u64).into(),
+                    page_id: pid.into(),
+                    entries: page.mapped.into(),
+                    pad: 0.into(),
+                };
+                w.push(REC_PAGE, &[head.as_bytes(), &body]);
+            }
+        }
+        let mut refcounts = 0u64;
+        let mut body = Vec::new();
+        for (u, &r) in self.alloc.refcounts().iter().enumerate() {
+            if r != 0 && r != META {
+                body.extend_from_slice(RefcountEntry { unit: (u as u64).into(), refcount: r.into(), pad: 0.into() }.as_bytes());
+                refcounts += 1;
+                if body.len() >= 4000 * 16 {
+                    w.push(REC_REFCOUNTS, &[&body]);
+                    body.clear();
+                }
+            }
+        }
+        if !body.is_empty() {
+            w.push(REC_REFCOUNTS, &[&body]);
+        }
+        // The END record must know the chunk count, so reserve its room first.
+        let end_len = size_of::<RecordHeader>() + size_of::<EndRec>();
+        if w.chunks.last().expect("one chunk").len() + end_len > w.limit {
+            w.chunks.push(Vec::new());
+        }
+        let end = EndRec {
+            volumes: (self.volumes.len() as u64).into(),
+            pages: pages.into(),
+            refcounts: refcounts.into(),
+            chunks: (w.chunks.len() as u64).into(),
+        };
+        w.push(REC_END, &[end.as_bytes()]);
+        w.chunks
+    }
+}
+
+struct ChunkWriter {
+    chunks: Vec<Vec<u8>>,
+    limit: usize,
+}
+
+impl ChunkWriter {
+    fn push(&mut self, kind: u8, parts: &[&[u8]]) {
+        let len: usize = size_of::<RecordHeader>() + parts.iter().map(|p| p.len()).sum::<usize>();
+        debug_assert!(len <= self.limit);
+        if self.chunks.last().expect("one chunk").len() + len > self.limit {
+            self.chunks.push(Vec::new());
+        }
+        push_record(self.chunks.last_mut().expect("one chunk"), kind, parts);
+    }
+}
+
+/// Reads `len` bytes at byte `offset` of the pool.
+pub(crate) type ReadAt<'a> = dyn FnMut(u64, usize) -> std::io::Result<Vec<u8>> + 'a;
+
+/// Pool geometry from a validated superblock.
+#[derive(Debug, Clone)]
+pub(crate) struct Geometry {
+    pub uuid: [u8; 16],
+    pub pool_size: u64,
+    pub unit_size: u64,
+    pub log_offset: u64,
+    pub log_size: u64,
+    pub data_offset: u64,
+    pub unit_count: u64,
+}
+
+impl Geometry {
+    pub fn pool_tag(&self) -> u64 {
+        u64::from_le_bytes(self.uuid[..8].try_into().expect("8 bytes"))
+    }
+    pub fn unit_offset(&self, unit: u64) -> u64 {
+        self.data_offset + unit * self.unit_size
+    }
+    pub fn blocks_per_unit(&self) -> u64 {
+        self.unit_size / BLOCK_SIZE
+    }
+}
+
+/// Validates a superblock's fields. `size` is the device size in bytes.
+pub(crate) fn validate_superblock(sb: &Superblock, size: u64) -> Result<Geometry> {
+    if sb.magic != SUPERBLOCK_MAGIC {
+        return Err(Error::corrupt("not a ferrovol pool: superblock magic is missing"));
+    }
+    if sb.compute_crc() != sb.crc.get() {
+        return Err(Error::corrupt("superblock checksum mismatch"));
+    }
+    if sb.version.get() != FORMAT_VERSION {
+        return Err(Error::corrupt(format!(
+            "pool format version {} is not supported by this build (it reads version {FORMAT_VERSION})",
+            sb.version.get()
+        )));
+    }
+    if sb.features.get() != 0 {
+        return Err(Error::corrupt(format!("pool uses unknown feature bits {:#x}", sb.features.get())));
+    }
+    let unit_size = sb.unit_size.get();
+    let g = Geometry {
+        uuid: sb.pool_uuid,
+        pool_size: sb.pool_size.get(),
+        unit_size: u64::from(unit_size),
+        log_offset: sb.log_offset.get(),
+        log_size: sb.log_size.get(),
+        data_offset: sb.data_offset.get(),
+        unit_count: sb.unit_count.get(),
+    };
+    let sane = sb.header_size.get() as usize == size_of::<Superblock>()
+        && sb.block_size.get() as u64 == BLOCK_SIZE
+        && unit_size.is_power_of_two()
+        && (MIN_UNIT_SIZE..=MAX_UNIT_SIZE).contains(&unit_size)
+        && g.log_offset == LOG_OFFSET
+        && g.log_size >= 4 * MAX_BATCH_BYTES as u64
+        && g.log_size % BLOCK_SIZE == 0
+        && g.data_offset >= g.log_offset + g.log_size
+        && g.data_offset % g.unit_size == 0
+        && g.unit_count > 0
+        && g.unit_count < u64::from(u32::MAX)
+        && g.unit_count.checked_mul(g.unit_size).and_then(|b| b.checked_add(g.data_offset)).is_some_and(|end| end <= g.pool_size);
+    if !sane {
+        return Err(Error::corrupt("superblock geometry is inconsistent"));
+    }
+    if g.pool_size > size {
+        return Err(Error::corrupt(format!("pool was created with {} bytes but the file or device has only {size}", g.pool_size)));
+    }
+    Ok(g)
+}
+
+/// Picks the current superblock from the two slots. Errors name what is wrong.
+pub(crate) fn read_superblock(read: &mut ReadAt<'_>, size: u64) -> Result<(Superblock, Geometry)> {
+    if size < 2 * BLOCK_SIZE {
+        return Err(Error::corrupt(format!("file is {size} bytes: too small to be a pool")));
+    }
+    let mut best: Option<(Superblock, Geometry)> = None;
+    let mut errors = Vec::new();
+    for (slot, &off) in SUPERBLOCK_OFFSETS.iter().enumerate() {
+        let bytes = read(off, size_of::<Superblock>()).map_err(|e| Error::io("read superblock", e))?;
+        let sb = Superblock::read_from_bytes(&bytes).expect("256 bytes");
+        match validate_superblock(&sb, size) {
+            Ok(g) => {
+                if best.as_ref().is_none_or(|(b, _)| sb.generation.get() > b.generation.get()) {
+                    best = Some((sb, g));
+                }
+            }
+            Err(e) => errors.push(format!("slot {slot}: {}", e.message())),
+        }
+    }
+    best.ok_or_else(|| Error::corrupt(errors.join("; ")))
+}
+
+/// The log's position after loading: where the next batch goes.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LogCursor {
+    /// Absolute position (bytes) where replay started and the log is kept from.
+    pub head: u64,
+    /// Absolute position of the next batch.
+    pub pos: u64,
+    /// Sequence number of the last valid batch.
+    pub seq: u64,
+}
+
+/// Everything [`load`] found.
+pub(crate) struct Loaded {
+    pub sb: Superblock,
+    pub geo: Geometry,
+    pub state: State,
+    pub log: LogCursor,
+    /// Units of the current checkpoint.
+    pub checkpoint_units: Vec<u32>,
+    /// Checkpoint refcounts differing from those its mappings imply: (unit, stored, derived).
+    pub refcount_mismatches: Vec<(u64, u32, u32)>,
+    /// Log batches replayed.
+    pub batches: u64,
+}
+
+/// Reads the superblock, the checkpoint and replays the log. Never writes.
+pub(crate) fn load(read: &mut ReadAt<'_>, size: u64) -> Result<Loaded> {
+    let (sb, geo) = read_superblock(read, size)?;
+    let mut refcount = vec![0u32; geo.unit_count as usize];
+    let mut volumes = BTreeMap::new();
+    let mut next_volume = 1;
+    let mut checkpoint_units = Vec::new();
+    let mut stored_refcounts: Vec<(u64, u32)> = Vec::new();
+    let mut unit = sb.checkpoint_unit.get();
+    if unit != NO_UNIT {
+        let mut pages: Vec<Arc<MapPage>> = Vec::new();
+        let mut index = 0u64;
+        let mut ended = None;
+        let mut expected_chunks = sb.checkpoint_chunks.get();
+        while unit != NO_UNIT {
+            if unit >= geo.unit_count || index >= expected_chunks {
+                return Err(Error::corrupt(format!("checkpoint chunk {index} points at unit {unit}, outside the checkpoint")));
+            }
+            if refcount[unit as usize] == META {
+                return Err(Error::corrupt(format!("checkpoint chunk list loops at unit {unit}")));
+            }
+            refcount[unit as usize] = META;
+            checkpoint_units.push(unit as u32);
+            let bytes = read(geo.unit_offset(unit), geo.unit_size as usize).map_err(|e| Error::io("read checkpoint", e))?;
+            let (h, rest) = ChunkHeader::read_from_prefix(&bytes).expect("unit holds a header");
+            let plen = h.payload_len.get() as usize;
+            let mut hz = h.clone();
+            hz.crc = 0.into();
+            let ok = h.magic.get() == CHECKPOINT_MAGIC
+                && plen <= rest.len()
+                && h.pool_uuid == geo.uuid
+                && h.checkpoint_seq.get() == sb.checkpoint_seq.get()
+                && h.index.get() == index
+                && crc32c::crc32c_append(crc(hz.as_bytes()), &rest[..plen]) == h.crc.get();
+            if !ok {
+                return Err(Error::corrupt(format!(
+                    "checkpoint chunk {index} at data unit {unit} (byte offset {}) fails its header or checksum",
+                    geo.unit_offset(unit)
+                )));
+            }
+            for (kind, body) in split_records(&rest[..plen])? {
+                let bad = |what: &str| Error::corrupt(format!("checkpoint chunk {index}: malformed {what} record"));
+                match kind {
+                    REC_POOL => next_volume = PoolRec::read_from_bytes(body).map_err(|_| bad("pool"))?.next_volume.get(),
+                    REC_VOLUME => {
+                        let Record::Volume { volume, size, created, name } = Record::decode(kind, body)? else { unreachable!() };
+                        let map = MapTable::with_units(size.div_ceil(geo.unit_size));
+                        volumes.insert(volume, VolumeMeta { name, size, created, map });
+                    }
+                    REC_PAGE => {
+                        let (h, entries) = PageRec::read_from_prefix(body).map_err(|_| bad("page"))?;
+                        let n = h.entries.get() as usize;
+                        let entries = <[PageEntry]>::ref_from_bytes(entries).map_err(|_| bad("page"))?;
+                        if entries.len() != n || h.page_id.get() != pages.len() as u64 {
+                            return Err(bad("page"));
+                        }
+                        let mut page = MapPage { entries: [Entry::EMPTY; PAGE_ENTRIES], mapped: n as u32 };
+                        for e in entries {
+                            let i = e.index.get() as usize;
+                            let punit = u32::try_from(e.punit.get()).map_err(|_| bad("page"))?;
+                            if i >= PAGE_ENTRIES || page.entries[i].is_mapped() || u64::from(punit) >= geo.unit_count {
+                                return Err(bad("page entry"));
+                            }
+                            page.entries[i] = Entry { punit, bitmap: e.bitmap.get() };
+                        }
+                        let page = Arc::new(page);
+                        pages.push(page.clone());
+                        let vol = volumes.get_mut(&h.volume.get()).ok_or_else(|| bad("page (unknown volume)"))?;
+                        put_page(vol, h.page_index.get(), page, geo.unit_size).map_err(|_| bad("page (index)"))?;
+                    }
+                    REC_PAGE_REF => {
+                        let r = PageRefRec::read_from_bytes(body).map_err(|_| bad("page ref"))?;
+                        let page = pages.get(r.page_id.get() as usize).cloned().ok_or_else(|| bad("page ref"))?;
+                        let vol = volumes.get_mut(&r.volume.get()).ok_or_else(|| bad("page ref (unknown volume)"))?;
+                        put_page(vol, r.page_index.get(), page, geo.unit_size).map_err(|_| bad("page ref (index)"))?;
+                    }
+                    REC_REFCOUNTS => {
+                        for e in <[RefcountEntry]>::ref_from_bytes(body).map_err(|_| bad("refcounts"))? {
+                            stored_refcounts.push((e.unit.get(), e.refcount.get()));
+                        }
+                    }
+                    REC_END => {
+                        let e = EndRec::read_from_bytes(body).map_err(|_| bad("end"))?;
+                        ended = Some(e.clone());
+                        expected_chunks = e.chunks.get();
+                    }
+                    k => return Err(Error::corrupt(format!("checkpoint chunk {index}: unknown record kind {k}"))),
+                }
+            }
+            unit = h.next_unit.get();
+            index += 1;
+        }
+        let Some(end) = ended else {
+            return Err(Error::corrupt("checkpoint has no end record (incomplete)"));
+        };
+        if end.chunks.get() != index || end.volumes.get() != volumes.len() as u64 || end.pages.get() != pages.len() as u64 || end.refcounts.get() != stored_refcounts.len() as u64 {
+            return Err(Error::corrupt("checkpoint totals do not match its contents"));
+        }
+    }
+    // Refcounts implied by the checkpoint's mappings (a shared page counts once per page).
+    let mut derived = vec![0u32; geo.unit_count as usize];
+    {
+        let mut seen: std::collections::HashSet<*const MapPage> = Default::default();
+        for v in volumes.values() {
+            for p in v.map.pages().iter().flatten() {
+                if seen.insert(Arc::as_ptr(p)) {
+                    for e in p.entries.iter().filter(|e| e.is_mapped()) {
+                        derived[e.punit as usize] += 1;
+                    }
+                }
+            }
+        }
+    }
+    let mut refcount_mismatches = Vec::new();
+    let mut stored = vec![0u32; geo.unit_count as usize];
+    for &(u, r) in &stored_refcounts {
+        if u >= geo.unit_count || stored[u as usize] != 0 {
+            return Err(Error::corrupt(format!("checkpoint refcount entry for unit {u} is out of range or repeated")));
+        }
+        stored[u as usize] = r;
+    }
+    for u in 0..geo.unit_count as usize {
+        if stored[u] != derived[u] {
+            refcount_mismatches.push((u as u64, stored[u], derived[u]));
+        }
+        if derived[u] > 0 && refcount[u] == META {
+            return Err(Error::corrupt(format!("data unit {u} is both mapped and part of the checkpoint")));
+        }
+        if refcount[u] != META {
+            refcount[u] = stored[u];
+        }
+    }
+    drop(stored);
+    drop(derived);
+    let mut state = State { volumes, next_volume, alloc: Allocator::from_refcounts(refcount), unit_size: geo.unit_size };
+    // Replay the log.
+    let mut log = LogCursor { head: sb.log_head.get(), pos: sb.log_head.get(), seq: sb.checkpoint_seq.get() };
+    let mut batches = 0;
+    loop {
+        let found = read_batch(read, &geo, log.pos, log.seq + 1)?.map(|b| (log.pos, b));
+        let found = match found {
+            Some(f) => Some(f),
+            None if log.pos % geo.log_size != 0 => {
+                let next_lap = log.pos + (geo.log_size - log.pos % geo.log_size);
+                read_batch(read, &geo, next_lap, log.seq + 1)?.map(|b| (next_lap, b))
+            }
+            None => None,
+        };
+        let Some((at, (blocks, payload))) = found else { break };
+        if at + blocks * BLOCK_SIZE - log.head > geo.log_size {
+            break; // would overlap the start of the live log: not a batch of this lap
+        }
+        for (kind, body) in split_records(&payload)? {
+            state.apply(Record::decode(kind, body)?)?;
+        }
+        batches += 1;
+        log.seq += 1;
+        log.pos = at + blocks * BLOCK_SIZE;
+    }
+    state.alloc.release_all();
+    Ok(Loaded { sb, geo, state, log, checkpoint_units, refcount_mismatches, batches })
+}
+
+fn put_page(vol: &mut VolumeMeta, index: u64, page: Arc<MapPage>, unit_size: u64) -> std::result::Result<(), ()> {
+    let pages = vol.size.div_ceil(unit_size).div_ceil(PAGE_ENTRIES as u64);
+    if index >= pages || vol.map.pages().get(index as usize).is_some_and(|p| p.is_some()) {
+        return Err(());
+    }
+    vol.map.put_page(index as usize, page);
+    Ok(())
+}
+
+/// Reads the batch at absolute log position `pos` if it is valid and has sequence
+/// number `seq`: returns its size in blocks and its payload.
+fn read_batch(read: &mut ReadAt<'_>, geo: &Geometry, pos: u64, seq: u64) -> Result<Option<(u64, Vec<u8>)>> {
+    let rel = pos % geo.log_size;
+    let first = read(geo.log_offset + rel, BLOCK_SIZE as usize).map_err(|e| Error::io("read log", e))?;
+    let (h, _) = BatchHeader::read_from_prefix(&first).expect("block holds a header");
+    let blocks = u64::from(h.blocks.get());
+    let plen = h.payload_len.get() as usize;
+    if h.magic.get() != LOG_MAGIC
+        || h.seq.get() != seq
+        || h.pool_tag.get() != geo.pool_tag()
+        || blocks == 0
+        || blocks * BLOCK_SIZE > MAX_BATCH_BYTES as u64
+        || rel + blocks * BLOCK_SIZE > geo.log_size
+        || size_of::<BatchHeader>() + plen > (blocks * BLOCK_SIZE) as usize
+    {
+        return Ok(None);
+    }
+    let all = if blocks == 1 { first } else { read(geo.log_offset + rel, (blocks * BLOCK_SIZE) as usize).map_err(|e| Error::io("read log", e))? };
+    let payload = &all[size_of::<BatchHeader>()..size_of::<BatchHeader>() + plen];
+    let mut hz = h.clone();
+    hz.crc = 0.into();
+    if crc32c::crc32c_append(crc(hz.as_bytes()), payload) != h.crc.get() {
+        return Ok(None); // torn or never completed: the end of the log
+    }
+    Ok(Some((blocks, payload.to_vec())))
+}
+
+/// Encodes records into log batches (header + payload padded to whole blocks), with
+/// sequence numbers from `first_seq`. Each batch is at most [`MAX_BATCH_BYTES`].
+pub(crate) fn encode_batches(records: &[u8], first_seq: u64, pool_tag: u64) -> Result<Vec<Vec<u8>>> {
+    let max_payload = MAX_BATCH_BYTES - size_of::<BatchHeader>();
+    let mut out = Vec::new();
+    let mut rest = records;
+    let mut seq = first_seq;
+    while !rest.is_empty() {
+        // Cut at a record boundary.
+        let mut cut = 0;
+        while cut < rest.len() {
+            let (h, _) = RecordHeader::read_from_prefix(&rest[cut..]).map_err(|_| Error::corrupt("bad pending record"))?;
+            let next = cut + size_of::<RecordHeader>() + h.len.get() as usize;
+            if next > max_payload {
+                break;
+            }
+            cut = next;
+        }
+        let payload = &rest[..cut];
+        let total = size_of::<BatchHeader>() + payload.len();
+        let blocks = total.div_ceil(BLOCK_SIZE as usize);
+        let mut h = BatchHeader {
+            magic: LOG_MAGIC.into(),
+            crc: 0.into(),
+            seq: seq.into(),
+            pool_tag: pool_tag.into(),
+            payload_len: (payload.len() as u32).into(),
+            blocks: (blocks as u32).into(),
+        };
+        h.crc = crc32c::crc32c_append(crc(h.as_bytes()), payload).into();
+        let mut b = Vec::with_capacity(blocks * BLOCK_SIZE as usize);
+        b.extend_from_slice(h.as_bytes());
+        b.extend_from_slice(payload);
+        b.resize(blocks * BLOCK_SIZE as usize, 0);
+        out.push(b);
+        rest = &rest[cut..];
+        seq += 1;
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_round_trip() {
+        let recs = vec![
+            Record::Volume { volume: 3, size: 1 << 30, created: 5, name: "vol-a".into() },
+            Record::Map { volume: 3, lunit: 9, punit: 77, bitmap: 0b1011 },
+            Record::Unmap { volume: 3, lunit: 9 },
+            Record::VolumeResize { volume: 3, size: 2 << 30 },
+            Record::VolumeDelete { volume: 3 },
+        ];
+        let mut buf = Vec::new();
+        for r in &recs {
+            r.encode(&mut buf);
+        }
+        let back: Vec<Record> = split_records(&buf).unwrap().into_iter().map(|(k, b)| Record::decode(k, b).unwrap()).collect();
+        assert_eq!(back, recs);
+    }
+
+    #[test]
+    fn truncated_records_are_corrupt() {
+        let mut buf = Vec::new();
+        Record::Unmap { volume: 1, lunit: 2 }.encode(&mut buf);
+        buf.pop();
+        assert!(split_records(&buf).is_err());
+    }
+}

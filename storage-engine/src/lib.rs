@@ -1,0 +1,30 @@
+//! ferrovol's storage engine: a *pool* (one file or block device) carved into
+//! thin-provisioned *volumes*.
+//!
+//! Lives here: the on-disk format ([`format`]), the pool with its volumes, allocator,
+//! redo log and checkpoints ([`Pool`]), the per-volume data path ([`Volume`]), the
+//! offline checker ([`check`]) and io_uring I/O ([`io`]).
+//! Not here: any network protocol. The NBD server and the management API live in the
+//! `ferrovol` server crate and call this crate through [`Pool`] and [`Volume`].
+//!
+//! Space is allocated on first write in data units (default 64 KiB); each mapping entry
+//! keeps a bitmap of the unit's written 4 KiB blocks, so never-written blocks read as
+//! zeros without zero-filling. Durability follows a disk with a volatile write cache:
+//! writes are durable after [`Volume::flush`] (or with `fua`), and a crash at any point
+//! leaves consistent metadata. docs/on-disk-format.md describes the format.
+
+pub mod error;
+pub mod format;
+pub mod io;
+mod journal;
+mod meta;
+mod pool;
+mod volume;
+
+pub use error::{Error, ErrorKind, Result};
+pub use io::AlignedBuf;
+pub use pool::{
+    check, validate_name, CheckReport, Pool, PoolOptions, PoolStatus, VolumeInfo, DEFAULT_POOL_SIZE, DEFAULT_UNIT_SIZE,
+    MAX_NAME_LEN, MAX_VOLUME_SIZE,
+};
+pub use volume::{Extent, ReadResult, Volume, MAX_IO_BYTES};

@@ -1,0 +1,340 @@
+//! In-memory metadata: mapping tables of thin volumes, and the data-unit allocator.
+//!
+//! Lives here: [`MapTable`] (logical unit -> data unit + written-block bitmap, in
+//! refcounted 512-entry pages that copy on write, so a snapshot can share them), and
+//! [`Allocator`] (per-unit refcounts, the free set, frees waiting to become durable).
+//! Not here: I/O, logging, locking (the pool wraps these in its locks).
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+
+use crate::format::PAGE_ENTRIES;
+
+/// "Unmapped" in [`Entry::punit`].
+pub(crate) const UNMAPPED: u32 = u32::MAX;
+/// Refcount value marking a unit that holds checkpoint metadata.
+pub(crate) const META: u32 = u32::MAX;
+
+/// One mapping entry: 8 bytes, so a lookup touches a single cache line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Entry {
+    /// Data unit, or [`UNMAPPED`].
+    pub punit: u32,
+    /// Bit `i` set: block `i` of the unit holds written data; clear: reads as zeros.
+    pub bitmap: u32,
+}
+
+impl Entry {
+    pub const EMPTY: Entry = Entry { punit: UNMAPPED, bitmap: 0 };
+    pub fn is_mapped(&self) -> bool {
+        self.punit != UNMAPPED
+    }
+}
+
+/// 512 consecutive mapping entries (4 KiB).
+#[derive(Clone)]
+pub(crate) struct MapPage {
+    pub entries: [Entry; PAGE_ENTRIES],
+    /// Number of mapped entries.
+    pub mapped: u32,
+}
+
+/// A volume's mapping: pages indexed by `lunit / 512`; an absent page is all unmapped.
+#[derive(Clone, Default)]
+pub(crate) struct MapTable {
+    pages: Vec<Option<Arc<MapPage>>>,
+}
+
+impl MapTable {
+    /// A table able to hold `units` logical units.
+    pub fn with_units(units: u64) -> MapTable {
+        let mut t = MapTable::default();
+        t.grow(units);
+        t
+    }
+
+    /// Makes room for `units` logical units.
+    pub fn grow(&mut self, units: u64) {
+        let pages = units.div_ceil(PAGE_ENTRIES as u64) as usize;
+        if pages > self.pages.len() {
+            self.pages.resize(pages, None);
+        }
+    }
+
+    /// Entry of `lunit` (unmapped when out of the table).
+    #[inline]
+    pub fn get(&self, lunit: u64) -> Entry {
+        let (p, i) = split(lunit);
+        match self.pages.get(p) {
+            Some(Some(page)) => page.entries[i],
+            _ => Entry::EMPTY,
+        }
+    }
+
+    /// Sets the entry of `lunit`, copying its page first if a snapshot shares it.
+    /// Returns the previous entry. `lunit` must be inside the table.
+    pub fn set(&mut self, lunit: u64, e: Entry) -> Entry {
+        let (p, i) = split(lunit);
+        let slot = &mut self.pages[p];
+        if slot.is_none() {
+            if !e.is_mapped() {
+                return Entry::EMPTY;
+            }
+            *slot = Some(Arc::new(MapPage { entries: [Entry::EMPTY; PAGE_ENTRIES], mapped: 0 }));
+        }
+        let page = Arc::make_mut(slot.as_mut().expect("page present"));
+        let old = std::mem::replace(&mut page.entries[i], e);
+        match (old.is_mapped(), e.is_mapped()) {
+            (false, true) => page.mapped += 1,
+            (true, false) => page.mapped -= 1,
+            _ => {}
+        }
+        if page.mapped == 0 {
+            *slot = None;
+        }
+        old
+    }
+
+    /// The pages, for checkpoints and walks.
+    pub fn pages(&self) -> &[Option<Arc<MapPage>>] {
+        &self.pages
+    }
+
+    /// Installs a page read from a checkpoint.
+    pub fn put_page(&mut self, index: usize, page: Arc<MapPage>) {
+        if index >= self.pages.len() {
+            self.pages.resize(index + 1, None);
+        }
+        self.pages[index] = Some(page);
+    }
+
+    /// Every mapped entry with its logical unit, in order.
+    pub fn mapped(&self) -> impl Iterator<Item = (u64, Entry)> + '_ {
+        self.pages.iter().enumerate().filter_map(|(p, page)| page.as_ref().map(|pg| (p, pg))).flat_map(|(p, pg)| {
+            pg.entries
+                .iter()
+                .enumerate()
+                .filter(|(_, e)| e.is_mapped())
+                .map(move |(i, e)| ((p * PAGE_ENTRIES + i) as u64, *e))
+        })
+    }
+
+    /// Removes and returns every mapped entry.
+    pub fn take_all(&mut self) -> Vec<(u64, Entry)> {
+        let all = self.mapped().collect();
+        self.pages.clear();
+        all
+    }
+}
+
+#[inline]
+fn split(lunit: u64) -> (usize, usize) {
+    ((lunit / PAGE_ENTRIES as u64) as usize, (lunit % PAGE_ENTRIES as u64) as usize)
+}
+
+/// Refcounts and free space of the data units.
+///
+/// A unit is *free* (allocatable) only when its refcount is 0, it holds no checkpoint
+/// metadata, and the record that dropped its last reference is durable: a freed unit
+/// first waits in `pending_free` until the commit that carries its free completes.
+pub(crate) struct Allocator {
+    refcount: Vec<u32>,
+    free_bits: Vec<u64>,
+    free_count: u64,
+    cursor: usize,
+    /// Units whose refcount fell to 0, in the order their records were logged.
+    pub pending_free: Vec<u32>,
+    /// Units with refcount > 0 (data).
+    pub used: u64,
+    /// Units holding checkpoint metadata.
+    pub meta: u64,
+}
+
+impl Allocator {
+    /// An allocator over `refcount.len()` units with these refcounts (META for
+    /// checkpoint units); everything else is free.
+    pub fn from_refcounts(refcount: Vec<u32>) -> Allocator {
+        let n = refcount.len();
+        let mut a = Allocator {
+            refcount,
+            free_bits: vec![0; n.div_ceil(64)],
+            free_count: 0,
+            cursor: 0,
+            pending_free: Vec::new(),
+            used: 0,
+            meta: 0,
+        };
+        for u in 0..n {
+            match a.refcount[u] {
+                0 => a.set_free(u as u32),
+                META => a.meta += 1,
+                _ => a.used += 1,
+            }
+        }
+        a
+    }
+
+    pub fn unit_count(&self) -> u64 {
+        self.refcount.len() as u64
+    }
+
+    pub fn free_count(&self) -> u64 {
+        self.free_count
+    }
+
+    pub fn refcount(&self, unit: u32) -> u32 {
+        self.refcount[unit as usize]
+    }
+
+    pub fn refcounts(&self) -> &[u32] {
+        &self.refcount
+    }
+
+    fn set_free(&mut self, u: u32) {
+        let (w, b) = (u as usize / 64, u % 64);
+        debug_assert!(self.free_bits[w] & (1 << b) == 0);
+        self.free_bits[w] |= 1 << b;
+        self.free_count += 1;
+    }
+
+    fn take_free(&mut self) -> Option<u32> {
+        if self.free_count == 0 {
+            return None;
+        }
+        let words = self.free_bits.len();
+        let start = self.cursor / 64;
+        for k in 0..=words {
+            let w = (start + k) % words;
+            let bits = self.free_bits[w];
+            if bits != 0 {
+                let b = bits.trailing_zeros();
+                self.free_bits[w] &= !(1 << b);
+                self.free_count -= 1;
+                let u = w * 64 + b as usize;
+                self.cursor = u + 1;
+                return Some(u as u32);
+            }
+        }
+        None
+    }
+
+    /// Allocates a data unit with refcount 1, keeping `reserve` units free for
+    /// metadata. `None` when the pool is full.
+    pub fn alloc(&mut self, reserve: u64) -> Option<u32> {
+        if self.free_count <= reserve {
+            return None;
+        }
+        let u = self.take_free()?;
+        self.refcount[u as usize] = 1;
+        self.used += 1;
+        Some(u)
+    }
+
+    /// Allocates a unit for checkpoint metadata (may dip into the reserve).
+    pub fn alloc_meta(&mut self) -> Option<u32> {
+        let u = self.take_free()?;
+        self.refcount[u as usize] = META;
+        self.meta += 1;
+        Some(u)
+    }
+
+    /// Frees a checkpoint unit once no durable superblock refers to it.
+    pub fn free_meta(&mut self, u: u32) {
+        debug_assert_eq!(self.refcount[u as usize], META);
+        self.refcount[u as usize] = 0;
+        self.meta -= 1;
+        self.set_free(u);
+    }
+
+    /// One more reference to a data unit (a replayed mapping, or sharing).
+    pub fn incref(&mut self, u: u32) {
+        let r = &mut self.refcount[u as usize];
+        if *r == 0 {
+            // Taken out of the free set by replay.
+            let (w, b) = (u as usize / 64, u % 64);
+            if self.free_bits[w] & (1 << b) != 0 {
+                self.free_bits[w] &= !(1 << b);
+                self.free_count -= 1;
+            }
+            self.used += 1;
+        }
+        *r += 1;
+    }
+
+    /// One reference fewer; at zero the unit waits in `pending_free`.
+    pub fn decref(&mut self, u: u32) {
+        let r = &mut self.refcount[u as usize];
+        debug_assert!(*r > 0 && *r != META);
+        *r -= 1;
+        if *r == 0 {
+            self.used -= 1;
+            self.pending_free.push(u);
+        }
+    }
+
+    /// Makes the first `n` pending frees allocatable (their frees are durable), except
+    /// units that in-flight I/O still pins, which stay pending.
+    pub fn release_pending(&mut self, n: usize, pins: &[AtomicU32]) {
+        let n = n.min(self.pending_free.len());
+        let done: Vec<u32> = self.pending_free.drain(..n).collect();
+        for u in done {
+            if self.refcount[u as usize] != 0 {
+                continue; // re-referenced by replay of a later record
+            }
+            if pins[u as usize].load(Ordering::Acquire) != 0 {
+                self.pending_free.push(u);
+            } else {
+                self.set_free(u);
+            }
+        }
+    }
+
+    /// After replay: every pending free is durable (it came from the log).
+    pub fn release_all(&mut self) {
+        let pending = std::mem::take(&mut self.pending_free);
+        for u in pending {
+            if self.refcount[u as usize] == 0 {
+                let (w, b) = (u as usize / 64, u % 64);
+                if self.free_bits[w] & (1 << b) == 0 {
+                    self.set_free(u);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn map_table_pages_appear_and_vanish() {
+        let mut t = MapTable::with_units(2000);
+        assert_eq!(t.get(1500), Entry::EMPTY);
+        t.set(1500, Entry { punit: 7, bitmap: 1 });
+        assert_eq!(t.get(1500).punit, 7);
+        assert!(t.pages()[2].is_some());
+        let shared = t.clone();
+        t.set(1500, Entry::EMPTY);
+        assert!(t.pages()[2].is_none());
+        assert_eq!(shared.get(1500).punit, 7, "a clone keeps its copy of the page");
+        assert_eq!(shared.mapped().collect::<Vec<_>>(), vec![(1500, Entry { punit: 7, bitmap: 1 })]);
+    }
+
+    #[test]
+    fn allocator_holds_frees_until_released() {
+        let pins: Vec<AtomicU32> = (0..4).map(|_| AtomicU32::new(0)).collect();
+        let mut a = Allocator::from_refcounts(vec![0; 4]);
+        let u = a.alloc(0).unwrap();
+        assert_eq!(a.free_count(), 3);
+        a.decref(u);
+        assert_eq!(a.free_count(), 3, "not free until durable");
+        pins[u as usize].store(1, Ordering::Release);
+        a.release_pending(1, &pins);
+        assert_eq!(a.free_count(), 3, "pinned by in-flight I/O");
+        pins[u as usize].store(0, Ordering::Release);
+        a.release_pending(1, &pins);
+        assert_eq!(a.free_count(), 4);
+        assert_eq!(a.alloc(4), None, "the reserve is kept");
+    }
+}

@@ -1,0 +1,900 @@
+//! The pool: opening and creating, volume management, and the committer.
+//!
+//! Lives here: [`Pool`] (public handle), [`PoolOptions`], [`VolumeInfo`],
+//! [`PoolStatus`], the shared `PoolInner` that volumes use, and the committer thread
+//! that turns flush requests into group commits and checkpoints.
+//! Not here: the per-request data path (`volume`), formats (`format`, `journal`).
+//!
+//! # Commit protocol
+//! A *commit* makes every completed data write and every logged metadata change
+//! durable, in this order:
+//! 1. note how many frees are pending, and take the pending log records;
+//! 2. `fdatasync` the pool: data written before the records were taken is durable,
+//!    so no durable mapping ever points at unwritten data;
+//! 3. write the records as log batches, `fdatasync`;
+//! 4. frees noted in step 1 become allocatable.
+//!
+//! A *checkpoint* (when half the log is used, and at close) snapshots the metadata
+//! under all the locks, `fdatasync`s the data, writes the snapshot into free data units,
+//! `fdatasync`s, then writes the other superblock slot pointing at it with the log
+//! restarting at the current position, and `fdatasync`s. Until that last write the old
+//! superblock, checkpoint and log describe the pool; after it, the new ones do.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use parking_lot::{Condvar, Mutex, RwLock};
+use tokio::sync::oneshot;
+use zerocopy::IntoBytes;
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::format::*;
+use crate::io::{self, AlignedBuf, Dir, IoRing, Segment};
+use crate::journal::{self, Geometry, LogCursor, Record, State, VolumeMeta};
+use crate::meta::{Allocator, MapTable};
+use crate::volume::Volume;
+
+/// Default pool size for a newly created pool file: 64 GiB (sparse).
+pub const DEFAULT_POOL_SIZE: u64 = 64 << 30;
+/// Default data-unit size: 64 KiB.
+pub const DEFAULT_UNIT_SIZE: u32 = 64 * 1024;
+/// Largest volume: 1 PiB.
+pub const MAX_VOLUME_SIZE: u64 = 1 << 50;
+/// Longest volume name, in bytes.
+pub const MAX_NAME_LEN: usize = 128;
+/// Pending log bytes that make the committer write them without a flush request.
+const BACKGROUND_COMMIT_BYTES: usize = 256 * 1024;
+
+/// How to create a pool.
+#[derive(Debug, Clone)]
+pub struct PoolOptions {
+    /// Size in bytes for a new pool file (ignored for block devices, whose size is used).
+    pub size: u64,
+    /// Data-unit (allocation-unit) size in bytes: a power of two from 16 KiB to 128 KiB.
+    pub unit_size: u32,
+}
+
+impl Default for PoolOptions {
+    fn default() -> Self {
+        PoolOptions { size: DEFAULT_POOL_SIZE, unit_size: DEFAULT_UNIT_SIZE }
+    }
+}
+
+/// A volume as listed by the management API.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VolumeInfo {
+    /// Volume name (also the NBD export name).
+    pub name: String,
+    /// Id, unique for the pool's lifetime.
+    pub id: u64,
+    /// Virtual size in bytes.
+    pub size: u64,
+    /// Bytes of data units mapped by the volume (units × unit size).
+    pub allocated: u64,
+    /// Creation time, seconds since the Unix epoch.
+    pub created: u64,
+}
+
+/// Pool-wide space accounting, in bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolStatus {
+    /// Pool UUID, hyphenated.
+    pub uuid: String,
+    /// Path of the pool file or device.
+    pub path: PathBuf,
+    /// Bytes of the data area (units × unit size).
+    pub capacity: u64,
+    /// Bytes in data units referenced by volumes.
+    pub used: u64,
+    /// Bytes in units holding checkpoint metadata.
+    pub metadata: u64,
+    /// Bytes in free units (including units whose free is not yet durable).
+    pub free: u64,
+    /// Data-unit size.
+    pub unit_size: u32,
+    /// Number of volumes.
+    pub volumes: u64,
+    /// Whether the pool file is opened with O_DIRECT.
+    pub direct_io: bool,
+    /// Whether the pool stopped accepting writes after an I/O error.
+    pub failed: bool,
+}
+
+/// One volume's live state.
+pub(crate) struct VolState {
+    pub id: u64,
+    pub name: String,
+    pub created: u32,
+    pub size: AtomicU64,
+    pub map: RwLock<MapTable>,
+    pub deleted: AtomicBool,
+}
+
+/// Metadata records waiting for the next commit.
+#[derive(Default)]
+pub(crate) struct Journal {
+    pub bytes: Vec<u8>,
+}
+
+#[derive(Default)]
+struct CommitQueue {
+    waiters: Vec<oneshot::Sender<Result<(), ErrorKind>>>,
+    background: bool,
+    shutdown: bool,
+}
+
+/// Committer-only state: the log cursor and the current superblock.
+struct LogState {
+    cursor: LogCursor,
+    sb: Superblock,
+    checkpoint_units: Vec<u32>,
+}
+
+pub(crate) struct PoolInner {
+    pub path: PathBuf,
+    pub ring: IoRing,
+    pub direct: bool,
+    pub geo: Geometry,
+    pub volumes: RwLock<BTreeMap<String, Arc<VolState>>>,
+    next_volume: AtomicU64,
+    pub alloc: Mutex<Allocator>,
+    pub journal: Mutex<Journal>,
+    /// In-flight I/O per data unit; a pinned unit is never made allocatable.
+    pub pins: Box<[AtomicU32]>,
+    /// Data writes completed since the last commit's fdatasync started.
+    pub writes_since_sync: AtomicU64,
+    pub failed: AtomicBool,
+    /// Locks for read-modify-write of partial 4 KiB blocks, striped by (volume, block).
+    pub stripes: Box<[tokio::sync::Mutex<()>]>,
+    queue: Mutex<CommitQueue>,
+    queue_cv: Condvar,
+    log: Mutex<LogState>,
+    committer: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+/// A pool of thin volumes on one file or block device. Cheap to clone.
+#[derive(Clone)]
+pub struct Pool {
+    inner: Arc<PoolInner>,
+}
+
+fn now() -> u32 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs() as u32).unwrap_or(0)
+}
+
+/// Units to keep free so a checkpoint can always be written (two copies of an estimate:
+/// 40 bytes per used unit and a page header each, 256 bytes per volume, plus slack).
+fn meta_reserve(used: u64, volumes: u64, unit_size: u64) -> u64 {
+    let payload = unit_size - size_of::<ChunkHeader>() as u64;
+    let est = used * 72 + volumes * 256 + 4096;
+    2 * est.div_ceil(payload) + 4
+}
+
+/// Checks a volume name: 1..=128 bytes of `[A-Za-z0-9._-]`, not starting with `.` or `-`.
+pub fn validate_name(name: &str) -> Result<()> {
+    let ok = !name.is_empty()
+        && name.len() <= MAX_NAME_LEN
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'_' || b == b'-')
+        && !name.starts_with('.')
+        && !name.starts_with('-');
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::new(
+            ErrorKind::InvalidArgument,
+            format!("volume name '{name}' is invalid: use 1 to {MAX_NAME_LEN} characters of A-Z a-z 0-9 . _ - (not starting with . or -)"),
+        ))
+    }
+}
+
+fn validate_size(size: u64) -> Result<()> {
+    if size == 0 || size % BLOCK_SIZE != 0 || size > MAX_VOLUME_SIZE {
+        return Err(Error::new(
+            ErrorKind::InvalidArgument,
+            format!("volume size {size} must be a non-zero multiple of 4096 bytes and at most 1 PiB"),
+        ));
+    }
+    Ok(())
+}
+
+fn read_at_file(file: &File) -> impl FnMut(u64, usize) -> std::io::Result<Vec<u8>> + '_ {
+    use std::os::unix::fs::FileExt;
+    move |off, len| {
+        let mut v = vec![0u8; len];
+        file.read_exact_at(&mut v, off)?;
+        Ok(v)
+    }
+}
+
+/// Result of [`check`].
+#[derive(Debug, Clone)]
+pub struct CheckReport {
+    /// Problems found; empty means the pool is consistent.
+    pub problems: Vec<String>,
+    /// Volumes, units mapped, units free, units of metadata, log batches replayed.
+    pub summary: String,
+}
+
+/// Verifies a stopped pool without writing to it: superblock, checkpoint and log
+/// checksums, mappings against refcounts, and free-space accounting.
+///
+/// Errors: the file cannot be opened or read, or is not a pool at all
+/// ([`ErrorKind::Corrupt`]); inconsistencies that do not stop loading are listed in
+/// the report instead.
+pub fn check(path: &Path) -> Result<CheckReport> {
+    let file = File::open(path).map_err(|e| Error::io(format!("open {}", path.display()), e))?;
+    let size = io::device_size(&file).map_err(|e| Error::io("size of pool", e))?;
+    let mut read = read_at_file(&file);
+    let loaded = journal::load(&mut read, size)?;
+    let mut problems = Vec::new();
+    for (u, stored, derived) in &loaded.refcount_mismatches {
+        problems.push(format!("checkpoint refcount of data unit {u} is {stored} but {derived} mappings reference it"));
+    }
+    let st = &loaded.state;
+    let bpu = loaded.geo.blocks_per_unit();
+    let mut derived = vec![0u32; loaded.geo.unit_count as usize];
+    let mut seen = std::collections::HashSet::new();
+    let mut names = std::collections::HashSet::new();
+    for (id, v) in &st.volumes {
+        if validate_name(&v.name).is_err() || !names.insert(v.name.clone()) {
+            problems.push(format!("volume {id} has an invalid or duplicate name '{}'", v.name));
+        }
+        if validate_size(v.size).is_err() {
+            problems.push(format!("volume '{}' has an invalid size {}", v.name, v.size));
+        }
+        let units = st.units_of(v.size);
+        for p in v.map.pages().iter().flatten() {
+            let first = seen.insert(Arc::as_ptr(p));
+            let _ = first;
+        }
+        for (lunit, e) in v.map.mapped() {
+            if lunit >= units {
+                problems.push(format!("volume '{}' maps logical unit {lunit} past its end", v.name));
+            }
+            if bpu < 32 && e.bitmap >> bpu != 0 {
+                problems.push(format!("volume '{}' logical unit {lunit} has bitmap bits past the unit's {bpu} blocks", v.name));
+            }
+            derived[e.punit as usize] += 1;
+        }
+    }
+    let a = &st.alloc;
+    let (mut used, mut meta, mut free) = (0u64, 0u64, 0u64);
+    for (u, &r) in a.refcounts().iter().enumerate() {
+        match r {
+            crate::meta::META => meta += 1,
+            0 => free += 1,
+            _ => used += 1,
+        }
+        if r != crate::meta::META && r != derived[u] {
+            problems.push(format!("data unit {u} has refcount {r} but {} mappings reference it", derived[u]));
+        }
+    }
+    if meta != loaded.checkpoint_units.len() as u64 {
+        problems.push(format!("{} units marked as metadata but the checkpoint has {}", meta, loaded.checkpoint_units.len()));
+    }
+    if used + meta + free != loaded.geo.unit_count || a.free_count() != free {
+        problems.push(format!(
+            "free-space accounting: {used} used + {meta} metadata + {free} free != {} units (allocator free {})",
+            loaded.geo.unit_count,
+            a.free_count()
+        ));
+    }
+    let summary = format!(
+        "pool {}: {} volumes, {} units of {} KiB: {used} mapped, {meta} metadata, {free} free; {} log batches replayed",
+        uuid::Uuid::from_bytes(loaded.geo.uuid),
+        st.volumes.len(),
+        loaded.geo.unit_count,
+        loaded.geo.unit_size / 1024,
+        loaded.batches
+    );
+    Ok(CheckReport { problems, summary })
+}
+
+impl Pool {
+    /// Opens the pool at `path`, or creates it with `opts` if the file does not exist.
+    ///
+    /// Errors: see [`Pool::open`] and [`Pool::create`].
+    pub fn open_or_create(path: &Path, opts: &PoolOptions) -> Result<Pool> {
+        if path.exists() {
+            Pool::open(path)
+        } else {
+            Pool::create(path, opts)
+        }
+    }
+
+    /// Creates a pool: a new sparse file of `opts.size` bytes, or an existing block
+    /// device (its whole size). Refuses to overwrite an existing regular file.
+    ///
+    /// Errors: [`ErrorKind::AlreadyExists`] for an existing file,
+    /// [`ErrorKind::InvalidArgument`] for a bad unit size or a pool too small,
+    /// [`ErrorKind::Io`].
+    pub fn create(path: &Path, opts: &PoolOptions) -> Result<Pool> {
+        let unit = opts.unit_size;
+        if !unit.is_power_of_two() || !(MIN_UNIT_SIZE..=MAX_UNIT_SIZE).contains(&unit) {
+            return Err(Error::new(ErrorKind::InvalidArgument, format!("unit size {unit} must be a power of two from 16 KiB to 128 KiB")));
+        }
+        let is_dev = std::fs::metadata(path).map(|m| {
+            use std::os::unix::fs::FileTypeExt;
+            m.file_type().is_block_device()
+        });
+        let is_dev = match is_dev {
+            Ok(true) => true,
+            Ok(false) => return Err(Error::new(ErrorKind::AlreadyExists, format!("{} exists; refusing to overwrite it", path.display()))),
+            Err(_) => false,
+        };
+        let (file, _direct) = io::open_pool_file(path, !is_dev).map_err(|e| Error::io(format!("create {}", path.display()), e))?;
+        let size = if is_dev {
+            io::device_size(&file).map_err(|e| Error::io("size of device", e))?
+        } else {
+            file.set_len(opts.size).map_err(|e| Error::io("size pool file", e))?;
+            opts.size
+        };
+        let log_size = (size / 64).clamp(4 * MAX_BATCH_BYTES as u64, 64 << 20) / BLOCK_SIZE * BLOCK_SIZE;
+        let unit = u64::from(unit);
+        let data_offset = (LOG_OFFSET + log_size).div_ceil(unit) * unit;
+        let unit_count = size.saturating_sub(data_offset) / unit;
+        if unit_count < 64 || unit_count >= u64::from(u32::MAX) {
+            if !is_dev {
+                let _ = std::fs::remove_file(path);
+            }
+            return Err(Error::new(ErrorKind::InvalidArgument, format!("pool size {size} bytes gives {unit_count} data units; need 64 to 2^32-2")));
+        }
+        let mut sb = Superblock {
+            magic: SUPERBLOCK_MAGIC,
+            version: FORMAT_VERSION.into(),
+            header_size: (size_of::<Superblock>() as u32).into(),
+            pool_uuid: *uuid::Uuid::new_v4().as_bytes(),
+            pool_size: size.into(),
+            unit_size: (unit as u32).into(),
+            block_size: (BLOCK_SIZE as u32).into(),
+            log_offset: LOG_OFFSET.into(),
+            log_size: log_size.into(),
+            data_offset: data_offset.into(),
+            unit_count: unit_count.into(),
+            generation: 0.into(),
+            checkpoint_unit: NO_UNIT.into(),
+            checkpoint_chunks: 0.into(),
+            checkpoint_seq: 0.into(),
+            log_head: 0.into(),
+            features: 0.into(),
+            reserved: [0; 120],
+            crc: 0.into(),
+            pad: 0.into(),
+        };
+        let file = Arc::new(file);
+        let ring = IoRing::new(file.clone(), 256).map_err(|e| Error::io("set up io_uring", e))?;
+        // Zero the first log block so no stale batch of a former pool can look current,
+        // then write both superblock slots (generations 0 and 1).
+        write_blocks(&ring, LOG_OFFSET, &[0u8; BLOCK_SIZE as usize])?;
+        for g in 0..2u64 {
+            sb.generation = g.into();
+            sb.crc = sb.compute_crc().into();
+            write_blocks(&ring, SUPERBLOCK_OFFSETS[(g % 2) as usize], sb.as_bytes())?;
+        }
+        sync(&ring)?;
+        drop(ring);
+        tracing::info!(path = %path.display(), size, unit_size = unit, "created pool");
+        Pool::open(path)
+    }
+
+    /// Opens an existing pool: reads the superblock and checkpoint, replays the log.
+    /// Nothing is written before all of it validated.
+    ///
+    /// Errors: [`ErrorKind::Corrupt`] naming what is wrong (not a pool, checksum
+    /// mismatch with its location, unsupported version, inconsistent refcounts);
+    /// [`ErrorKind::Io`].
+    pub fn open(path: &Path) -> Result<Pool> {
+        let (file, direct) = io::open_pool_file(path, false).map_err(|e| Error::io(format!("open {}", path.display()), e))?;
+        let size = io::device_size(&file).map_err(|e| Error::io("size of pool", e))?;
+        let loaded = {
+            let plain = File::open(path).map_err(|e| Error::io(format!("open {}", path.display()), e))?;
+            let mut read = read_at_file(&plain);
+            journal::load(&mut read, size).map_err(|e| e.op("open pool"))?
+        };
+        if let Some((u, stored, derived)) = loaded.refcount_mismatches.first() {
+            return Err(Error::corrupt(format!(
+                "checkpoint refcount of data unit {u} is {stored} but {derived} mappings reference it ({} mismatches); run `ferrovol check`",
+                loaded.refcount_mismatches.len()
+            )));
+        }
+        if !direct {
+            tracing::warn!(path = %path.display(), "file system refuses O_DIRECT; using buffered I/O");
+        }
+        let file = Arc::new(file);
+        let ring = IoRing::new(file.clone(), 256).map_err(|e| Error::io("set up io_uring", e))?;
+        let journal::Loaded { sb, geo, state, log, checkpoint_units, batches, .. } = loaded;
+        let State { volumes, next_volume, alloc, .. } = state;
+        let vols = volumes
+            .into_iter()
+            .map(|(id, v)| {
+                let vs = VolState {
+                    id,
+                    name: v.name.clone(),
+                    created: v.created,
+                    size: AtomicU64::new(v.size),
+                    map: RwLock::new(v.map),
+                    deleted: AtomicBool::new(false),
+                };
+                (v.name, Arc::new(vs))
+            })
+            .collect::<BTreeMap<_, _>>();
+        let pins = (0..geo.unit_count).map(|_| AtomicU32::new(0)).collect();
+        tracing::info!(path = %path.display(), volumes = vols.len(), batches, direct, "opened pool");
+        let inner = Arc::new(PoolInner {
+            path: path.to_owned(),
+            ring,
+            direct,
+            geo,
+            volumes: RwLock::new(vols),
+            next_volume: AtomicU64::new(next_volume),
+            alloc: Mutex::new(alloc),
+            journal: Mutex::new(Journal::default()),
+            pins,
+            writes_since_sync: AtomicU64::new(0),
+            failed: AtomicBool::new(false),
+            stripes: (0..256).map(|_| tokio::sync::Mutex::new(())).collect(),
+            queue: Mutex::new(CommitQueue::default()),
+            queue_cv: Condvar::new(),
+            log: Mutex::new(LogState { cursor: log, sb, checkpoint_units }),
+            committer: Mutex::new(None),
+        });
+        let weak = Arc::downgrade(&inner);
+        let handle = std::thread::Builder::new()
+            .name("ferrovol-commit".into())
+            .spawn(move || committer(weak))
+            .map_err(|e| Error::io("start committer", e))?;
+        *inner.committer.lock() = Some(handle);
+        Ok(Pool { inner })
+    }
+
+    /// Creates a thin volume of `size` bytes (a multiple of 4096). Durable on return.
+    ///
+    /// Errors: [`ErrorKind::InvalidArgument`] (name, size), [`ErrorKind::AlreadyExists`],
+    /// [`ErrorKind::Failed`]/[`ErrorKind::Io`] if the commit fails.
+    pub async fn create_volume(&self, name: &str, size: u64) -> Result<VolumeInfo> {
+        let err = |e: Error| e.op("create volume").volume(name);
+        validate_name(name).map_err(err)?;
+        validate_size(size).map_err(err)?;
+        self.inner.check_writable().map_err(err)?;
+        {
+            let mut vols = self.inner.volumes.write();
+            if vols.contains_key(name) {
+                return Err(err(Error::new(ErrorKind::AlreadyExists, "a volume of that name exists")));
+            }
+            let id = self.inner.next_volume.fetch_add(1, Ordering::SeqCst);
+            let created = now();
+            let units = size.div_ceil(self.inner.geo.unit_size);
+            let vs = VolState {
+                id,
+                name: name.to_owned(),
+                created,
+                size: AtomicU64::new(size),
+                map: RwLock::new(MapTable::with_units(units)),
+                deleted: AtomicBool::new(false),
+            };
+            self.inner.log_record(&Record::Volume { volume: id, size, created, name: name.to_owned() });
+            vols.insert(name.to_owned(), Arc::new(vs));
+        }
+        self.inner.commit().await.map_err(err)?;
+        tracing::info!(volume = name, size, "created volume");
+        self.volume_info(name)
+    }
+
+    /// Deletes a volume and frees its data units (after the delete is durable).
+    /// Open handles to it fail with [`ErrorKind::NotFound`] from then on.
+    ///
+    /// Errors: [`ErrorKind::NotFound`], [`ErrorKind::Failed`]/[`ErrorKind::Io`].
+    pub async fn delete_volume(&self, name: &str) -> Result<()> {
+        let err = |e: Error| e.op("delete volume").volume(name);
+        self.inner.check_writable().map_err(err)?;
+        {
+            let mut vols = self.inner.volumes.write();
+            let vs = vols.remove(name).ok_or_else(|| err(Error::new(ErrorKind::NotFound, "no such volume")))?;
+            let mut map = vs.map.write();
+            vs.deleted.store(true, Ordering::SeqCst);
+            self.inner.log_record(&Record::VolumeDelete { volume: vs.id });
+            let entries = map.take_all();
+            let mut alloc = self.inner.alloc.lock();
+            for (_, e) in entries {
+                alloc.decref(e.punit);
+            }
+        }
+        self.inner.commit().await.map_err(err)?;
+        tracing::info!(volume = name, "deleted volume");
+        Ok(())
+    }
+
+    /// Grows a volume to `size` bytes (a multiple of 4096); connected clients keep
+    /// working and see the new size on their next request's range check. Durable on return.
+    ///
+    /// Errors: [`ErrorKind::NotFound`], [`ErrorKind::InvalidArgument`] (shrink or bad size).
+    pub async fn resize_volume(&self, name: &str, size: u64) -> Result<VolumeInfo> {
+        let err = |e: Error| e.op("resize volume").volume(name);
+        validate_size(size).map_err(err)?;
+        self.inner.check_writable().map_err(err)?;
+        {
+            let vols = self.inner.volumes.read();
+            let vs = vols.get(name).ok_or_else(|| err(Error::new(ErrorKind::NotFound, "no such volume")))?;
+            let mut map = vs.map.write();
+            let old = vs.size.load(Ordering::SeqCst);
+            if size < old {
+                return Err(err(Error::new(ErrorKind::InvalidArgument, format!("shrinking from {old} to {size} bytes is not supported"))));
+            }
+            if size != old {
+                map.grow(size.div_ceil(self.inner.geo.unit_size));
+                self.inner.log_record(&Record::VolumeResize { volume: vs.id, size });
+                vs.size.store(size, Ordering::SeqCst);
+            }
+        }
+        self.inner.commit().await.map_err(err)?;
+        self.volume_info(name)
+    }
+
+    /// A handle for I/O on the volume `name`.
+    ///
+    /// Errors: [`ErrorKind::NotFound`].
+    pub fn volume(&self, name: &str) -> Result<Volume> {
+        let vols = self.inner.volumes.read();
+        let vs = vols.get(name).ok_or_else(|| Error::new(ErrorKind::NotFound, "no such volume").volume(name))?;
+        Ok(Volume::new(self.inner.clone(), vs.clone()))
+    }
+
+    /// Information on one volume.
+    ///
+    /// Errors: [`ErrorKind::NotFound`].
+    pub fn volume_info(&self, name: &str) -> Result<VolumeInfo> {
+        let vols = self.inner.volumes.read();
+        let vs = vols.get(name).ok_or_else(|| Error::new(ErrorKind::NotFound, "no such volume").volume(name))?;
+        Ok(self.inner.info(vs))
+    }
+
+    /// All volumes, sorted by name.
+    pub fn list_volumes(&self) -> Vec<VolumeInfo> {
+        self.inner.volumes.read().values().map(|v| self.inner.info(v)).collect()
+    }
+
+    /// Space accounting of the pool.
+    pub fn status(&self) -> PoolStatus {
+        let a = self.inner.alloc.lock();
+        let us = self.inner.geo.unit_size;
+        let unit_count = a.unit_count();
+        PoolStatus {
+            uuid: uuid::Uuid::from_bytes(self.inner.geo.uuid).to_string(),
+            path: self.inner.path.clone(),
+            capacity: unit_count * us,
+            used: a.used * us,
+            metadata: a.meta * us,
+            free: (unit_count - a.used - a.meta) * us,
+            unit_size: us as u32,
+            volumes: self.inner.volumes.read().len() as u64,
+            direct_io: self.inner.direct,
+            failed: self.inner.failed.load(Ordering::SeqCst),
+        }
+    }
+
+    /// Makes every write completed before the call durable (group commit across volumes).
+    ///
+    /// Errors: [`ErrorKind::Failed`] if the pool failed (now or earlier).
+    pub async fn flush(&self) -> Result<()> {
+        self.inner.commit().await
+    }
+
+    /// Writes a checkpoint and stops the committer; the pool then opens without replay.
+    /// Outstanding [`Volume`] handles fail afterwards.
+    ///
+    /// Errors: [`ErrorKind::Io`] if the final checkpoint cannot be written.
+    pub fn close(self) -> Result<()> {
+        let inner = self.inner;
+        {
+            let mut q = inner.queue.lock();
+            q.shutdown = true;
+            inner.queue_cv.notify_all();
+        }
+        if let Some(h) = inner.committer.lock().take() {
+            let _ = h.join();
+        }
+        if inner.failed.load(Ordering::SeqCst) {
+            return Err(Error::new(ErrorKind::Failed, "pool failed; not writing a final checkpoint"));
+        }
+        inner.checkpoint().map_err(|e| e.op("close pool"))
+    }
+}
+
+impl PoolInner {
+    pub fn info(&self, v: &VolState) -> VolumeInfo {
+        let mapped = v.map.read().pages().iter().flatten().map(|p| u64::from(p.mapped)).sum::<u64>();
+        VolumeInfo {
+            name: v.name.clone(),
+            id: v.id,
+            size: v.size.load(Ordering::SeqCst),
+            allocated: mapped * self.geo.unit_size,
+            created: u64::from(v.created),
+        }
+    }
+
+    pub fn check_writable(&self) -> Result<()> {
+        if self.failed.load(Ordering::SeqCst) {
+            Err(Error::new(ErrorKind::Failed, "an earlier metadata commit failed; restart after fixing the device"))
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Units an allocating write must leave free.
+    pub fn reserve(&self, a: &Allocator) -> u64 {
+        meta_reserve(a.used, self.volumes_len_hint(), self.geo.unit_size)
+    }
+
+    fn volumes_len_hint(&self) -> u64 {
+        // Called with a volume map lock held; the registry lock may be held by a writer
+        // waiting on that map lock, so never block on it here.
+        self.volumes.try_read().map(|v| v.len() as u64).unwrap_or(1024)
+    }
+
+    /// Appends a record to the pending journal (call with the affected map locked).
+    pub fn log_record(&self, r: &Record) {
+        let mut j = self.journal.lock();
+        r.encode(&mut j.bytes);
+        if j.bytes.len() >= BACKGROUND_COMMIT_BYTES {
+            drop(j);
+            let mut q = self.queue.lock();
+            if !q.background {
+                q.background = true;
+                self.queue_cv.notify_one();
+            }
+        }
+    }
+
+    /// Waits for a commit that covers everything completed before the call.
+    pub async fn commit(&self) -> Result<()> {
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut q = self.queue.lock();
+            if q.shutdown {
+                return Err(Error::new(ErrorKind::Failed, "pool is closing"));
+            }
+            q.waiters.push(tx);
+            self.queue_cv.notify_one();
+        }
+        match rx.await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(kind)) => Err(Error::new(kind, "commit failed; the pool refuses writes")),
+            Err(_) => Err(Error::new(ErrorKind::Failed, "pool closed")),
+        }
+    }
+
+    fn fail(&self, e: &Error) {
+        if !self.failed.swap(true, Ordering::SeqCst) {
+            tracing::error!(error = %e, path = %self.path.display(), "metadata commit failed; the pool now refuses writes");
+        }
+    }
+
+    /// One commit cycle (see the module docs).
+    fn commit_cycle(&self) -> Result<()> {
+        let pending = self.alloc.lock().pending_free.len();
+        let writes = self.writes_since_sync.swap(0, Ordering::SeqCst);
+        let records = std::mem::take(&mut self.journal.lock().bytes);
+        if writes > 0 || !records.is_empty() {
+            sync(&self.ring)?;
+        }
+        if !records.is_empty() {
+            let mut log = self.log.lock();
+            let batches = journal::encode_batches(&records, log.cursor.seq + 1, self.geo.pool_tag())?;
+            let mut pos = log.cursor.pos;
+            let mut writes = Vec::new();
+            for b in &batches {
+                let len = b.len() as u64;
+                if pos % self.geo.log_size + len > self.geo.log_size {
+                    pos += self.geo.log_size - pos % self.geo.log_size;
+                }
+                if pos + len - log.cursor.head > self.geo.log_size {
+                    return Err(Error::new(ErrorKind::Failed, "log overflow").op("commit"));
+                }
+                writes.push((self.geo.log_offset + pos % self.geo.log_size, b));
+                pos += len;
+            }
+            let rxs: Vec<_> = writes.iter().map(|(off, b)| write_blocks_async(&self.ring, *off, b)).collect();
+            for rx in rxs {
+                let (_, r) = rx.blocking_recv().map_err(|_| Error::new(ErrorKind::Failed, "I/O worker stopped"))?;
+                r.map_err(|e| Error::io("write log", e))?;
+            }
+            sync(&self.ring)?;
+            log.cursor.pos = pos;
+            log.cursor.seq += batches.len() as u64;
+        }
+        self.alloc.lock().release_pending(pending, &self.pins);
+        Ok(())
+    }
+
+    fn log_used(&self) -> u64 {
+        let log = self.log.lock();
+        log.cursor.pos - log.cursor.head
+    }
+
+    /// Writes a checkpoint (see the module docs).
+    fn checkpoint(&self) -> Result<()> {
+        // 1. A consistent snapshot: all volume maps, the allocator and the journal.
+        let (snapshot, pending) = {
+            let vols = self.volumes.read();
+            let maps: Vec<_> = vols.values().map(|v| (v.clone(), v.map.read())).collect();
+            let alloc = self.alloc.lock();
+            let mut j = self.journal.lock();
+            j.bytes.clear(); // captured by the snapshot itself
+            let volumes = maps
+                .iter()
+                .map(|(v, m)| {
+                    (v.id, VolumeMeta { name: v.name.clone(), size: v.size.load(Ordering::SeqCst), created: v.created, map: (**m).clone() })
+                })
+                .collect();
+            let mut refcounts = alloc.refcounts().to_vec();
+            for r in refcounts.iter_mut() {
+                if *r == crate::meta::META {
+                    *r = 0;
+                }
+            }
+            let st = State {
+                volumes,
+                next_volume: self.next_volume.load(Ordering::SeqCst),
+                alloc: Allocator::from_refcounts(refcounts),
+                unit_size: self.geo.unit_size,
+            };
+            (st, alloc.pending_free.len())
+        };
+        self.writes_since_sync.store(0, Ordering::SeqCst);
+        // 2. Data durable before metadata that points at it.
+        sync(&self.ring)?;
+        // 3. Write the chunks into freshly allocated units.
+        let payload = self.geo.unit_size as usize - size_of::<ChunkHeader>();
+        let chunks = snapshot.encode_checkpoint(payload);
+        drop(snapshot);
+        let units: Vec<u32> = {
+            let mut a = self.alloc.lock();
+            let mut got = Vec::with_capacity(chunks.len());
+            for _ in 0..chunks.len() {
+                match a.alloc_meta() {
+                    Some(u) => got.push(u),
+                    None => {
+                        for u in got {
+                            a.free_meta(u);
+                        }
+                        return Err(Error::new(ErrorKind::NoSpace, "no free unit for the checkpoint").op("checkpoint"));
+                    }
+                }
+            }
+            got
+        };
+        let mut log = self.log.lock();
+        let seq = log.cursor.seq;
+        let mut rxs = Vec::new();
+        for (i, body) in chunks.iter().enumerate() {
+            let next = units.get(i + 1).map(|&u| u64::from(u)).unwrap_or(NO_UNIT);
+            let mut h = ChunkHeader {
+                magic: CHECKPOINT_MAGIC.into(),
+                crc: 0.into(),
+                checkpoint_seq: seq.into(),
+                index: (i as u64).into(),
+                next_unit: next.into(),
+                payload_len: (body.len() as u32).into(),
+                pad: 0.into(),
+                pool_uuid: self.geo.uuid,
+                reserved: 0.into(),
+            };
+            h.crc = crc32c::crc32c_append(crc(h.as_bytes()), body).into();
+            let mut b = Vec::with_capacity(size_of::<ChunkHeader>() + body.len());
+            b.extend_from_slice(h.as_bytes());
+            b.extend_from_slice(body);
+            rxs.push(write_blocks_async(&self.ring, self.geo.unit_offset(u64::from(units[i])), &b));
+        }
+        let mut result = Ok(());
+        for rx in rxs {
+            match rx.blocking_recv() {
+                Ok((_, Ok(()))) => {}
+                Ok((_, Err(e))) => result = Err(Error::io("write checkpoint", e)),
+                Err(_) => result = Err(Error::new(ErrorKind::Failed, "I/O worker stopped")),
+            }
+        }
+        let result = result.and_then(|()| sync(&self.ring));
+        if let Err(e) = result {
+            let mut a = self.alloc.lock();
+            for &u in &units {
+                a.free_meta(u);
+            }
+            return Err(e);
+        }
+        // 4. Switch superblocks.
+        let mut sb = log.sb.clone();
+        sb.generation = (sb.generation.get() + 1).into();
+        sb.checkpoint_unit = u64::from(units[0]).into();
+        sb.checkpoint_chunks = (units.len() as u64).into();
+        sb.checkpoint_seq = seq.into();
+        sb.log_head = log.cursor.pos.into();
+        sb.crc = sb.compute_crc().into();
+        write_blocks(&self.ring, SUPERBLOCK_OFFSETS[(sb.generation.get() % 2) as usize], sb.as_bytes())?;
+        sync(&self.ring)?;
+        // 5. The old checkpoint's units and the snapshot's frees are now free.
+        let old = std::mem::replace(&mut log.checkpoint_units, units);
+        log.sb = sb;
+        log.cursor.head = log.cursor.pos;
+        drop(log);
+        let mut a = self.alloc.lock();
+        for u in old {
+            a.free_meta(u);
+        }
+        a.release_pending(pending, &self.pins);
+        Ok(())
+    }
+}
+
+/// Synchronous write of `data` (padded to whole blocks) at byte `offset` through the ring.
+fn write_blocks(ring: &IoRing, offset: u64, data: &[u8]) -> Result<()> {
+    let (_, r) = write_blocks_async(ring, offset, data).blocking_recv().map_err(|_| Error::new(ErrorKind::Failed, "I/O worker stopped"))?;
+    r.map_err(|e| Error::io(format!("write at byte {offset}"), e))
+}
+
+fn write_blocks_async(ring: &IoRing, offset: u64, data: &[u8]) -> oneshot::Receiver<io::RwResult> {
+    let mut buf = AlignedBuf::zeroed(data.len());
+    buf.full_mut()[..data.len()].copy_from_slice(data);
+    let len = buf.capacity();
+    ring.rw(Dir::Write { dsync: false }, buf, vec![Segment { file_offset: offset, buf_offset: 0, len }])
+}
+
+fn sync(ring: &IoRing) -> Result<()> {
+    ring.fdatasync().blocking_recv().map_err(|_| Error::new(ErrorKind::Failed, "I/O worker stopped"))?.map_err(|e| Error::io("fdatasync pool", e))
+}
+
+/// The committer thread: serves commit requests in groups; checkpoints when half the
+/// log is used. Exits when the pool is dropped or closed.
+fn committer(pool: std::sync::Weak<PoolInner>) {
+    loop {
+        let Some(inner) = pool.upgrade() else { return };
+        let (waiters, shutdown) = {
+            let mut q = inner.queue.lock();
+            while q.waiters.is_empty() && !q.background && !q.shutdown {
+                // Wake now and then to notice the pool being dropped.
+                if inner.queue_cv.wait_for(&mut q, Duration::from_millis(200)).timed_out() && Arc::strong_count(&inner) == 1 {
+                    return;
+                }
+            }
+            q.background = false;
+            (std::mem::take(&mut q.waiters), q.shutdown)
+        };
+        let result = if inner.failed.load(Ordering::SeqCst) {
+            Err(ErrorKind::Failed)
+        } else {
+            let r = if inner.log_used() > inner.geo.log_size / 2 { inner.checkpoint() } else { inner.commit_cycle() };
+            r.map_err(|e| {
+                inner.fail(&e);
+                ErrorKind::Failed
+            })
+        };
+        for w in waiters {
+            let _ = w.send(result);
+        }
+        if shutdown {
+            // Serve whoever queued meanwhile, then stop.
+            let late = std::mem::take(&mut inner.queue.lock().waiters);
+            if !late.is_empty() {
+                let r = inner.commit_cycle().map_err(|e| {
+                    inner.fail(&e);
+                    ErrorKind::Failed
+                });
+                for w in late {
+                    let _ = w.send(r);
+                }
+            }
+            return;
+        }
+    }
+}
+
+impl Drop for PoolInner {
+    fn drop(&mut self) {
+        // Without close(): a crash-equivalent stop; the log has everything committed.
+        self.queue.lock().shutdown = true;
+        self.queue_cv.notify_all();
+    }
+}

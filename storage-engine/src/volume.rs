@@ -1,0 +1,571 @@
+//! The data path of one thin volume: read, write, trim, write zeroes, block status.
+//!
+//! Lives here: [`Volume`], a handle whose operations each look the mapping up under
+//! the volume's own lock and return an I/O *plan* (segments of mapped data, runs of
+//! zeros, units to allocate), which is then executed on io_uring with no lock held.
+//! Not here: durability (the pool's committer), protocol details (the server maps
+//! these calls and errors to NBD).
+//!
+//! Units: offsets and lengths are bytes; a *block* is 4 KiB; a *unit* is the pool's
+//! allocation unit (default 64 KiB), `lunit` a unit of the volume, `punit` a data unit
+//! of the pool.
+//!
+//! Locking: reads and overwrites of written blocks take only the volume's map lock
+//! shared; first writes to a block, trims and allocations take it exclusively, and
+//! allocations also take the pool's allocator lock briefly. In-flight I/O pins its data
+//! units so a concurrent trim cannot hand them to another volume before it completes.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::format::BLOCK_SIZE;
+use crate::io::{AlignedBuf, Dir, Segment};
+use crate::journal::Record;
+use crate::meta::{Entry, MapTable};
+use crate::pool::{PoolInner, VolState};
+
+/// Largest request the data path accepts in one call, in bytes (32 MiB).
+pub const MAX_IO_BYTES: u64 = 32 << 20;
+
+/// Allocation state of a run of bytes, from [`Volume::block_status`] and reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Extent {
+    /// Length in bytes.
+    pub length: u64,
+    /// True if the run holds written data; false if it is unallocated and reads as zeros.
+    pub allocated: bool,
+}
+
+/// The data of a read and which parts of it are unallocated.
+#[derive(Debug)]
+pub struct ReadResult {
+    /// The bytes (the buffer's view is exactly the requested range).
+    pub data: AlignedBuf,
+    /// Allocation of the range, in order, covering exactly the requested length.
+    pub extents: Vec<Extent>,
+}
+
+/// A handle for I/O on one volume. Cheap to clone; stays bound to the volume it was
+/// made for (after that volume is deleted, operations fail with `NotFound`).
+#[derive(Clone)]
+pub struct Volume {
+    pool: Arc<PoolInner>,
+    vol: Arc<VolState>,
+}
+
+/// Unpins data units when dropped.
+struct Pins<'a> {
+    pool: &'a PoolInner,
+    units: Vec<u32>,
+}
+
+impl Pins<'_> {
+    fn add(&mut self, u: u32) {
+        if self.units.last() != Some(&u) {
+            self.pool.pins[u as usize].fetch_add(1, Ordering::AcqRel);
+            self.units.push(u);
+        }
+    }
+}
+
+impl Drop for Pins<'_> {
+    fn drop(&mut self) {
+        for &u in &self.units {
+            self.pool.pins[u as usize].fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+fn push_segment(segs: &mut Vec<Segment>, file_offset: u64, buf_offset: usize, len: usize) {
+    if let Some(last) = segs.last_mut() {
+        if last.file_offset + last.len as u64 == file_offset && last.buf_offset + last.len == buf_offset {
+            last.len += len;
+            return;
+        }
+    }
+    segs.push(Segment { file_offset, buf_offset, len });
+}
+
+fn push_extent(ext: &mut Vec<Extent>, length: u64, allocated: bool) {
+    if length == 0 {
+        return;
+    }
+    match ext.last_mut() {
+        Some(last) if last.allocated == allocated => last.length += length,
+        _ => ext.push(Extent { length, allocated }),
+    }
+}
+
+/// Bits `[s, e)` of a unit bitmap.
+fn mask(s: u64, e: u64) -> u32 {
+    let width = e - s;
+    if width >= 32 {
+        u32::MAX
+    } else {
+        ((1u32 << width) - 1) << s
+    }
+}
+
+impl Volume {
+    pub(crate) fn new(pool: Arc<PoolInner>, vol: Arc<VolState>) -> Volume {
+        Volume { pool, vol }
+    }
+
+    /// Volume name.
+    pub fn name(&self) -> &str {
+        &self.vol.name
+    }
+
+    /// Current virtual size in bytes (grows with online resize).
+    pub fn size(&self) -> u64 {
+        self.vol.size.load(Ordering::Acquire)
+    }
+
+    /// The pool's data-unit size in bytes.
+    pub fn unit_size(&self) -> u64 {
+        self.pool.geo.unit_size
+    }
+
+    fn err(&self, e: Error, op: &'static str, offset: u64) -> Error {
+        e.op(op).volume(&self.vol.name).offset(offset)
+    }
+
+    fn check_range(&self, op: &'static str, offset: u64, len: u64) -> Result<()> {
+        if self.vol.deleted.load(Ordering::Acquire) {
+            return Err(self.err(Error::new(ErrorKind::NotFound, "volume was deleted"), op, offset));
+        }
+        let size = self.size();
+        if offset.checked_add(len).is_none_or(|end| end > size) {
+            return Err(self.err(Error::new(ErrorKind::OutOfRange, format!("{len} bytes at {offset} exceed the volume size {size}")), op, offset));
+        }
+        Ok(())
+    }
+
+    fn deleted(&self, op: &'static str, offset: u64) -> Error {
+        self.err(Error::new(ErrorKind::NotFound, "volume was deleted"), op, offset)
+    }
+
+    /// A buffer for a write of `len` bytes at `offset`: aligned, covering the whole
+    /// 4 KiB blocks of the range, with its view on exactly the `len` bytes.
+    pub fn alloc_write_buf(&self, offset: u64, len: usize) -> AlignedBuf {
+        let head = (offset % BLOCK_SIZE) as usize;
+        let mut b = AlignedBuf::zeroed(head + len);
+        b.set_view(head, len);
+        b
+    }
+
+    /// Reads `len` bytes at `offset`. Unwritten ranges read as zeros and are reported
+    /// as unallocated extents.
+    ///
+    /// Errors: [`ErrorKind::OutOfRange`], [`ErrorKind::InvalidArgument`] (longer than
+    /// [`MAX_IO_BYTES`]), [`ErrorKind::NotFound`] (deleted), [`ErrorKind::Io`].
+    pub async fn read(&self, offset: u64, len: u64) -> Result<ReadResult> {
+        self.check_range("read", offset, len)?;
+        if len > MAX_IO_BYTES {
+            return Err(self.err(Error::new(ErrorKind::InvalidArgument, "read longer than 32 MiB"), "read", offset));
+        }
+        let g = &self.pool.geo;
+        let b0 = offset / BLOCK_SIZE;
+        let b1 = (offset + len).div_ceil(BLOCK_SIZE);
+        let bpu = g.blocks_per_unit();
+        let mut buf = AlignedBuf::zeroed(((b1 - b0) * BLOCK_SIZE) as usize);
+        let mut segs = Vec::new();
+        let mut blocks: Vec<(u64, bool)> = Vec::new(); // per-unit runs of (blocks, allocated)
+        let mut pins = Pins { pool: &self.pool, units: Vec::new() };
+        {
+            let map = self.vol.map.read();
+            if self.vol.deleted.load(Ordering::Acquire) {
+                return Err(self.deleted("read", offset));
+            }
+            let mut b = b0;
+            while b < b1 {
+                let lunit = b / bpu;
+                let end = ((lunit + 1) * bpu).min(b1);
+                let e = map.get(lunit);
+                for blk in b..end {
+                    let i = blk % bpu;
+                    let written = e.is_mapped() && e.bitmap & (1 << i) != 0;
+                    if written {
+                        pins.add(e.punit);
+                        push_segment(
+                            &mut segs,
+                            g.unit_offset(u64::from(e.punit)) + i * BLOCK_SIZE,
+                            ((blk - b0) * BLOCK_SIZE) as usize,
+                            BLOCK_SIZE as usize,
+                        );
+                    }
+                    match blocks.last_mut() {
+                        Some((n, a)) if *a == written => *n += 1,
+                        _ => blocks.push((1, written)),
+                    }
+                }
+                b = end;
+            }
+        }
+        if !segs.is_empty() {
+            let (back, r) = self.pool.ring.rw(Dir::Read, buf, segs).await.map_err(|_| self.err(worker_gone(), "read", offset))?;
+            buf = back;
+            r.map_err(|e| self.err(Error::io("pool read failed", e), "read", offset))?;
+        }
+        drop(pins);
+        buf.set_view((offset - b0 * BLOCK_SIZE) as usize, len as usize);
+        // Block runs to byte extents clipped to [offset, offset + len).
+        let mut extents = Vec::new();
+        let mut pos = b0 * BLOCK_SIZE;
+        for (n, allocated) in blocks {
+            let s = pos.max(offset);
+            let e = (pos + n * BLOCK_SIZE).min(offset + len);
+            push_extent(&mut extents, e - s, allocated);
+            pos += n * BLOCK_SIZE;
+        }
+        Ok(ReadResult { data: buf, extents })
+    }
+
+    /// Writes `buf`'s view at `offset` (the buffer must come from
+    /// [`Volume::alloc_write_buf`] for that offset and length). Allocates data units on
+    /// first write; with `fua` the data (and any new mapping) is durable on return.
+    ///
+    /// Errors: [`ErrorKind::OutOfRange`], [`ErrorKind::InvalidArgument`] (longer than
+    /// [`MAX_IO_BYTES`] or a misplaced view), [`ErrorKind::NoSpace`] (only when a unit must
+    /// be allocated), [`ErrorKind::Failed`], [`ErrorKind::NotFound`], [`ErrorKind::Io`].
+    pub async fn write(&self, offset: u64, mut buf: AlignedBuf, fua: bool) -> Result<()> {
+        let len = buf.as_ref().len() as u64;
+        self.check_range("write", offset, len)?;
+        self.pool.check_writable().map_err(|e| self.err(e, "write", offset))?;
+        if len > MAX_IO_BYTES || buf.view_start() as u64 != offset % BLOCK_SIZE {
+            return Err(self.err(Error::new(ErrorKind::InvalidArgument, "write buffer does not fit the request"), "write", offset));
+        }
+        if len == 0 {
+            return Ok(());
+        }
+        let b0 = offset / BLOCK_SIZE;
+        let b1 = (offset + len).div_ceil(BLOCK_SIZE);
+        let head_partial = offset % BLOCK_SIZE != 0;
+        let tail_partial = (offset + len) % BLOCK_SIZE != 0;
+        // Partial blocks are read, merged and rewritten under a stripe lock so that two
+        // writers sharing a block never lose each other's bytes.
+        let mut stripe_ids = Vec::new();
+        if head_partial {
+            stripe_ids.push(self.stripe(b0));
+        }
+        if tail_partial {
+            stripe_ids.push(self.stripe(b1 - 1));
+        }
+        stripe_ids.sort_unstable();
+        stripe_ids.dedup();
+        let mut _guards = Vec::new();
+        for s in &stripe_ids {
+            _guards.push(self.pool.stripes[*s].lock().await);
+        }
+        if head_partial {
+            self.merge_partial_block(&mut buf, b0, 0).await?;
+        }
+        if tail_partial && (b1 - 1 != b0 || !head_partial) {
+            let at = ((b1 - 1 - b0) * BLOCK_SIZE) as usize;
+            self.merge_partial_block(&mut buf, b1 - 1, at).await?;
+        }
+        let view = (buf.view_start(), buf.as_ref().len());
+        buf.set_view(0, ((b1 - b0) * BLOCK_SIZE) as usize);
+        let r = self.write_blocks(b0, b1, buf, fua, offset).await;
+        r.map(|mut b| b.set_view(view.0, view.1))
+    }
+
+    fn stripe(&self, block: u64) -> usize {
+        let h = (self.vol.id.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ block).wrapping_mul(0xff51_afd7_ed55_8ccd);
+        (h >> 56) as usize % self.pool.stripes.len()
+    }
+
+    /// Fills the bytes of block `blk` outside the write's view, at `buf_at` in the
+    /// buffer, with the block's current content.
+    async fn merge_partial_block(&self, buf: &mut AlignedBuf, blk: u64, buf_at: usize) -> Result<()> {
+        let bs = BLOCK_SIZE as usize;
+        let old = self.read_block(blk).await?;
+        let (vs, vl) = (buf.view_start(), buf.as_ref().len());
+        let full = buf.full_mut();
+        for i in 0..bs {
+            let p = buf_at + i;
+            if p < vs || p >= vs + vl {
+                full[p] = old[i];
+            }
+        }
+        Ok(())
+    }
+
+    async fn read_block(&self, blk: u64) -> Result<Vec<u8>> {
+        let r = self.read(blk * BLOCK_SIZE, BLOCK_SIZE).await?;
+        Ok(r.data.as_ref().to_vec())
+    }
+
+    /// Writes whole blocks `[b0, b1)` from `buf` (view = the whole run). Returns the buffer.
+    async fn write_blocks(&self, b0: u64, b1: u64, buf: AlignedBuf, fua: bool, offset: u64) -> Result<AlignedBuf> {
+        let g = &self.pool.geo;
+        let bpu = g.blocks_per_unit();
+        let u0 = b0 / bpu;
+        let u1 = (b1 - 1) / bpu + 1;
+        // Allocate data units for unmapped logical units.
+        let mut allocated: Vec<(u64, u32)> = Vec::new();
+        {
+            let needs = {
+                let map = self.vol.map.read();
+                (u0..u1).any(|u| !map.get(u).is_mapped())
+            };
+            if needs {
+                let mut map = self.vol.map.write();
+                if self.vol.deleted.load(Ordering::Acquire) {
+                    return Err(self.deleted("write", offset));
+                }
+                let want: Vec<u64> = (u0..u1).filter(|&u| !map.get(u).is_mapped()).collect();
+                let mut a = self.pool.alloc.lock();
+                let reserve = self.pool.reserve(&a);
+                for &u in &want {
+                    match a.alloc(reserve) {
+                        Some(p) => allocated.push((u, p)),
+                        None => {
+                            // Give back what this request took; nothing was logged for it.
+                            for &(_, p) in &allocated {
+                                a.decref(p);
+                            }
+                            return Err(self.err(Error::new(ErrorKind::NoSpace, "no free data unit for an allocating write"), "write", offset));
+                        }
+                    }
+                }
+                for &(u, p) in &allocated {
+                    map.set(u, Entry { punit: p, bitmap: 0 });
+                }
+            }
+        }
+        // Plan: segments, pins, and which units gain written blocks.
+        let mut segs = Vec::new();
+        let mut new_bits: Vec<(u64, u32, u32)> = Vec::new(); // (lunit, punit, bits)
+        let mut pins = Pins { pool: &self.pool, units: Vec::new() };
+        {
+            let map = self.vol.map.read();
+            if self.vol.deleted.load(Ordering::Acquire) {
+                return Err(self.deleted("write", offset));
+            }
+            for u in u0..u1 {
+                let e = map.get(u);
+                if !e.is_mapped() {
+                    // Trimmed away between allocation and planning: allocate again.
+                    drop(map);
+                    drop(pins);
+                    return Box::pin(self.write_blocks(b0, b1, buf, fua, offset)).await;
+                }
+                let s = (u * bpu).max(b0);
+                let e_blk = ((u + 1) * bpu).min(b1);
+                let m = mask(s - u * bpu, e_blk - u * bpu);
+                pins.add(e.punit);
+                push_segment(
+                    &mut segs,
+                    g.unit_offset(u64::from(e.punit)) + (s - u * bpu) * BLOCK_SIZE,
+                    ((s - b0) * BLOCK_SIZE) as usize,
+                    ((e_blk - s) * BLOCK_SIZE) as usize,
+                );
+                if e.bitmap & m != m {
+                    new_bits.push((u, e.punit, m));
+                }
+            }
+        }
+        let dsync = fua && new_bits.is_empty();
+        let (buf, r) = self.pool.ring.rw(Dir::Write { dsync }, buf, segs).await.map_err(|_| self.err(worker_gone(), "write", offset))?;
+        drop(pins);
+        if let Err(e) = r {
+            // Undo allocations that never received data (nothing was logged for them).
+            let mut map = self.vol.map.write();
+            for &(u, p) in &allocated {
+                let cur = map.get(u);
+                if cur.punit == p && cur.bitmap == 0 {
+                    map.set(u, Entry::EMPTY);
+                    self.pool.alloc.lock().decref(p);
+                }
+            }
+            return Err(self.err(Error::io("pool write failed", e), "write", offset));
+        }
+        if !new_bits.is_empty() {
+            let mut map = self.vol.map.write();
+            if !self.vol.deleted.load(Ordering::Acquire) {
+                for (u, p, m) in new_bits {
+                    let cur = map.get(u);
+                    // If a trim unmapped or remapped the unit meanwhile, the trim came later.
+                    if cur.punit == p && cur.bitmap | m != cur.bitmap {
+                        let bitmap = cur.bitmap | m;
+                        map.set(u, Entry { punit: p, bitmap });
+                        self.pool.log_record(&Record::Map { volume: self.vol.id, lunit: u, punit: p, bitmap });
+                    }
+                }
+            }
+        }
+        self.pool.writes_since_sync.fetch_add(1, Ordering::SeqCst);
+        if fua && !dsync {
+            self.pool.commit().await.map_err(|e| self.err(e, "write", offset))?;
+        }
+        Ok(buf)
+    }
+
+    /// Discards `len` bytes at `offset`: the range reads as zeros at once; whole 4 KiB
+    /// blocks are dropped from the mapping and a unit whose blocks are all dropped is
+    /// freed; partial blocks at the edges are overwritten with zeros. With `fua` the
+    /// result is durable on return.
+    ///
+    /// Errors: [`ErrorKind::OutOfRange`], [`ErrorKind::Failed`], [`ErrorKind::NotFound`], [`ErrorKind::Io`].
+    pub async fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
+        self.check_range("trim", offset, len)?;
+        self.pool.check_writable().map_err(|e| self.err(e, "trim", offset))?;
+        if len == 0 {
+            return Ok(());
+        }
+        let end = offset + len;
+        let fb0 = offset.div_ceil(BLOCK_SIZE);
+        let fb1 = end / BLOCK_SIZE;
+        // Partial edge blocks: write zeros over the bytes if the block holds data.
+        let mut edges = Vec::new();
+        if fb0 > fb1 {
+            edges.push((offset, len)); // inside one block
+        } else {
+            if offset % BLOCK_SIZE != 0 {
+                edges.push((offset, fb0 * BLOCK_SIZE - offset));
+            }
+            if end % BLOCK_SIZE != 0 {
+                edges.push((fb1 * BLOCK_SIZE, end - fb1 * BLOCK_SIZE));
+            }
+        }
+        for (o, l) in edges {
+            if self.block_written(o / BLOCK_SIZE) {
+                let buf = self.alloc_write_buf(o, l as usize);
+                self.write(o, buf, false).await?;
+            }
+        }
+        if fb0 < fb1 {
+            self.unmap_blocks(fb0, fb1, offset)?;
+        }
+        if fua {
+            self.pool.commit().await.map_err(|e| self.err(e, "trim", offset))?;
+        }
+        Ok(())
+    }
+
+    fn block_written(&self, blk: u64) -> bool {
+        let bpu = self.pool.geo.blocks_per_unit();
+        let e = self.vol.map.read().get(blk / bpu);
+        e.is_mapped() && e.bitmap & (1 << (blk % bpu)) != 0
+    }
+
+    /// Clears the written bits of blocks `[b0, b1)`; frees units left with none.
+    fn unmap_blocks(&self, b0: u64, b1: u64, offset: u64) -> Result<()> {
+        let bpu = self.pool.geo.blocks_per_unit();
+        let page_units = crate::format::PAGE_ENTRIES as u64;
+        let u0 = b0 / bpu;
+        let u1 = (b1 - 1) / bpu + 1;
+        let mut u = u0;
+        while u < u1 {
+            // One page per lock hold, so a huge trim does not stall other I/O.
+            let page_end = ((u / page_units + 1) * page_units).min(u1);
+            let mut map = self.vol.map.write();
+            if self.vol.deleted.load(Ordering::Acquire) {
+                return Err(self.deleted("trim", offset));
+            }
+            if map.pages().get((u / page_units) as usize).is_none_or(|p| p.is_none()) {
+                u = page_end;
+                continue;
+            }
+            while u < page_end {
+                let e = map.get(u);
+                if e.is_mapped() {
+                    let s = (u * bpu).max(b0) - u * bpu;
+                    let t = ((u + 1) * bpu).min(b1) - u * bpu;
+                    let bitmap = e.bitmap & !mask(s, t);
+                    self.set_entry(&mut map, u, e, bitmap);
+                }
+                u += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Sets the bitmap of a mapped entry, unmapping and freeing its unit at zero, and logs it.
+    fn set_entry(&self, map: &mut MapTable, lunit: u64, e: Entry, bitmap: u32) {
+        if bitmap == e.bitmap && bitmap != 0 {
+            return;
+        }
+        if bitmap == 0 {
+            map.set(lunit, Entry::EMPTY);
+            self.pool.log_record(&Record::Unmap { volume: self.vol.id, lunit });
+            self.pool.alloc.lock().decref(e.punit);
+        } else {
+            map.set(lunit, Entry { punit: e.punit, bitmap });
+            self.pool.log_record(&Record::Map { volume: self.vol.id, lunit, punit: e.punit, bitmap });
+        }
+    }
+
+    /// Writes zeros to `len` bytes at `offset`. With `may_unmap` this is a trim (fast,
+    /// frees space); without it zeros are written and the range stays allocated.
+    ///
+    /// Errors: as [`Volume::trim`] and [`Volume::write`] (including [`ErrorKind::NoSpace`]
+    /// when `may_unmap` is false).
+    pub async fn write_zeroes(&self, offset: u64, len: u64, may_unmap: bool, fua: bool) -> Result<()> {
+        if may_unmap {
+            return self.trim(offset, len, fua).await;
+        }
+        self.check_range("write zeroes", offset, len)?;
+        let mut o = offset;
+        let end = offset + len;
+        while o < end {
+            let l = (end - o).min(1 << 20);
+            let buf = self.alloc_write_buf(o, l as usize);
+            self.write(o, buf, false).await?;
+            o += l;
+        }
+        if fua {
+            self.pool.commit().await.map_err(|e| self.err(e, "write zeroes", offset))?;
+        }
+        Ok(())
+    }
+
+    /// Makes every write completed before the call durable (all volumes of the pool).
+    ///
+    /// Errors: [`ErrorKind::Failed`].
+    pub async fn flush(&self) -> Result<()> {
+        self.pool.commit().await.map_err(|e| e.op("flush").volume(&self.vol.name))
+    }
+
+    /// Allocation of up to `len` bytes at `offset`, at 4 KiB precision, in order from
+    /// `offset`; stops after 65,536 extents or `len` bytes.
+    ///
+    /// Errors: [`ErrorKind::OutOfRange`], [`ErrorKind::NotFound`].
+    pub fn block_status(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
+        self.check_range("block status", offset, len)?;
+        let bpu = self.pool.geo.blocks_per_unit();
+        let us = self.pool.geo.unit_size;
+        let page_bytes = us * crate::format::PAGE_ENTRIES as u64;
+        let end = offset + len;
+        let mut ext = Vec::new();
+        let map = self.vol.map.read();
+        let mut pos = offset;
+        while pos < end && ext.len() < 65_536 {
+            let lunit = pos / us;
+            if map.pages().get((pos / page_bytes) as usize).is_none_or(|p| p.is_none()) {
+                let next = ((pos / page_bytes + 1) * page_bytes).min(end);
+                push_extent(&mut ext, next - pos, false);
+                pos = next;
+                continue;
+            }
+            let e = map.get(lunit);
+            if !e.is_mapped() || e.bitmap == 0 {
+                let next = ((lunit + 1) * us).min(end);
+                push_extent(&mut ext, next - pos, false);
+                pos = next;
+                continue;
+            }
+            let blk = pos / BLOCK_SIZE;
+            let next = ((blk + 1) * BLOCK_SIZE).min(end);
+            push_extent(&mut ext, next - pos, e.bitmap & (1 << (blk % bpu)) != 0);
+            pos = next;
+        }
+        Ok(ext)
+    }
+}
+
+fn worker_gone() -> Error {
+    Error::new(ErrorKind::Failed, "the I/O worker stopped")
+}
