@@ -1,0 +1,41 @@
+//! Connection-level failures of the NBD server.
+//!
+//! Lives here: [`Error`], returned by `serve_connection` when a connection ends other
+//! than by the client's choice (a soft disconnect, `NBD_OPT_ABORT`, or closing the socket
+//! between messages all end in `Ok`).
+//! Not here: per-request failures, which are sent to the client as [`crate::Errno`]
+//! values in error replies and never end the connection.
+
+use std::time::Duration;
+
+/// Why a connection was ended by the server or broke.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Reading from or writing to the socket failed, including the peer closing it in the
+    /// middle of a message.
+    #[error("i/o error on NBD connection: {0}")]
+    Io(#[from] std::io::Error),
+    /// The client broke a mandatory rule of the protocol (bad magic, unknown client flags,
+    /// oversized option data, ...); the server hard-disconnected.
+    #[error("NBD protocol violation by the client: {0}")]
+    Protocol(String),
+    /// Option haggling did not reach the transmission phase within the configured
+    /// `handshake_timeout`.
+    #[error("NBD handshake did not finish within {0:?}")]
+    HandshakeTimeout(Duration),
+    /// The client asked for an unknown export with `NBD_OPT_EXPORT_NAME`, which cannot be
+    /// answered with an error, so the server closed the connection (proto.md,
+    /// "`NBD_OPT_EXPORT_NAME`").
+    #[error("client requested unknown export {0:?} with NBD_OPT_EXPORT_NAME")]
+    UnknownExport(String),
+    /// A request handler panicked inside the export implementation; its reply can never
+    /// be sent, so the connection was closed.
+    #[error("an export operation panicked")]
+    HandlerPanicked,
+}
+
+impl Error {
+    pub(crate) fn protocol(msg: impl Into<String>) -> Self {
+        Self::Protocol(msg.into())
+    }
+}

@@ -1,0 +1,557 @@
+//! The fixed newstyle handshake and option haggling (proto.md, "Handshake", "Fixed
+//! newstyle negotiation", "Option types", "Metadata querying").
+//!
+//! Lives here: the server greeting, the client-flags check, the option loop answering
+//! `NBD_OPT_EXPORT_NAME`, `NBD_OPT_GO`, `NBD_OPT_INFO`, `NBD_OPT_LIST`, `NBD_OPT_ABORT`,
+//! `NBD_OPT_STRUCTURED_REPLY`, `NBD_OPT_LIST_META_CONTEXT` and `NBD_OPT_SET_META_CONTEXT`
+//! (everything else gets `NBD_REP_ERR_UNSUP`, including `NBD_OPT_STARTTLS`: this server runs
+//! in NOTLS mode), and the choice of transmission flags and block-size limits that the
+//! transmission phase then enforces.
+//! Not here: the handshake timeout (applied by `server::serve_connection`) and anything
+//! after option haggling (see `transmission`).
+
+use std::sync::Arc;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use crate::error::Error;
+use crate::export::{BlockSizes, Export, ExportFlags, ExportRegistry};
+use crate::proto::*;
+use crate::server::{read_full_or_eof, ServerConfig};
+
+/// The metadata context id given to `base:allocation` by `NBD_OPT_SET_META_CONTEXT`.
+pub(crate) const BASE_ALLOCATION_ID: u32 = 1;
+
+/// The hard upper bound on the advertised maximum block size, in bytes, whatever the
+/// configuration says: keeps one READ reply within a single `NBD_REPLY_TYPE_OFFSET_DATA`
+/// chunk and bounds per-request buffers.
+pub(crate) const HARD_MAX_PAYLOAD: u32 = 1 << 30;
+
+/// Block-size constraints as advertised in `NBD_INFO_BLOCK_SIZE` and enforced during
+/// transmission, in bytes (proto.md, "Block size constraints").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Limits {
+    /// Power of two, 1 ..= 65536.
+    pub minimum: u32,
+    /// Power of two, at least `max(minimum, 512)`, at most `maximum`.
+    pub preferred: u32,
+    /// Multiple of `minimum`; at most the configured payload cap.
+    pub maximum: u32,
+}
+
+impl Limits {
+    /// Turns the export's wishes into constraints that satisfy the spec's rules: a
+    /// nonsensical value is replaced by the nearest stricter valid one, and the maximum
+    /// is capped at `max_payload` (itself capped at [`HARD_MAX_PAYLOAD`]).
+    pub(crate) fn new(sizes: BlockSizes, max_payload: u32) -> Self {
+        let minimum = sizes.minimum.clamp(1, 1 << 16).next_power_of_two();
+        let floor = minimum.max(512);
+        let cap = sizes.maximum.min(max_payload).min(HARD_MAX_PAYLOAD);
+        let maximum = (cap / minimum * minimum).max(floor);
+        let mut preferred = sizes.preferred.clamp(floor, 1 << 30).next_power_of_two();
+        if preferred > maximum {
+            // Largest power of two not above `maximum` (which is >= floor >= 512).
+            preferred = (1u32 << (31 - maximum.leading_zeros())).max(floor);
+        }
+        Self {
+            minimum,
+            preferred,
+            maximum,
+        }
+    }
+}
+
+/// Everything the transmission phase needs to know about what was negotiated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Params {
+    /// `NBD_OPT_STRUCTURED_REPLY` was acknowledged.
+    pub structured: bool,
+    /// The context id of `base:allocation`, when it was selected for this export.
+    pub base_allocation: Option<u32>,
+    /// The transmission flags sent to the client.
+    pub transmission_flags: u16,
+    /// Block-size constraints.
+    pub limits: Limits,
+}
+
+/// The outcome of a successful handshake.
+pub(crate) struct Negotiated<E> {
+    pub export: Arc<E>,
+    pub name: String,
+    pub params: Params,
+}
+
+/// Transmission flags for an export (proto.md, "Transmission flags"). Flush, FUA and
+/// cache are always offered (the export contract covers them); DF only with structured
+/// replies, as the spec requires.
+pub(crate) fn transmission_flags(flags: ExportFlags, structured: bool) -> u16 {
+    let mut t = NBD_FLAG_HAS_FLAGS | NBD_FLAG_SEND_FLUSH | NBD_FLAG_SEND_FUA | NBD_FLAG_SEND_CACHE;
+    if flags.read_only {
+        t |= NBD_FLAG_READ_ONLY;
+    }
+    if flags.can_trim {
+        t |= NBD_FLAG_SEND_TRIM;
+    }
+    if flags.can_write_zeroes {
+        t |= NBD_FLAG_SEND_WRITE_ZEROES;
+        if flags.can_fast_zero {
+            t |= NBD_FLAG_SEND_FAST_ZERO;
+        }
+    }
+    if flags.can_multi_conn {
+        t |= NBD_FLAG_CAN_MULTI_CONN;
+    }
+    if structured {
+        t |= NBD_FLAG_SEND_DF;
+    }
+    t
+}
+
+/// State that options change during haggling.
+#[derive(Default)]
+struct Haggle {
+    structured: bool,
+    /// Export name given to the last successful `NBD_OPT_SET_META_CONTEXT` that selected
+    /// `base:allocation`.
+    meta_export: Option<String>,
+}
+
+impl Haggle {
+    fn params<E: Export>(&self, export: &E, name: &str, config: &ServerConfig) -> Params {
+        let base_allocation = match &self.meta_export {
+            Some(n) if self.structured && n == name => Some(BASE_ALLOCATION_ID),
+            _ => None,
+        };
+        Params {
+            structured: self.structured,
+            base_allocation,
+            transmission_flags: transmission_flags(export.flags(), self.structured),
+            limits: Limits::new(export.block_sizes(), config.max_payload),
+        }
+    }
+}
+
+async fn send_reply<S: AsyncWrite + Unpin>(
+    stream: &mut S,
+    option: u32,
+    reply_type: u32,
+    data: &[u8],
+) -> std::io::Result<()> {
+    stream
+        .write_all(&encode_option_reply(option, reply_type, data))
+        .await
+}
+
+async fn send_final<S: AsyncWrite + Unpin>(
+    stream: &mut S,
+    option: u32,
+    reply_type: u32,
+    data: &[u8],
+) -> std::io::Result<()> {
+    send_reply(stream, option, reply_type, data).await?;
+    stream.flush().await
+}
+
+/// Runs the handshake up to the transmission phase.
+///
+/// Returns `Ok(None)` when the client ended option haggling itself (`NBD_OPT_ABORT`, or
+/// closing the connection between options), `Ok(Some(_))` after `NBD_OPT_GO` or
+/// `NBD_OPT_EXPORT_NAME` succeeded, and an [`Error`] for a hard disconnect.
+pub(crate) async fn handshake<R, S>(
+    stream: &mut S,
+    registry: &R,
+    config: &ServerConfig,
+) -> Result<Option<Negotiated<R::Export>>, Error>
+where
+    R: ExportRegistry,
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    stream
+        .write_all(&encode_greeting(
+            NBD_FLAG_FIXED_NEWSTYLE | NBD_FLAG_NO_ZEROES,
+        ))
+        .await?;
+    stream.flush().await?;
+
+    let client_flags = stream.read_u32().await?;
+    if client_flags & !(NBD_FLAG_C_FIXED_NEWSTYLE | NBD_FLAG_C_NO_ZEROES) != 0 {
+        return Err(Error::protocol(format!(
+            "unknown client flags {client_flags:#x}"
+        )));
+    }
+    if client_flags & NBD_FLAG_C_FIXED_NEWSTYLE == 0 {
+        return Err(Error::protocol(
+            "client does not support fixed newstyle negotiation",
+        ));
+    }
+    let no_zeroes = client_flags & NBD_FLAG_C_NO_ZEROES != 0;
+
+    let mut state = Haggle::default();
+    loop {
+        let mut header = [0u8; OPTION_HEADER_LEN];
+        if !read_full_or_eof(stream, &mut header).await? {
+            return Ok(None);
+        }
+        let header = OptionHeader::parse(&header)
+            .map_err(|e| Error::protocol(format!("option header: {e}")))?;
+        if header.length > config.max_option_length {
+            return Err(Error::protocol(format!(
+                "option {} carries {} bytes of data, more than the {} allowed",
+                header.option, header.length, config.max_option_length
+            )));
+        }
+        let mut data = vec![0u8; header.length as usize];
+        stream.read_exact(&mut data).await?;
+        let option = header.option;
+        tracing::trace!(option, length = header.length, "option received");
+
+        match option {
+            NBD_OPT_EXPORT_NAME => {
+                let name = parse_export_name(&data)
+                    .map_err(|e| Error::protocol(format!("NBD_OPT_EXPORT_NAME: {e}")))?;
+                let Some(export) = registry.lookup(&name) else {
+                    return Err(Error::UnknownExport(name));
+                };
+                let params = state.params(&*export, &name, config);
+                let reply =
+                    encode_export_name_reply(export.size(), params.transmission_flags, no_zeroes);
+                stream.write_all(&reply).await?;
+                stream.flush().await?;
+                return Ok(Some(Negotiated {
+                    export,
+                    name,
+                    params,
+                }));
+            }
+            NBD_OPT_ABORT => {
+                // The client may already have closed; a failed ACK changes nothing.
+                let _ = send_final(stream, option, NBD_REP_ACK, &[]).await;
+                return Ok(None);
+            }
+            NBD_OPT_LIST => {
+                if !data.is_empty() {
+                    send_final(
+                        stream,
+                        option,
+                        NBD_REP_ERR_INVALID,
+                        b"NBD_OPT_LIST takes no data",
+                    )
+                    .await?;
+                    continue;
+                }
+                for (name, description) in registry.list() {
+                    send_reply(
+                        stream,
+                        option,
+                        NBD_REP_SERVER,
+                        &encode_rep_server(&name, &description),
+                    )
+                    .await?;
+                }
+                send_final(stream, option, NBD_REP_ACK, &[]).await?;
+            }
+            NBD_OPT_INFO | NBD_OPT_GO => {
+                if let Some(n) = info_or_go(stream, registry, config, &state, option, &data).await?
+                {
+                    return Ok(Some(n));
+                }
+            }
+            NBD_OPT_STRUCTURED_REPLY => {
+                if !data.is_empty() {
+                    send_final(
+                        stream,
+                        option,
+                        NBD_REP_ERR_INVALID,
+                        b"NBD_OPT_STRUCTURED_REPLY takes no data",
+                    )
+                    .await?;
+                    continue;
+                }
+                state.structured = true;
+                send_final(stream, option, NBD_REP_ACK, &[]).await?;
+            }
+            NBD_OPT_LIST_META_CONTEXT | NBD_OPT_SET_META_CONTEXT => {
+                meta_context(stream, registry, &mut state, option, &data).await?;
+            }
+            NBD_OPT_STARTTLS => {
+                send_final(stream, option, NBD_REP_ERR_UNSUP, b"TLS is not supported").await?;
+            }
+            _ => {
+                send_final(stream, option, NBD_REP_ERR_UNSUP, b"unsupported option").await?;
+            }
+        }
+    }
+}
+
+/// `NBD_OPT_INFO` and `NBD_OPT_GO`: `NBD_REP_INFO` replies (`NBD_INFO_EXPORT` and
+/// `NBD_INFO_BLOCK_SIZE` always, `NBD_INFO_NAME` and `NBD_INFO_DESCRIPTION` when asked),
+/// then `NBD_REP_ACK`; or one error reply. Returns the negotiated state after a
+/// successful `NBD_OPT_GO`.
+async fn info_or_go<R, S>(
+    stream: &mut S,
+    registry: &R,
+    config: &ServerConfig,
+    state: &Haggle,
+    option: u32,
+    data: &[u8],
+) -> Result<Option<Negotiated<R::Export>>, Error>
+where
+    R: ExportRegistry,
+    S: AsyncWrite + Unpin,
+{
+    let request = match InfoRequest::parse(data) {
+        Ok(r) => r,
+        Err(e) => {
+            send_final(
+                stream,
+                option,
+                NBD_REP_ERR_INVALID,
+                e.to_string().as_bytes(),
+            )
+            .await?;
+            return Ok(None);
+        }
+    };
+    let Some(export) = registry.lookup(&request.name) else {
+        send_final(
+            stream,
+            option,
+            NBD_REP_ERR_UNKNOWN,
+            b"no export of that name",
+        )
+        .await?;
+        return Ok(None);
+    };
+    let params = state.params(&*export, &request.name, config);
+
+    send_reply(
+        stream,
+        option,
+        NBD_REP_INFO,
+        &encode_info_export(export.size(), params.transmission_flags),
+    )
+    .await?;
+    if request.requests.contains(&NBD_INFO_NAME) {
+        send_reply(
+            stream,
+            option,
+            NBD_REP_INFO,
+            &encode_info_string(NBD_INFO_NAME, &request.name),
+        )
+        .await?;
+    }
+    if request.requests.contains(&NBD_INFO_DESCRIPTION) {
+        let description = export.description();
+        send_reply(
+            stream,
+            option,
+            NBD_REP_INFO,
+            &encode_info_string(NBD_INFO_DESCRIPTION, &description),
+        )
+        .await?;
+    }
+    let l = params.limits;
+    send_reply(
+        stream,
+        option,
+        NBD_REP_INFO,
+        &encode_info_block_size(l.minimum, l.preferred, l.maximum),
+    )
+    .await?;
+    send_final(stream, option, NBD_REP_ACK, &[]).await?;
+
+    if option == NBD_OPT_GO {
+        Ok(Some(Negotiated {
+            export,
+            name: request.name,
+            params,
+        }))
+    } else {
+        Ok(None)
+    }
+}
+
+/// `NBD_OPT_LIST_META_CONTEXT` and `NBD_OPT_SET_META_CONTEXT` for the `base:` namespace
+/// (proto.md, "The `base:` metadata namespace"): `base:allocation` is listed for no
+/// queries, `base:` or `base:allocation`, and selected only by `base:allocation`; queries
+/// for other namespaces or leaf names are ignored.
+async fn meta_context<R, S>(
+    stream: &mut S,
+    registry: &R,
+    state: &mut Haggle,
+    option: u32,
+    data: &[u8],
+) -> Result<(), Error>
+where
+    R: ExportRegistry,
+    S: AsyncWrite + Unpin,
+{
+    let set = option == NBD_OPT_SET_META_CONTEXT;
+    if set {
+        // SET replaces the previous selection, even when it fails.
+        state.meta_export = None;
+    }
+    if !state.structured {
+        send_final(
+            stream,
+            option,
+            NBD_REP_ERR_INVALID,
+            b"negotiate NBD_OPT_STRUCTURED_REPLY first",
+        )
+        .await?;
+        return Ok(());
+    }
+    let request = match MetaContextRequest::parse(data) {
+        Ok(r) => r,
+        Err(e) => {
+            send_final(
+                stream,
+                option,
+                NBD_REP_ERR_INVALID,
+                e.to_string().as_bytes(),
+            )
+            .await?;
+            return Ok(());
+        }
+    };
+    if registry.lookup(&request.export_name).is_none() {
+        send_final(
+            stream,
+            option,
+            NBD_REP_ERR_UNKNOWN,
+            b"no export of that name",
+        )
+        .await?;
+        return Ok(());
+    }
+    let selected = if set {
+        request.queries.iter().any(|q| q == BASE_ALLOCATION)
+    } else {
+        request.queries.is_empty()
+            || request
+                .queries
+                .iter()
+                .any(|q| q == BASE_ALLOCATION || q == "base:")
+    };
+    if selected {
+        // LIST replies carry the reserved id 0.
+        let id = if set { BASE_ALLOCATION_ID } else { 0 };
+        send_reply(
+            stream,
+            option,
+            NBD_REP_META_CONTEXT,
+            &encode_meta_context(id, BASE_ALLOCATION),
+        )
+        .await?;
+        if set {
+            state.meta_export = Some(request.export_name);
+        }
+    }
+    send_final(stream, option, NBD_REP_ACK, &[]).await?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sizes(minimum: u32, preferred: u32, maximum: u32) -> BlockSizes {
+        BlockSizes {
+            minimum,
+            preferred,
+            maximum,
+        }
+    }
+
+    #[test]
+    fn limits_pass_valid_values_through() {
+        let l = Limits::new(sizes(512, 4096, 1 << 20), 1 << 25);
+        assert_eq!(
+            l,
+            Limits {
+                minimum: 512,
+                preferred: 4096,
+                maximum: 1 << 20
+            }
+        );
+    }
+
+    #[test]
+    fn limits_cap_the_maximum() {
+        let l = Limits::new(sizes(1, 4096, u32::MAX), 1 << 25);
+        assert_eq!(
+            l,
+            Limits {
+                minimum: 1,
+                preferred: 4096,
+                maximum: 1 << 25
+            }
+        );
+        let l = Limits::new(sizes(1, 4096, u32::MAX), u32::MAX);
+        assert_eq!(l.maximum, HARD_MAX_PAYLOAD);
+    }
+
+    #[test]
+    fn limits_repair_nonsense() {
+        // minimum not a power of two, too large; preferred too small; maximum unaligned
+        let l = Limits::new(sizes(3000, 100, 10_000), 1 << 25);
+        assert_eq!(l.minimum, 4096);
+        assert_eq!(l.maximum, 8192);
+        assert_eq!(l.preferred, 4096);
+        // preferred above the maximum comes down to it
+        let l = Limits::new(sizes(512, 1 << 20, 3 * 4096), 1 << 25);
+        assert_eq!(
+            l,
+            Limits {
+                minimum: 512,
+                preferred: 8192,
+                maximum: 3 * 4096
+            }
+        );
+        let l = Limits::new(sizes(0, 0, 0), 1 << 25);
+        assert_eq!(
+            l,
+            Limits {
+                minimum: 1,
+                preferred: 512,
+                maximum: 512
+            }
+        );
+        let l = Limits::new(sizes(1 << 20, 1 << 20, 1 << 20), 1 << 25);
+        assert_eq!(l.minimum, 1 << 16);
+    }
+
+    #[test]
+    fn flags_follow_the_export() {
+        let none = ExportFlags {
+            read_only: false,
+            can_trim: false,
+            can_write_zeroes: false,
+            can_fast_zero: true,
+            can_multi_conn: false,
+        };
+        let t = transmission_flags(none, false);
+        assert_eq!(
+            t,
+            NBD_FLAG_HAS_FLAGS | NBD_FLAG_SEND_FLUSH | NBD_FLAG_SEND_FUA | NBD_FLAG_SEND_CACHE
+        );
+        let all = ExportFlags {
+            read_only: true,
+            can_trim: true,
+            can_write_zeroes: true,
+            can_fast_zero: true,
+            can_multi_conn: true,
+        };
+        let t = transmission_flags(all, true);
+        for f in [
+            NBD_FLAG_READ_ONLY,
+            NBD_FLAG_SEND_TRIM,
+            NBD_FLAG_SEND_WRITE_ZEROES,
+            NBD_FLAG_SEND_FAST_ZERO,
+            NBD_FLAG_CAN_MULTI_CONN,
+            NBD_FLAG_SEND_DF,
+        ] {
+            assert_ne!(t & f, 0, "flag {f:#x}");
+        }
+    }
+}

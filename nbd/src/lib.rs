@@ -1,0 +1,26 @@
+//! NBD (Network Block Device) protocol server for ferrovol.
+//!
+//! Lives here: the fixed newstyle handshake with option haggling, the transmission
+//! phase with many requests in flight and out-of-order replies, simple and structured
+//! replies, block status for the `base:allocation` metadata context, and accept loops for
+//! TCP and Unix sockets. The protocol follows the NetworkBlockDevice `doc/proto.md`; doc
+//! comments name the section they implement.
+//! Not here: storage. Data lives behind the [`Export`] trait, exports are found through
+//! [`ExportRegistry`]; this crate does not depend on any storage implementation. TLS and
+//! extended headers are not implemented (`NBD_OPT_STARTTLS` and
+//! `NBD_OPT_EXTENDED_HEADERS` are answered with `NBD_REP_ERR_UNSUP`).
+//!
+//! Entry points: [`serve_connection`] for one already-accepted stream, [`serve_tcp`] and
+//! [`serve_unix`] for accept loops, all tuned by [`ServerConfig`]. The wire format is in
+//! [`proto`], public so that clients and tests can speak it too.
+
+pub mod error;
+pub mod export;
+mod handshake;
+pub mod proto;
+pub mod server;
+mod transmission;
+
+pub use error::Error;
+pub use export::{BlockSizes, Errno, Export, ExportFlags, ExportRegistry, Extent, ReadData};
+pub use server::{serve_connection, serve_tcp, serve_unix, ServerConfig};

@@ -1,0 +1,1116 @@
+//! The transmission phase (proto.md, "Transmission", "Request types", "Error values",
+//! "Block size constraints").
+//!
+//! Lives here: the request reader (parses headers, validates each request against the
+//! negotiated state and the export size read at that moment, receives or discards WRITE
+//! payloads, and spawns one task per accepted request), the reply writer (the only owner
+//! of the socket's write half, writing replies in completion order), the per-connection
+//! backpressure (a request-count and a payload-byte budget), and the building of simple
+//! and structured replies (`NBD_REPLY_TYPE_OFFSET_DATA`, `NBD_REPLY_TYPE_OFFSET_HOLE`,
+//! `NBD_REPLY_TYPE_BLOCK_STATUS`, `NBD_REPLY_TYPE_ERROR`).
+//! Not here: option haggling (`handshake`), byte layouts (`proto`).
+//!
+//! Ordering: replies go out as requests complete, in any order (proto.md, "Ordering of
+//! messages and writes"). `NBD_CMD_FLUSH` calls [`Export::flush`] when it is processed;
+//! every write replied to before the flush was received has completed, and the export
+//! contract makes completed writes durable on flush. `NBD_CMD_DISC` stops reading, waits
+//! for every in-flight request, writes their replies and closes.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinSet;
+
+use crate::error::Error;
+use crate::export::{Errno, Export, Extent, ReadData};
+use crate::handshake::{Negotiated, Params};
+use crate::proto::*;
+use crate::server::{read_full_or_eof, ServerConfig};
+
+/// Most descriptors sent in one `NBD_REPLY_TYPE_BLOCK_STATUS` chunk; the spec lets a
+/// server describe less than the requested length.
+const MAX_BLOCK_STATUS_DESCRIPTORS: usize = 1 << 16;
+
+/// Granularity of the payload-byte budget, in bytes.
+const BYTE_UNIT: usize = 4096;
+
+/// A request that passed validation, ready to run against the export. Offsets and
+/// lengths are in bytes and within the export.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Op {
+    Read {
+        offset: u64,
+        len: u32,
+        df: bool,
+    },
+    Write {
+        offset: u64,
+        len: u32,
+        fua: bool,
+    },
+    Flush,
+    Trim {
+        offset: u64,
+        len: u32,
+        fua: bool,
+    },
+    WriteZeroes {
+        offset: u64,
+        len: u32,
+        may_unmap: bool,
+        fast_only: bool,
+        fua: bool,
+    },
+    Cache {
+        offset: u64,
+        len: u32,
+    },
+    BlockStatus {
+        offset: u64,
+        len: u32,
+        req_one: bool,
+        context_id: u32,
+    },
+}
+
+impl Op {
+    /// Bytes this request buffers in memory (its READ data or WRITE payload).
+    fn payload_bytes(&self) -> usize {
+        match *self {
+            Op::Read { len, .. } | Op::Write { len, .. } => len as usize,
+            _ => 0,
+        }
+    }
+}
+
+/// Why a request is answered with an error without reaching the export.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Rejection {
+    pub errno: Errno,
+    pub message: &'static str,
+}
+
+fn reject(errno: Errno, message: &'static str) -> Rejection {
+    Rejection { errno, message }
+}
+
+/// Validates a request (anything but `NBD_CMD_DISC`) against the negotiated parameters
+/// and the current export size in bytes, following proto.md "Error values", "Command
+/// flags" and "Block size constraints":
+///
+/// - unknown command, or a flag not valid for the command → `NBD_EINVAL`;
+/// - WRITE, TRIM or WRITE_ZEROES on a read-only export → `NBD_EPERM`;
+/// - TRIM / WRITE_ZEROES not offered, BLOCK_STATUS without a negotiated context → `NBD_EINVAL`;
+/// - FLUSH with nonzero offset or length → `NBD_EINVAL`;
+/// - zero length, misalignment to the minimum block size (except a request ending exactly
+///   at the end of the export), or READ/WRITE/CACHE longer than the maximum block size →
+///   `NBD_EINVAL`;
+/// - past the end of the export → `NBD_ENOSPC` for WRITE and WRITE_ZEROES, `NBD_EINVAL`
+///   otherwise.
+///
+/// TRIM and WRITE_ZEROES are not held to the maximum block size: they carry no payload,
+/// and clients such as the Linux kernel send large ones.
+pub(crate) fn check(req: &Request, params: &Params, size: u64) -> Result<Op, Rejection> {
+    let tflags = params.transmission_flags;
+    let flag_if = |cond: bool, flag: u16| if cond { flag } else { 0 };
+    let allowed = match req.command {
+        Command::Read => {
+            NBD_CMD_FLAG_FUA | flag_if(tflags & NBD_FLAG_SEND_DF != 0, NBD_CMD_FLAG_DF)
+        }
+        Command::Write | Command::Flush | Command::Trim | Command::Cache | Command::Disc => {
+            NBD_CMD_FLAG_FUA
+        }
+        Command::WriteZeroes => {
+            NBD_CMD_FLAG_FUA
+                | NBD_CMD_FLAG_NO_HOLE
+                | flag_if(
+                    tflags & NBD_FLAG_SEND_FAST_ZERO != 0,
+                    NBD_CMD_FLAG_FAST_ZERO,
+                )
+        }
+        Command::BlockStatus => NBD_CMD_FLAG_FUA | NBD_CMD_FLAG_REQ_ONE,
+        Command::Unsupported(_) => return Err(reject(Errno::Einval, "unknown command")),
+    };
+    if req.flags & !allowed != 0 {
+        return Err(reject(
+            Errno::Einval,
+            "command flag not valid for this command",
+        ));
+    }
+    let fua = req.flags & NBD_CMD_FLAG_FUA != 0;
+
+    let writes = matches!(
+        req.command,
+        Command::Write | Command::Trim | Command::WriteZeroes
+    );
+    if writes && tflags & NBD_FLAG_READ_ONLY != 0 {
+        return Err(reject(Errno::Eperm, "export is read-only"));
+    }
+    match req.command {
+        Command::Trim if tflags & NBD_FLAG_SEND_TRIM == 0 => {
+            return Err(reject(
+                Errno::Einval,
+                "trim is not supported by this export",
+            ));
+        }
+        Command::WriteZeroes if tflags & NBD_FLAG_SEND_WRITE_ZEROES == 0 => {
+            return Err(reject(
+                Errno::Einval,
+                "write zeroes is not supported by this export",
+            ));
+        }
+        Command::BlockStatus if params.base_allocation.is_none() => {
+            return Err(reject(Errno::Einval, "no metadata context was negotiated"));
+        }
+        Command::Flush => {
+            if req.offset != 0 || req.length != 0 {
+                return Err(reject(
+                    Errno::Einval,
+                    "flush offset and length must be zero",
+                ));
+            }
+            return Ok(Op::Flush);
+        }
+        _ => {}
+    }
+
+    let (offset, len) = (req.offset, req.length);
+    if len == 0 {
+        return Err(reject(Errno::Einval, "zero-length request"));
+    }
+    let end = offset.checked_add(u64::from(len));
+    let min = u64::from(params.limits.minimum);
+    if offset % min != 0 || (u64::from(len) % min != 0 && end != Some(size)) {
+        return Err(reject(
+            Errno::Einval,
+            "request not aligned to the minimum block size",
+        ));
+    }
+    if matches!(req.command, Command::Read | Command::Write | Command::Cache)
+        && len > params.limits.maximum
+    {
+        return Err(reject(
+            Errno::Einval,
+            "request longer than the maximum block size",
+        ));
+    }
+    if end.is_none_or(|end| end > size) {
+        return Err(match req.command {
+            Command::Write | Command::WriteZeroes => {
+                reject(Errno::Enospc, "request extends past the end of the export")
+            }
+            _ => reject(Errno::Einval, "request extends past the end of the export"),
+        });
+    }
+
+    Ok(match req.command {
+        Command::Read => Op::Read {
+            offset,
+            len,
+            df: req.flags & NBD_CMD_FLAG_DF != 0,
+        },
+        Command::Write => Op::Write { offset, len, fua },
+        Command::Trim => Op::Trim { offset, len, fua },
+        Command::WriteZeroes => Op::WriteZeroes {
+            offset,
+            len,
+            may_unmap: req.flags & NBD_CMD_FLAG_NO_HOLE == 0,
+            fast_only: req.flags & NBD_CMD_FLAG_FAST_ZERO != 0,
+            fua,
+        },
+        Command::Cache => Op::Cache { offset, len },
+        Command::BlockStatus => Op::BlockStatus {
+            offset,
+            len,
+            req_one: req.flags & NBD_CMD_FLAG_REQ_ONE != 0,
+            context_id: params.base_allocation.unwrap_or(0),
+        },
+        // Handled above or before calling; kept total without panicking.
+        Command::Flush => Op::Flush,
+        Command::Disc | Command::Unsupported(_) => {
+            return Err(reject(Errno::Einval, "unexpected command"));
+        }
+    })
+}
+
+// ---------------------------------------------------------------------------------------
+// Replies
+// ---------------------------------------------------------------------------------------
+
+/// A piece of an encoded reply: literal bytes, or a range of the READ buffer.
+enum Piece {
+    Bytes(Vec<u8>),
+    Data(Range<usize>),
+}
+
+/// One complete reply (a simple reply, or every chunk of a structured reply), written
+/// as a unit by the writer.
+struct Reply<B> {
+    pieces: Vec<Piece>,
+    buf: Option<B>,
+}
+
+impl<B> Reply<B> {
+    fn bytes(b: Vec<u8>) -> Self {
+        Self {
+            pieces: vec![Piece::Bytes(b)],
+            buf: None,
+        }
+    }
+}
+
+/// Budget held by a request until its reply has been handed to the socket.
+struct Permits {
+    _count: OwnedSemaphorePermit,
+    _bytes: Option<OwnedSemaphorePermit>,
+}
+
+struct Outgoing<B> {
+    reply: Reply<B>,
+    _permits: Permits,
+}
+
+fn success<B>(handle: u64) -> Reply<B> {
+    Reply::bytes(SimpleReply { error: 0, handle }.encode().to_vec())
+}
+
+/// An error reply: an `NBD_REPLY_TYPE_ERROR` chunk with a message when structured replies
+/// were negotiated (required for READ, preferred for the rest), a simple reply otherwise.
+fn error_reply<B>(structured: bool, handle: u64, errno: Errno, message: &str) -> Reply<B> {
+    if structured {
+        Reply::bytes(encode_error_chunk(handle, errno, message, true))
+    } else {
+        Reply::bytes(
+            SimpleReply {
+                error: errno.wire_value(),
+                handle,
+            }
+            .encode()
+            .to_vec(),
+        )
+    }
+}
+
+fn done<B>(structured: bool, handle: u64, result: Result<(), Errno>, what: &str) -> Reply<B> {
+    match result {
+        Ok(()) => success(handle),
+        Err(errno) => error_reply(structured, handle, errno, what),
+    }
+}
+
+/// A run of a READ reply: `len` bytes at `start` (relative to the request offset), either
+/// data or a hole that reads as zeros.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Run {
+    start: u32,
+    len: u32,
+    hole: bool,
+}
+
+/// Splits a read of `len` bytes into data and hole runs from the export's extents.
+/// Returns `None` (send everything as data) when the extents are empty or do not cover
+/// exactly `len` bytes.
+fn content_runs(extents: &[Extent], len: u32) -> Option<Vec<Run>> {
+    if extents.is_empty() {
+        return None;
+    }
+    let mut runs: Vec<Run> = Vec::new();
+    let mut covered: u64 = 0;
+    for e in extents.iter().filter(|e| e.length > 0) {
+        let next = covered.checked_add(e.length)?;
+        if next > u64::from(len) {
+            return None;
+        }
+        // Both fit in u32: covered < next <= len.
+        let (start, run_len) = (covered as u32, e.length as u32);
+        let hole = e.hole && e.zero;
+        match runs.last_mut() {
+            Some(last) if last.hole == hole => last.len += run_len,
+            _ => runs.push(Run {
+                start,
+                len: run_len,
+                hole,
+            }),
+        }
+        covered = next;
+    }
+    (covered == u64::from(len)).then_some(runs)
+}
+
+/// The reply to a successful READ. Simple: header then data. Structured: one
+/// `NBD_REPLY_TYPE_OFFSET_DATA` chunk per data run and one `NBD_REPLY_TYPE_OFFSET_HOLE`
+/// chunk per hole run (a single data chunk with `df`), the last chunk flagged DONE.
+fn read_reply<B: AsRef<[u8]>>(
+    structured: bool,
+    handle: u64,
+    offset: u64,
+    len: u32,
+    df: bool,
+    data: ReadData<B>,
+) -> Reply<B> {
+    if data.data.as_ref().len() != len as usize {
+        tracing::warn!(
+            expected = len,
+            got = data.data.as_ref().len(),
+            "export returned a read buffer of the wrong length"
+        );
+        return error_reply(
+            structured,
+            handle,
+            Errno::Eio,
+            "internal error: short read buffer",
+        );
+    }
+    if !structured {
+        return Reply {
+            pieces: vec![
+                Piece::Bytes(SimpleReply { error: 0, handle }.encode().to_vec()),
+                Piece::Data(0..len as usize),
+            ],
+            buf: Some(data.data),
+        };
+    }
+    let runs = if df {
+        None
+    } else {
+        content_runs(&data.extents, len)
+    }
+    .unwrap_or_else(|| {
+        vec![Run {
+            start: 0,
+            len,
+            hole: false,
+        }]
+    });
+    let mut pieces = Vec::with_capacity(runs.len() * 2);
+    let last = runs.len().saturating_sub(1);
+    for (i, run) in runs.iter().enumerate() {
+        let at = offset + u64::from(run.start);
+        if run.hole {
+            pieces.push(Piece::Bytes(
+                encode_offset_hole(handle, at, run.len, i == last).to_vec(),
+            ));
+        } else {
+            pieces.push(Piece::Bytes(
+                encode_offset_data_header(handle, at, run.len, i == last).to_vec(),
+            ));
+            let start = run.start as usize;
+            pieces.push(Piece::Data(start..start + run.len as usize));
+        }
+    }
+    Reply {
+        pieces,
+        buf: Some(data.data),
+    }
+}
+
+/// Block status descriptors for a request of `len` bytes: zero-length extents dropped,
+/// neighbours with equal status merged, clipped to `len`, one descriptor with `req_one`.
+/// Falls back to a single descriptor of status 0 (always truthful) when the export
+/// described nothing.
+fn block_descriptors(extents: &[Extent], len: u32, req_one: bool) -> Vec<BlockDescriptor> {
+    let mut out: Vec<BlockDescriptor> = Vec::new();
+    let mut covered: u64 = 0;
+    for e in extents.iter().filter(|e| e.length > 0) {
+        let remaining = u64::from(len) - covered;
+        if remaining == 0 {
+            break;
+        }
+        let l = e.length.min(remaining) as u32;
+        let status = allocation_status(e);
+        match out.last_mut() {
+            Some(last) if last.status == status => last.length += l,
+            _ => {
+                if out.len() == MAX_BLOCK_STATUS_DESCRIPTORS || (req_one && !out.is_empty()) {
+                    break;
+                }
+                out.push(BlockDescriptor { length: l, status });
+            }
+        }
+        covered += u64::from(l);
+    }
+    if out.is_empty() {
+        out.push(BlockDescriptor {
+            length: len,
+            status: 0,
+        });
+    }
+    out
+}
+
+/// Runs one validated request against the export and builds its reply.
+async fn execute<E: Export>(
+    export: &E,
+    structured: bool,
+    handle: u64,
+    op: Op,
+) -> Reply<E::ReadBuf> {
+    match op {
+        Op::Read { offset, len, df } => match export.read(offset, len).await {
+            Ok(data) => read_reply(structured, handle, offset, len, df, data),
+            Err(errno) => error_reply(structured, handle, errno, "read failed"),
+        },
+        Op::Flush => done(structured, handle, export.flush().await, "flush failed"),
+        Op::Trim { offset, len, fua } => done(
+            structured,
+            handle,
+            export.trim(offset, u64::from(len), fua).await,
+            "trim failed",
+        ),
+        Op::WriteZeroes {
+            offset,
+            len,
+            may_unmap,
+            fast_only,
+            fua,
+        } => done(
+            structured,
+            handle,
+            export
+                .write_zeroes(offset, u64::from(len), may_unmap, fast_only, fua)
+                .await,
+            "write zeroes failed",
+        ),
+        Op::Cache { offset, len } => done(
+            structured,
+            handle,
+            export.cache(offset, u64::from(len)).await,
+            "cache failed",
+        ),
+        Op::BlockStatus {
+            offset,
+            len,
+            req_one,
+            context_id,
+        } => match export.block_status(offset, u64::from(len)) {
+            Ok(extents) => {
+                let d = block_descriptors(&extents, len, req_one);
+                Reply::bytes(encode_block_status(handle, context_id, &d, true))
+            }
+            Err(errno) => error_reply(structured, handle, errno, "block status failed"),
+        },
+        // WRITE carries a buffer and runs through `execute_write`.
+        Op::Write { .. } => error_reply(structured, handle, Errno::Eio, "internal error"),
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Reader, writer, and the connection
+// ---------------------------------------------------------------------------------------
+
+/// Runs the transmission phase on `stream` until the client disconnects.
+pub(crate) async fn transmission<E, S>(
+    stream: S,
+    negotiated: Negotiated<E>,
+    config: &ServerConfig,
+) -> Result<(), Error>
+where
+    E: Export,
+    S: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    let (mut reader, writer) = tokio::io::split(stream);
+    let capacity = config
+        .max_in_flight_requests
+        .clamp(1, Semaphore::MAX_PERMITS);
+    let (tx, rx) = mpsc::channel(capacity);
+    let (read_result, write_result) = tokio::join!(
+        read_requests(&mut reader, negotiated, tx, config),
+        write_replies(writer, rx),
+    );
+    // A writer failure is the root cause when both ended badly.
+    write_result?;
+    read_result
+}
+
+/// The single owner of the write half: writes each reply whole, batching whatever is
+/// ready before flushing; shuts the write side down when every sender is gone.
+async fn write_replies<W, B>(writer: W, mut rx: mpsc::Receiver<Outgoing<B>>) -> Result<(), Error>
+where
+    W: AsyncWrite + Unpin,
+    B: AsRef<[u8]>,
+{
+    let mut w = BufWriter::with_capacity(64 * 1024, writer);
+    while let Some(first) = rx.recv().await {
+        write_reply(&mut w, first).await?;
+        while let Ok(next) = rx.try_recv() {
+            write_reply(&mut w, next).await?;
+        }
+        w.flush().await?;
+    }
+    if let Err(e) = w.shutdown().await {
+        tracing::debug!(error = %e, "shutting down the write side failed");
+    }
+    Ok(())
+}
+
+async fn write_reply<W, B>(w: &mut W, out: Outgoing<B>) -> std::io::Result<()>
+where
+    W: AsyncWrite + Unpin,
+    B: AsRef<[u8]>,
+{
+    let reply = out.reply;
+    for piece in &reply.pieces {
+        match piece {
+            Piece::Bytes(b) => w.write_all(b).await?,
+            Piece::Data(range) => {
+                let data = reply
+                    .buf
+                    .as_ref()
+                    .and_then(|b| b.as_ref().get(range.clone()));
+                match data {
+                    Some(d) => w.write_all(d).await?,
+                    // Ranges are built from the checked buffer length; never reached.
+                    None => return Err(std::io::Error::other("reply data out of range")),
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn discard<R: AsyncRead + Unpin>(reader: &mut R, len: u32) -> std::io::Result<()> {
+    let copied = tokio::io::copy(&mut reader.take(u64::from(len)), &mut tokio::io::sink()).await?;
+    if copied != u64::from(len) {
+        return Err(std::io::ErrorKind::UnexpectedEof.into());
+    }
+    Ok(())
+}
+
+/// Budgets shared by the requests of one connection.
+struct Budget {
+    count: Arc<Semaphore>,
+    bytes: Arc<Semaphore>,
+    byte_units: u32,
+}
+
+impl Budget {
+    fn new(config: &ServerConfig) -> Self {
+        let count = config
+            .max_in_flight_requests
+            .clamp(1, Semaphore::MAX_PERMITS);
+        let units = (config.max_in_flight_bytes / BYTE_UNIT).clamp(1, u32::MAX as usize);
+        Self {
+            count: Arc::new(Semaphore::new(count)),
+            bytes: Arc::new(Semaphore::new(units)),
+            byte_units: units as u32,
+        }
+    }
+
+    /// Waits until one more request carrying `bytes` of payload fits. A request larger
+    /// than the whole byte budget waits for all of it.
+    async fn acquire(&self, bytes: usize) -> Option<Permits> {
+        let count = Arc::clone(&self.count).acquire_owned().await.ok()?;
+        let units = bytes.div_ceil(BYTE_UNIT).min(self.byte_units as usize) as u32;
+        let bytes = if units == 0 {
+            None
+        } else {
+            Some(
+                Arc::clone(&self.bytes)
+                    .acquire_many_owned(units)
+                    .await
+                    .ok()?,
+            )
+        };
+        Some(Permits {
+            _count: count,
+            _bytes: bytes,
+        })
+    }
+}
+
+/// Reads requests until `NBD_CMD_DISC`, end of stream, a protocol violation or the
+/// writer going away; then waits for every spawned request and drops the last sender so
+/// that the writer finishes.
+async fn read_requests<E, R>(
+    reader: &mut R,
+    negotiated: Negotiated<E>,
+    tx: mpsc::Sender<Outgoing<E::ReadBuf>>,
+    config: &ServerConfig,
+) -> Result<(), Error>
+where
+    E: Export,
+    R: AsyncRead + Unpin,
+{
+    let Negotiated { export, params, .. } = negotiated;
+    let structured = params.structured;
+    let budget = Budget::new(config);
+    let mut tasks: JoinSet<()> = JoinSet::new();
+
+    let mut result = 'read: loop {
+        while let Some(joined) = tasks.try_join_next() {
+            if joined.is_err() {
+                break 'read Err(Error::HandlerPanicked);
+            }
+        }
+
+        let mut header = [0u8; REQUEST_HEADER_LEN];
+        let got = tokio::select! {
+            // The writer failed: nothing more can be answered.
+            _ = tx.closed() => None,
+            got = read_full_or_eof(reader, &mut header) => Some(got),
+        };
+        let Some(got) = got else {
+            break Ok(());
+        };
+        match got {
+            Ok(true) => {}
+            Ok(false) => {
+                tracing::debug!("client closed the connection without NBD_CMD_DISC");
+                break Ok(());
+            }
+            Err(e) => break Err(e.into()),
+        }
+        let request = match Request::parse(&header) {
+            Ok(r) => r,
+            Err(e) => break Err(Error::protocol(format!("request header: {e}"))),
+        };
+        tracing::trace!(?request, "request received");
+        if request.command == Command::Disc {
+            break Ok(());
+        }
+
+        let handle = request.handle;
+        let checked = check(&request, &params, export.size());
+        let payload = checked.as_ref().map_or(0, Op::payload_bytes);
+        let Some(permits) = budget.acquire(payload).await else {
+            break Ok(());
+        };
+
+        let op = match checked {
+            Ok(op) => op,
+            Err(rejection) => {
+                tracing::debug!(?request, ?rejection, "request rejected");
+                if request.command == Command::Write {
+                    if let Err(e) = discard(reader, request.length).await {
+                        break Err(e.into());
+                    }
+                }
+                let reply = error_reply(structured, handle, rejection.errno, rejection.message);
+                if tx
+                    .send(Outgoing {
+                        reply,
+                        _permits: permits,
+                    })
+                    .await
+                    .is_err()
+                {
+                    break Ok(());
+                }
+                continue;
+            }
+        };
+
+        let export = Arc::clone(&export);
+        let tx = tx.clone();
+        if let Op::Write { offset, len, fua } = op {
+            let mut buf = export.alloc_write_buf(offset, len);
+            if buf.as_mut().len() != len as usize {
+                tracing::warn!(
+                    expected = len,
+                    got = buf.as_mut().len(),
+                    "export returned a write buffer of the wrong length"
+                );
+                if let Err(e) = discard(reader, len).await {
+                    break Err(e.into());
+                }
+                let reply = error_reply(
+                    structured,
+                    handle,
+                    Errno::Eio,
+                    "internal error: write buffer",
+                );
+                if tx
+                    .send(Outgoing {
+                        reply,
+                        _permits: permits,
+                    })
+                    .await
+                    .is_err()
+                {
+                    break Ok(());
+                }
+                continue;
+            }
+            if let Err(e) = reader.read_exact(buf.as_mut()).await {
+                break Err(e.into());
+            }
+            tasks.spawn(async move {
+                let result = export.write(offset, buf, fua).await;
+                let reply = done(structured, handle, result, "write failed");
+                // A send error means the writer is gone; the reader stops on its own.
+                let _ = tx
+                    .send(Outgoing {
+                        reply,
+                        _permits: permits,
+                    })
+                    .await;
+            });
+        } else {
+            tasks.spawn(async move {
+                let reply = execute(&*export, structured, handle, op).await;
+                let _ = tx
+                    .send(Outgoing {
+                        reply,
+                        _permits: permits,
+                    })
+                    .await;
+            });
+        }
+    };
+
+    // Finish everything in flight (their replies still go out), then let the writer end.
+    while let Some(joined) = tasks.join_next().await {
+        if joined.is_err() {
+            result = Err(Error::HandlerPanicked);
+        }
+    }
+    drop(tx);
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::handshake::Limits;
+
+    fn params(tflags: u16, structured: bool, meta: bool) -> Params {
+        Params {
+            structured,
+            base_allocation: meta.then_some(1),
+            transmission_flags: NBD_FLAG_HAS_FLAGS | tflags,
+            limits: Limits {
+                minimum: 1,
+                preferred: 4096,
+                maximum: 1 << 20,
+            },
+        }
+    }
+
+    fn req(command: Command, flags: u16, offset: u64, length: u32) -> Request {
+        Request {
+            flags,
+            command,
+            handle: 1,
+            offset,
+            length,
+        }
+    }
+
+    const SIZE: u64 = 1 << 24;
+    const ALL: u16 = NBD_FLAG_SEND_TRIM | NBD_FLAG_SEND_WRITE_ZEROES | NBD_FLAG_SEND_FAST_ZERO;
+
+    fn errno(r: Result<Op, Rejection>) -> Option<Errno> {
+        r.err().map(|r| r.errno)
+    }
+
+    #[test]
+    fn accepts_valid_requests() {
+        let p = params(ALL | NBD_FLAG_SEND_DF, true, true);
+        assert_eq!(
+            check(&req(Command::Read, NBD_CMD_FLAG_DF, 0, 4096), &p, SIZE),
+            Ok(Op::Read {
+                offset: 0,
+                len: 4096,
+                df: true
+            })
+        );
+        assert_eq!(
+            check(&req(Command::Write, NBD_CMD_FLAG_FUA, 512, 512), &p, SIZE),
+            Ok(Op::Write {
+                offset: 512,
+                len: 512,
+                fua: true
+            })
+        );
+        assert_eq!(
+            check(&req(Command::Flush, 0, 0, 0), &p, SIZE),
+            Ok(Op::Flush)
+        );
+        assert_eq!(
+            check(
+                &req(
+                    Command::WriteZeroes,
+                    NBD_CMD_FLAG_NO_HOLE | NBD_CMD_FLAG_FAST_ZERO,
+                    0,
+                    1 << 22
+                ),
+                &p,
+                SIZE
+            ),
+            Ok(Op::WriteZeroes {
+                offset: 0,
+                len: 1 << 22,
+                may_unmap: false,
+                fast_only: true,
+                fua: false
+            })
+        );
+        assert_eq!(
+            check(
+                &req(Command::BlockStatus, NBD_CMD_FLAG_REQ_ONE, 0, 1 << 22),
+                &p,
+                SIZE
+            ),
+            Ok(Op::BlockStatus {
+                offset: 0,
+                len: 1 << 22,
+                req_one: true,
+                context_id: 1
+            })
+        );
+        // the last bytes of the export, exactly
+        assert!(check(&req(Command::Read, 0, SIZE - 1, 1), &p, SIZE).is_ok());
+    }
+
+    #[test]
+    fn rejects_bad_commands_and_flags() {
+        let p = params(ALL, false, false);
+        assert_eq!(
+            errno(check(&req(Command::Unsupported(99), 0, 0, 1), &p, SIZE)),
+            Some(Errno::Einval)
+        );
+        // DF without SEND_DF
+        assert_eq!(
+            errno(check(&req(Command::Read, NBD_CMD_FLAG_DF, 0, 1), &p, SIZE)),
+            Some(Errno::Einval)
+        );
+        // DF on write
+        let p_df = params(ALL | NBD_FLAG_SEND_DF, true, false);
+        assert_eq!(
+            errno(check(
+                &req(Command::Write, NBD_CMD_FLAG_DF, 0, 1),
+                &p_df,
+                SIZE
+            )),
+            Some(Errno::Einval)
+        );
+        // FAST_ZERO on something other than WRITE_ZEROES
+        assert_eq!(
+            errno(check(
+                &req(Command::Trim, NBD_CMD_FLAG_FAST_ZERO, 0, 1),
+                &p,
+                SIZE
+            )),
+            Some(Errno::Einval)
+        );
+        // FAST_ZERO when not offered
+        let p_nofast = params(NBD_FLAG_SEND_WRITE_ZEROES, false, false);
+        assert_eq!(
+            errno(check(
+                &req(Command::WriteZeroes, NBD_CMD_FLAG_FAST_ZERO, 0, 1),
+                &p_nofast,
+                SIZE
+            )),
+            Some(Errno::Einval)
+        );
+        // unknown flag bit
+        assert_eq!(
+            errno(check(&req(Command::Read, 1 << 9, 0, 1), &p, SIZE)),
+            Some(Errno::Einval)
+        );
+        // REQ_ONE on read
+        assert_eq!(
+            errno(check(
+                &req(Command::Read, NBD_CMD_FLAG_REQ_ONE, 0, 1),
+                &p,
+                SIZE
+            )),
+            Some(Errno::Einval)
+        );
+        // block status not negotiated
+        assert_eq!(
+            errno(check(&req(Command::BlockStatus, 0, 0, 1), &p, SIZE)),
+            Some(Errno::Einval)
+        );
+        // trim / write zeroes not offered
+        let p_none = params(0, false, false);
+        assert_eq!(
+            errno(check(&req(Command::Trim, 0, 0, 1), &p_none, SIZE)),
+            Some(Errno::Einval)
+        );
+        assert_eq!(
+            errno(check(&req(Command::WriteZeroes, 0, 0, 1), &p_none, SIZE)),
+            Some(Errno::Einval)
+        );
+        // flush with an offset
+        assert_eq!(
+            errno(check(&req(Command::Flush, 0, 1, 0), &p, SIZE)),
+            Some(Errno::Einval)
+        );
+    }
+
+    #[test]
+    fn read_only_export() {
+        let p = params(ALL | NBD_FLAG_READ_ONLY, false, false);
+        for cmd in [Command::Write, Command::Trim, Command::WriteZeroes] {
+            assert_eq!(
+                errno(check(&req(cmd, 0, 0, 512), &p, SIZE)),
+                Some(Errno::Eperm),
+                "{cmd:?}"
+            );
+        }
+        assert!(check(&req(Command::Read, 0, 0, 512), &p, SIZE).is_ok());
+        assert_eq!(
+            check(&req(Command::Flush, 0, 0, 0), &p, SIZE),
+            Ok(Op::Flush)
+        );
+    }
+
+    #[test]
+    fn ranges_lengths_and_alignment() {
+        let p = params(ALL, false, false);
+        // past the end: EINVAL for reads/trim/cache, ENOSPC for writes
+        assert_eq!(
+            errno(check(&req(Command::Read, 0, SIZE, 1), &p, SIZE)),
+            Some(Errno::Einval)
+        );
+        assert_eq!(
+            errno(check(&req(Command::Trim, 0, SIZE - 1, 2), &p, SIZE)),
+            Some(Errno::Einval)
+        );
+        assert_eq!(
+            errno(check(&req(Command::Cache, 0, SIZE, 1), &p, SIZE)),
+            Some(Errno::Einval)
+        );
+        assert_eq!(
+            errno(check(&req(Command::Write, 0, SIZE - 1, 2), &p, SIZE)),
+            Some(Errno::Enospc)
+        );
+        assert_eq!(
+            errno(check(&req(Command::WriteZeroes, 0, SIZE, 1), &p, SIZE)),
+            Some(Errno::Enospc)
+        );
+        // offset + length overflows u64
+        assert_eq!(
+            errno(check(&req(Command::Read, 0, u64::MAX, 2), &p, SIZE)),
+            Some(Errno::Einval)
+        );
+        // zero length
+        assert_eq!(
+            errno(check(&req(Command::Read, 0, 0, 0), &p, SIZE)),
+            Some(Errno::Einval)
+        );
+        assert_eq!(
+            errno(check(&req(Command::Write, 0, 0, 0), &p, SIZE)),
+            Some(Errno::Einval)
+        );
+        // above the maximum block size: READ, WRITE, CACHE only
+        for cmd in [Command::Read, Command::Write, Command::Cache] {
+            assert_eq!(
+                errno(check(&req(cmd, 0, 0, (1 << 20) + 1), &p, SIZE)),
+                Some(Errno::Einval)
+            );
+        }
+        assert!(check(&req(Command::Trim, 0, 0, 1 << 23), &p, SIZE).is_ok());
+        assert!(check(&req(Command::WriteZeroes, 0, 0, 1 << 23), &p, SIZE).is_ok());
+        // alignment to the minimum block size
+        let mut p512 = p;
+        p512.limits.minimum = 512;
+        assert_eq!(
+            errno(check(&req(Command::Read, 0, 1, 512), &p512, SIZE)),
+            Some(Errno::Einval)
+        );
+        assert_eq!(
+            errno(check(&req(Command::Read, 0, 0, 100), &p512, SIZE)),
+            Some(Errno::Einval)
+        );
+        assert!(check(&req(Command::Read, 0, 1024, 512), &p512, SIZE).is_ok());
+        // an unaligned tail is allowed when it ends exactly at the end of the export
+        assert!(check(&req(Command::Read, 0, 1024, 100), &p512, 1124).is_ok());
+    }
+
+    fn ext(length: u64, hole: bool, zero: bool) -> Extent {
+        Extent { length, hole, zero }
+    }
+
+    #[test]
+    fn runs_from_extents() {
+        let e = [
+            ext(512, false, false),
+            ext(512, false, false),
+            ext(1024, true, true),
+            ext(0, true, true),
+            ext(512, true, false),
+        ];
+        assert_eq!(
+            content_runs(&e, 2560),
+            Some(vec![
+                Run {
+                    start: 0,
+                    len: 1024,
+                    hole: false
+                },
+                Run {
+                    start: 1024,
+                    len: 1024,
+                    hole: true
+                },
+                Run {
+                    start: 2048,
+                    len: 512,
+                    hole: false
+                },
+            ])
+        );
+        // does not add up: fall back
+        assert_eq!(content_runs(&e, 4096), None);
+        assert_eq!(content_runs(&e, 100), None);
+        assert_eq!(content_runs(&[], 100), None);
+        assert_eq!(
+            content_runs(&[ext(u64::MAX, true, true), ext(2, true, true)], 100),
+            None
+        );
+    }
+
+    #[test]
+    fn descriptors_from_extents() {
+        let e = [
+            ext(4096, true, true),
+            ext(4096, true, true),
+            ext(4096, false, false),
+        ];
+        assert_eq!(
+            block_descriptors(&e, 10_000, false),
+            vec![
+                BlockDescriptor {
+                    length: 8192,
+                    status: NBD_STATE_HOLE | NBD_STATE_ZERO
+                },
+                BlockDescriptor {
+                    length: 1808,
+                    status: 0
+                },
+            ]
+        );
+        assert_eq!(
+            block_descriptors(&e, 10_000, true),
+            vec![BlockDescriptor {
+                length: 8192,
+                status: NBD_STATE_HOLE | NBD_STATE_ZERO
+            }]
+        );
+        assert_eq!(
+            block_descriptors(&e, 100, true),
+            vec![BlockDescriptor {
+                length: 100,
+                status: NBD_STATE_HOLE | NBD_STATE_ZERO
+            }]
+        );
+        assert_eq!(
+            block_descriptors(&[], 77, false),
+            vec![BlockDescriptor {
+                length: 77,
+                status: 0
+            }]
+        );
+        assert_eq!(
+            block_descriptors(&[ext(0, true, true)], 77, true),
+            vec![BlockDescriptor {
+                length: 77,
+                status: 0
+            }]
+        );
+    }
+}

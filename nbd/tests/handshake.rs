@@ -1,0 +1,547 @@
+//! Handshake and option haggling, driven byte by byte over an in-memory pipe.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::client::*;
+use common::mem_export::{MemExport, MemRegistry};
+use nbd::proto::*;
+use nbd::ServerConfig;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const SIZE: u64 = 1 << 24;
+
+fn registry() -> Arc<MemRegistry> {
+    let mut described = MemExport::new(SIZE);
+    described.description = "the first disk".into();
+    Arc::new(
+        MemRegistry::default()
+            .with("disk", described)
+            .with("ro", MemExport::new(1 << 20).read_only()),
+    )
+}
+
+fn start_default() -> (tokio::io::DuplexStream, ServerTask) {
+    start(registry(), ServerConfig::default())
+}
+
+#[tokio::test]
+async fn greeting_and_export_name_with_zeroes() {
+    let (mut c, task) = start_default();
+    let mut g = [0u8; 18];
+    c.read_exact(&mut g).await.unwrap();
+    assert_eq!(
+        g,
+        [
+            0x4e, 0x42, 0x44, 0x4d, 0x41, 0x47, 0x49, 0x43, // NBDMAGIC
+            0x49, 0x48, 0x41, 0x56, 0x45, 0x4f, 0x50, 0x54, // IHAVEOPT
+            0x00, 0x03, // FIXED_NEWSTYLE | NO_ZEROES
+        ]
+    );
+    c.write_all(&[0, 0, 0, 1]).await.unwrap(); // fixed newstyle, zeroes wanted
+    c.write_all(&[
+        0x49, 0x48, 0x41, 0x56, 0x45, 0x4f, 0x50, 0x54, 0, 0, 0, 1, 0, 0, 0, 4,
+    ])
+    .await
+    .unwrap();
+    c.write_all(b"disk").await.unwrap();
+    let mut reply = [0u8; 134];
+    c.read_exact(&mut reply).await.unwrap();
+    assert_eq!(&reply[..8], &SIZE.to_be_bytes());
+    let tflags = u16::from_be_bytes([reply[8], reply[9]]);
+    // no structured replies were negotiated: no DF
+    assert_eq!(
+        tflags,
+        NBD_FLAG_HAS_FLAGS
+            | NBD_FLAG_SEND_FLUSH
+            | NBD_FLAG_SEND_FUA
+            | NBD_FLAG_SEND_TRIM
+            | NBD_FLAG_SEND_WRITE_ZEROES
+            | NBD_FLAG_SEND_FAST_ZERO
+            | NBD_FLAG_CAN_MULTI_CONN
+            | NBD_FLAG_SEND_CACHE
+    );
+    assert!(reply[10..].iter().all(|&b| b == 0));
+    // transmission works right after
+    send_request(&mut c, Command::Flush, 0, 7, 0, 0).await;
+    assert_eq!(simple_reply(&mut c, 7, 0).await.0, 0);
+    send_request(&mut c, Command::Disc, 0, 8, 0, 0).await;
+    expect_closed(&mut c).await;
+    finish(task).await.unwrap();
+}
+
+#[tokio::test]
+async fn export_name_without_zeroes() {
+    let (mut c, task) = start_default();
+    greet(&mut c, NBD_FLAG_C_FIXED_NEWSTYLE | NBD_FLAG_C_NO_ZEROES).await;
+    send_option(&mut c, NBD_OPT_EXPORT_NAME, b"ro").await;
+    let mut reply = [0u8; 10];
+    c.read_exact(&mut reply).await.unwrap();
+    assert_eq!(&reply[..8], &(1u64 << 20).to_be_bytes());
+    let tflags = u16::from_be_bytes([reply[8], reply[9]]);
+    assert_ne!(tflags & NBD_FLAG_READ_ONLY, 0);
+    // the next bytes are the reply to a request, not padding
+    send_request(&mut c, Command::Read, 0, 1, 0, 8).await;
+    let (err, data) = simple_reply(&mut c, 1, 8).await;
+    assert_eq!((err, data), (0, vec![0; 8]));
+    drop(c);
+    finish(task).await.unwrap();
+}
+
+#[tokio::test]
+async fn go_reply_bytes() {
+    let (mut c, task) = start_default();
+    greet(&mut c, NBD_FLAG_C_FIXED_NEWSTYLE).await;
+    // NBD_OPT_GO "disk", no information requests
+    c.write_all(b"IHAVEOPT").await.unwrap();
+    c.write_all(&[
+        0, 0, 0, 7, 0, 0, 0, 10, 0, 0, 0, 4, b'd', b'i', b's', b'k', 0, 0,
+    ])
+    .await
+    .unwrap();
+    let magic = [0x00, 0x03, 0xe8, 0x89, 0x04, 0x55, 0x65, 0xa9];
+
+    let mut info = [0u8; 32];
+    c.read_exact(&mut info).await.unwrap();
+    assert_eq!(&info[..8], &magic);
+    assert_eq!(&info[8..20], &[0, 0, 0, 7, 0, 0, 0, 3, 0, 0, 0, 12]); // GO, NBD_REP_INFO, 12
+    assert_eq!(&info[20..22], &[0, 0]); // NBD_INFO_EXPORT
+    assert_eq!(&info[22..30], &SIZE.to_be_bytes());
+
+    let mut bs = [0u8; 34];
+    c.read_exact(&mut bs).await.unwrap();
+    assert_eq!(&bs[..8], &magic);
+    assert_eq!(&bs[8..20], &[0, 0, 0, 7, 0, 0, 0, 3, 0, 0, 0, 14]);
+    assert_eq!(&bs[20..22], &[0, 3]); // NBD_INFO_BLOCK_SIZE, sent although not requested
+    assert_eq!(&bs[22..26], &1u32.to_be_bytes());
+    assert_eq!(&bs[26..30], &4096u32.to_be_bytes());
+    assert_eq!(&bs[30..34], &(1u32 << 20).to_be_bytes());
+
+    let mut ack = [0u8; 20];
+    c.read_exact(&mut ack).await.unwrap();
+    assert_eq!(&ack[..8], &magic);
+    assert_eq!(&ack[8..], &[0, 0, 0, 7, 0, 0, 0, 1, 0, 0, 0, 0]);
+
+    send_request(&mut c, Command::Disc, 0, 1, 0, 0).await;
+    expect_closed(&mut c).await;
+    finish(task).await.unwrap();
+}
+
+#[tokio::test]
+async fn list_exports() {
+    let (mut c, task) = start_default();
+    greet(&mut c, NBD_FLAG_C_FIXED_NEWSTYLE).await;
+    send_option(&mut c, NBD_OPT_LIST, &[]).await;
+    let replies = read_option_replies(&mut c).await;
+    assert_eq!(replies.len(), 3);
+    let (h, d) = &replies[0];
+    assert_eq!((h.option, h.reply_type), (NBD_OPT_LIST, NBD_REP_SERVER));
+    assert_eq!(
+        d,
+        &[&[0u8, 0, 0, 4][..], b"disk", b"the first disk"].concat()
+    );
+    let (h, d) = &replies[1];
+    assert_eq!(h.reply_type, NBD_REP_SERVER);
+    assert_eq!(&d[..6], &[0, 0, 0, 2, b'r', b'o']);
+    assert_eq!(replies[2].0.reply_type, NBD_REP_ACK);
+
+    // LIST with data is invalid, and haggling goes on
+    send_option(&mut c, NBD_OPT_LIST, b"x").await;
+    let (h, _) = read_option_reply(&mut c).await;
+    assert_eq!(h.reply_type, NBD_REP_ERR_INVALID);
+    send_option(&mut c, NBD_OPT_ABORT, &[]).await;
+    let (h, _) = read_option_reply(&mut c).await;
+    assert_eq!(
+        (h.option, h.reply_type, h.length),
+        (NBD_OPT_ABORT, NBD_REP_ACK, 0)
+    );
+    expect_closed(&mut c).await;
+    finish(task).await.unwrap();
+}
+
+#[tokio::test]
+async fn info_with_block_size_name_and_description() {
+    let (mut c, task) = start_default();
+    greet(&mut c, NBD_FLAG_C_FIXED_NEWSTYLE).await;
+    let req = InfoRequest {
+        name: "disk".into(),
+        requests: vec![
+            NBD_INFO_NAME,
+            NBD_INFO_DESCRIPTION,
+            NBD_INFO_BLOCK_SIZE,
+            0x7777,
+        ],
+    };
+    send_option(&mut c, NBD_OPT_INFO, &req.encode()).await;
+    let replies = read_option_replies(&mut c).await;
+    let mut seen = Vec::new();
+    for (h, d) in &replies[..replies.len() - 1] {
+        assert_eq!((h.option, h.reply_type), (NBD_OPT_INFO, NBD_REP_INFO));
+        let t = u16::from_be_bytes([d[0], d[1]]);
+        seen.push(t);
+        match t {
+            NBD_INFO_EXPORT => {
+                assert_eq!(d.len(), 12);
+                assert_eq!(&d[2..10], &SIZE.to_be_bytes());
+            }
+            NBD_INFO_NAME => assert_eq!(&d[2..], b"disk"),
+            NBD_INFO_DESCRIPTION => assert_eq!(&d[2..], b"the first disk"),
+            NBD_INFO_BLOCK_SIZE => {
+                assert_eq!(d.len(), 14);
+                assert_eq!(&d[2..], &[0, 0, 0, 1, 0, 0, 0x10, 0, 0, 0x10, 0, 0]);
+            }
+            other => panic!("unexpected info {other}"),
+        }
+    }
+    seen.sort();
+    assert_eq!(
+        seen,
+        vec![
+            NBD_INFO_EXPORT,
+            NBD_INFO_NAME,
+            NBD_INFO_DESCRIPTION,
+            NBD_INFO_BLOCK_SIZE
+        ]
+    );
+    assert_eq!(replies.last().unwrap().0.reply_type, NBD_REP_ACK);
+
+    // INFO does not enter transmission: GO still works
+    let go = InfoRequest {
+        name: "disk".into(),
+        requests: vec![],
+    };
+    send_option(&mut c, NBD_OPT_GO, &go.encode()).await;
+    assert_eq!(
+        read_option_replies(&mut c)
+            .await
+            .last()
+            .unwrap()
+            .0
+            .reply_type,
+        NBD_REP_ACK
+    );
+    send_request(&mut c, Command::Disc, 0, 1, 0, 0).await;
+    expect_closed(&mut c).await;
+    finish(task).await.unwrap();
+}
+
+#[tokio::test]
+async fn unknown_export_is_an_error_reply_for_info_and_go() {
+    let (mut c, task) = start_default();
+    greet(&mut c, NBD_FLAG_C_FIXED_NEWSTYLE).await;
+    for option in [NBD_OPT_INFO, NBD_OPT_GO] {
+        let req = InfoRequest {
+            name: "nope".into(),
+            requests: vec![],
+        };
+        send_option(&mut c, option, &req.encode()).await;
+        let replies = read_option_replies(&mut c).await;
+        assert_eq!(replies.len(), 1, "no NBD_REP_INFO before the error");
+        assert_eq!(
+            (replies[0].0.option, replies[0].0.reply_type),
+            (option, NBD_REP_ERR_UNKNOWN)
+        );
+    }
+    // the empty (default) name is unknown in this registry too
+    send_option(
+        &mut c,
+        NBD_OPT_GO,
+        &InfoRequest {
+            name: String::new(),
+            requests: vec![],
+        }
+        .encode(),
+    )
+    .await;
+    assert_eq!(
+        read_option_reply(&mut c).await.0.reply_type,
+        NBD_REP_ERR_UNKNOWN
+    );
+    // and the client can go on to a real export
+    send_option(
+        &mut c,
+        NBD_OPT_GO,
+        &InfoRequest {
+            name: "disk".into(),
+            requests: vec![],
+        }
+        .encode(),
+    )
+    .await;
+    assert_eq!(
+        read_option_replies(&mut c)
+            .await
+            .last()
+            .unwrap()
+            .0
+            .reply_type,
+        NBD_REP_ACK
+    );
+    drop(c);
+    finish(task).await.unwrap();
+}
+
+#[tokio::test]
+async fn unknown_export_with_export_name_closes() {
+    let (mut c, task) = start_default();
+    greet(&mut c, NBD_FLAG_C_FIXED_NEWSTYLE).await;
+    send_option(&mut c, NBD_OPT_EXPORT_NAME, b"nope").await;
+    expect_closed(&mut c).await;
+    assert!(matches!(finish(task).await, Err(nbd::Error::UnknownExport(n)) if n == "nope"));
+}
+
+#[tokio::test]
+async fn unsupported_options() {
+    let (mut c, task) = start_default();
+    greet(&mut c, NBD_FLAG_C_FIXED_NEWSTYLE).await;
+    for (option, data) in [
+        (0x1234u32, &b"hello"[..]),
+        (NBD_OPT_STARTTLS, &[][..]),
+        (NBD_OPT_EXTENDED_HEADERS, &[][..]),
+        (NBD_OPT_PEEK_EXPORT, &[][..]),
+    ] {
+        send_option(&mut c, option, data).await;
+        let (h, _) = read_option_reply(&mut c).await;
+        assert_eq!((h.option, h.reply_type), (option, NBD_REP_ERR_UNSUP));
+    }
+    // the stream is still in sync
+    send_option(&mut c, NBD_OPT_STRUCTURED_REPLY, &[]).await;
+    assert_eq!(read_option_reply(&mut c).await.0.reply_type, NBD_REP_ACK);
+    drop(c);
+    finish(task).await.unwrap();
+}
+
+#[tokio::test]
+async fn malformed_options_are_invalid() {
+    let (mut c, task) = start_default();
+    greet(&mut c, NBD_FLAG_C_FIXED_NEWSTYLE).await;
+    let cases: Vec<(u32, Vec<u8>)> = vec![
+        (NBD_OPT_GO, vec![0, 0, 0, 9, b'd']), // name length past the end
+        (NBD_OPT_INFO, vec![0, 0, 0, 0, 0, 2, 0, 3]), // 2 requests, 1 present
+        (NBD_OPT_GO, vec![0, 0, 0, 1, 0xff, 0, 0]), // invalid UTF-8
+        (NBD_OPT_STRUCTURED_REPLY, vec![1]),  // takes no data
+        (
+            NBD_OPT_SET_META_CONTEXT,
+            MetaContextRequest {
+                export_name: "disk".into(),
+                queries: vec![],
+            }
+            .encode(),
+        ), // before structured
+    ];
+    for (option, data) in cases {
+        send_option(&mut c, option, &data).await;
+        let (h, _) = read_option_reply(&mut c).await;
+        assert_eq!(
+            (h.option, h.reply_type),
+            (option, NBD_REP_ERR_INVALID),
+            "option {option}"
+        );
+    }
+    send_option(&mut c, NBD_OPT_STRUCTURED_REPLY, &[]).await;
+    assert_eq!(read_option_reply(&mut c).await.0.reply_type, NBD_REP_ACK);
+    // meta context request with a query length past the end
+    send_option(
+        &mut c,
+        NBD_OPT_LIST_META_CONTEXT,
+        &[0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 50, b'b'],
+    )
+    .await;
+    assert_eq!(
+        read_option_reply(&mut c).await.0.reply_type,
+        NBD_REP_ERR_INVALID
+    );
+    drop(c);
+    finish(task).await.unwrap();
+}
+
+#[tokio::test]
+async fn oversized_option_disconnects() {
+    let (mut c, task) = start_default();
+    greet(&mut c, NBD_FLAG_C_FIXED_NEWSTYLE).await;
+    // claims 1 GiB of option data; the server must not wait for or allocate it
+    c.write_all(
+        &OptionHeader {
+            option: NBD_OPT_LIST,
+            length: 1 << 30,
+        }
+        .encode(),
+    )
+    .await
+    .unwrap();
+    expect_closed(&mut c).await;
+    assert!(matches!(finish(task).await, Err(nbd::Error::Protocol(_))));
+}
+
+#[tokio::test]
+async fn bad_client_flags_disconnect() {
+    for flags in [0u32, NBD_FLAG_C_FIXED_NEWSTYLE | 1 << 5] {
+        let (mut c, task) = start_default();
+        greet(&mut c, flags).await;
+        expect_closed(&mut c).await;
+        assert!(
+            matches!(finish(task).await, Err(nbd::Error::Protocol(_))),
+            "flags {flags:#x}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn bad_option_magic_disconnects() {
+    let (mut c, task) = start_default();
+    greet(&mut c, NBD_FLAG_C_FIXED_NEWSTYLE).await;
+    c.write_all(b"IHAVEOPX\0\0\0\x03\0\0\0\0").await.unwrap();
+    expect_closed(&mut c).await;
+    assert!(matches!(finish(task).await, Err(nbd::Error::Protocol(_))));
+}
+
+#[tokio::test]
+async fn client_leaving_during_haggling_is_fine() {
+    let (mut c, task) = start_default();
+    greet(&mut c, NBD_FLAG_C_FIXED_NEWSTYLE).await;
+    send_option(&mut c, NBD_OPT_STRUCTURED_REPLY, &[]).await;
+    read_option_reply(&mut c).await;
+    drop(c);
+    finish(task).await.unwrap();
+}
+
+#[tokio::test]
+async fn handshake_timeout() {
+    let config = ServerConfig {
+        handshake_timeout: Duration::from_millis(200),
+        ..Default::default()
+    };
+    let (mut c, task) = start(registry(), config);
+    let mut g = [0u8; 18];
+    c.read_exact(&mut g).await.unwrap();
+    // never answer
+    expect_closed(&mut c).await;
+    assert!(matches!(
+        finish(task).await,
+        Err(nbd::Error::HandshakeTimeout(_))
+    ));
+}
+
+#[tokio::test]
+async fn meta_context_list_and_set() {
+    let (mut c, task) = start_default();
+    greet(&mut c, NBD_FLAG_C_FIXED_NEWSTYLE).await;
+    send_option(&mut c, NBD_OPT_STRUCTURED_REPLY, &[]).await;
+    assert_eq!(read_option_reply(&mut c).await.0.reply_type, NBD_REP_ACK);
+
+    let list = |queries: &[&str]| {
+        MetaContextRequest {
+            export_name: "disk".into(),
+            queries: queries.iter().map(|q| q.to_string()).collect(),
+        }
+        .encode()
+    };
+    // LIST: no query, "base:" and "base:allocation" all find base:allocation with id 0
+    for queries in [
+        &[][..],
+        &["base:"][..],
+        &["base:allocation"][..],
+        &["x-foo:bar", "base:"][..],
+    ] {
+        send_option(&mut c, NBD_OPT_LIST_META_CONTEXT, &list(queries)).await;
+        let replies = read_option_replies(&mut c).await;
+        assert_eq!(replies.len(), 2, "{queries:?}");
+        assert_eq!(replies[0].0.reply_type, NBD_REP_META_CONTEXT);
+        assert_eq!(
+            replies[0].1,
+            [&[0u8, 0, 0, 0][..], b"base:allocation"].concat()
+        );
+        assert_eq!(replies[1].0.reply_type, NBD_REP_ACK);
+    }
+    // LIST: other namespaces and unknown leaves are ignored
+    for queries in [&["qemu:dirty-bitmap:a"][..], &["base:nothing"][..]] {
+        send_option(&mut c, NBD_OPT_LIST_META_CONTEXT, &list(queries)).await;
+        let replies = read_option_replies(&mut c).await;
+        assert_eq!(replies.len(), 1);
+        assert_eq!(replies[0].0.reply_type, NBD_REP_ACK);
+    }
+    // SET: "base:" selects nothing
+    send_option(&mut c, NBD_OPT_SET_META_CONTEXT, &list(&["base:"])).await;
+    let replies = read_option_replies(&mut c).await;
+    assert_eq!(replies.len(), 1);
+    assert_eq!(replies[0].0.reply_type, NBD_REP_ACK);
+    // SET: unknown export
+    let unknown = MetaContextRequest {
+        export_name: "nope".into(),
+        queries: vec!["base:allocation".into()],
+    };
+    send_option(&mut c, NBD_OPT_SET_META_CONTEXT, &unknown.encode()).await;
+    assert_eq!(
+        read_option_reply(&mut c).await.0.reply_type,
+        NBD_REP_ERR_UNKNOWN
+    );
+    // SET: base:allocation gets a nonzero id
+    send_option(
+        &mut c,
+        NBD_OPT_SET_META_CONTEXT,
+        &list(&["base:allocation", "base:allocation"]),
+    )
+    .await;
+    let replies = read_option_replies(&mut c).await;
+    assert_eq!(replies.len(), 2);
+    assert_eq!(replies[0].0.reply_type, NBD_REP_META_CONTEXT);
+    assert_eq!(
+        replies[0].1,
+        [&[0u8, 0, 0, 1][..], b"base:allocation"].concat()
+    );
+    assert_eq!(replies[1].0.reply_type, NBD_REP_ACK);
+    // GO: structured replies bring NBD_FLAG_SEND_DF
+    send_option(
+        &mut c,
+        NBD_OPT_GO,
+        &InfoRequest {
+            name: "disk".into(),
+            requests: vec![],
+        }
+        .encode(),
+    )
+    .await;
+    let replies = read_option_replies(&mut c).await;
+    let (_, info) = replies.iter().find(|(_, d)| d[..2] == [0, 0]).unwrap();
+    let tflags = u16::from_be_bytes([info[10], info[11]]);
+    assert_ne!(tflags & NBD_FLAG_SEND_DF, 0);
+    // BLOCK_STATUS works with the id handed out
+    send_request(&mut c, Command::BlockStatus, 0, 5, 0, 4096).await;
+    let chunks = structured_reply(&mut c, 5).await;
+    assert_eq!(chunks[0].0.chunk_type, NBD_REPLY_TYPE_BLOCK_STATUS);
+    assert_eq!(&chunks[0].1[..4], &[0, 0, 0, 1]);
+    drop(c);
+    finish(task).await.unwrap();
+}
+
+#[tokio::test]
+async fn meta_context_for_another_export_does_not_enable_block_status() {
+    let (mut c, task) = start_default();
+    greet(&mut c, NBD_FLAG_C_FIXED_NEWSTYLE).await;
+    send_option(&mut c, NBD_OPT_STRUCTURED_REPLY, &[]).await;
+    read_option_reply(&mut c).await;
+    let q = MetaContextRequest {
+        export_name: "ro".into(),
+        queries: vec!["base:allocation".into()],
+    };
+    send_option(&mut c, NBD_OPT_SET_META_CONTEXT, &q.encode()).await;
+    assert_eq!(read_option_replies(&mut c).await.len(), 2);
+    send_option(
+        &mut c,
+        NBD_OPT_GO,
+        &InfoRequest {
+            name: "disk".into(),
+            requests: vec![],
+        }
+        .encode(),
+    )
+    .await;
+    read_option_replies(&mut c).await;
+    send_request(&mut c, Command::BlockStatus, 0, 9, 0, 4096).await;
+    let (errno, _) = chunk_error(&structured_reply(&mut c, 9).await);
+    assert_eq!(errno, 22);
+    drop(c);
+    finish(task).await.unwrap();
+}

@@ -1,0 +1,128 @@
+//! Accept loops: `serve_tcp` and `serve_unix` serve several clients at once, a
+//! misbehaving client does not disturb the others, and `shutdown` stops accepting.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::client::*;
+use common::mem_export::{MemExport, MemRegistry};
+use nbd::proto::*;
+use nbd::ServerConfig;
+use tokio::io::AsyncWriteExt;
+use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
+use tokio::sync::oneshot;
+
+fn registry() -> Arc<MemRegistry> {
+    Arc::new(MemRegistry::default().with("disk", MemExport::new(1 << 20)))
+}
+
+/// Writes and reads back a few bytes on an open session.
+async fn round_trip<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(s: &mut S, seed: u8) {
+    let data = [seed; 64];
+    send_write(s, 0, 1, u64::from(seed) * 64, &data).await;
+    assert_eq!(simple_reply(s, 1, 0).await.0, 0);
+    send_request(s, Command::Read, 0, 2, u64::from(seed) * 64, 64).await;
+    assert_eq!(simple_reply(s, 2, 64).await, (0, data.to_vec()));
+}
+
+#[tokio::test]
+async fn tcp_clients_are_isolated_and_shutdown_stops_accepting() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let server = tokio::spawn(nbd::serve_tcp(
+        listener,
+        registry(),
+        Arc::new(ServerConfig::default()),
+        async move {
+            let _ = stopped.await;
+        },
+    ));
+
+    let mut good = TcpStream::connect(addr).await.unwrap();
+    connect(&mut good, "disk", false, false).await;
+    round_trip(&mut good, 1).await;
+
+    // a client that sends garbage in transmission, one that sends garbage in the
+    // handshake, and one that connects and vanishes
+    let mut bad = TcpStream::connect(addr).await.unwrap();
+    connect(&mut bad, "disk", false, false).await;
+    bad.write_all(&[0xff; 64]).await.unwrap();
+    expect_closed(&mut bad).await;
+    let mut rude = TcpStream::connect(addr).await.unwrap();
+    greet(&mut rude, 0xffff_ffff).await;
+    expect_closed(&mut rude).await;
+    drop(TcpStream::connect(addr).await.unwrap());
+
+    // the good client is unaffected, and a new one can still join
+    round_trip(&mut good, 2).await;
+    let mut late = TcpStream::connect(addr).await.unwrap();
+    connect(&mut late, "disk", true, false).await;
+    send_request(&mut late, Command::Read, 0, 5, 64, 64).await;
+    let (data, _) = assemble_read(&structured_reply(&mut late, 5).await, 64, 64);
+    assert_eq!(data, vec![1; 64]);
+
+    stop.send(()).unwrap();
+    tokio::time::timeout(Duration::from_secs(5), server)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    // accepted connections outlive the accept loop
+    round_trip(&mut good, 3).await;
+    // but nobody new is accepted
+    assert!(TcpStream::connect(addr).await.is_err());
+}
+
+#[tokio::test]
+async fn unix_socket() {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let dir = std::env::temp_dir().join(format!("nbd-test-{}-{nanos}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("nbd.sock");
+    let listener = UnixListener::bind(&path).unwrap();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let server = tokio::spawn(nbd::serve_unix(
+        listener,
+        registry(),
+        Arc::new(ServerConfig::default()),
+        async move {
+            let _ = stopped.await;
+        },
+    ));
+
+    let mut a = UnixStream::connect(&path).await.unwrap();
+    let mut b = UnixStream::connect(&path).await.unwrap();
+    connect(&mut a, "disk", false, false).await;
+    connect(&mut b, "disk", true, true).await;
+    round_trip(&mut a, 4).await;
+    send_request(
+        &mut b,
+        Command::BlockStatus,
+        NBD_CMD_FLAG_REQ_ONE,
+        9,
+        0,
+        4096,
+    )
+    .await;
+    let chunks = structured_reply(&mut b, 9).await;
+    assert_eq!(chunks[0].0.chunk_type, NBD_REPLY_TYPE_BLOCK_STATUS);
+    // the write of `a` landed in block 0
+    assert_eq!(&chunks[0].1[4..], &[0, 0, 0x10, 0, 0, 0, 0, 0]);
+    send_request(&mut a, Command::Disc, 0, 0, 0, 0).await;
+    expect_closed(&mut a).await;
+
+    stop.send(()).unwrap();
+    tokio::time::timeout(Duration::from_secs(5), server)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    drop(b);
+    let _ = std::fs::remove_dir_all(&dir);
+}

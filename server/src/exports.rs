@@ -1,0 +1,123 @@
+//! NBD exports backed by the engine: each volume is an export named after it.
+//!
+//! Lives here: [`VolumeExport`] (the `nbd::Export` implementation over a
+//! `storage_engine::Volume`) and [`PoolRegistry`] (export lookup and listing).
+//! Not here: the protocol (the `nbd` crate) or the data path (the engine).
+
+use std::sync::Arc;
+
+use nbd::{BlockSizes, Errno, Export, ExportFlags, ExportRegistry, Extent, ReadData};
+use storage_engine::{AlignedBuf, Pool, Volume, MAX_IO_BYTES};
+
+use crate::errors::nbd_errno;
+
+fn log_err(op: &'static str, e: storage_engine::Error) -> Errno {
+    match e.kind() {
+        storage_engine::ErrorKind::Io | storage_engine::ErrorKind::Failed | storage_engine::ErrorKind::Corrupt => {
+            tracing::error!(error = %e, op, "request failed")
+        }
+        _ => tracing::debug!(error = %e, op, "request refused"),
+    }
+    nbd_errno(&e)
+}
+
+/// One volume served over NBD.
+pub struct VolumeExport {
+    vol: Volume,
+}
+
+impl Export for VolumeExport {
+    type ReadBuf = AlignedBuf;
+    type WriteBuf = AlignedBuf;
+
+    fn size(&self) -> u64 {
+        self.vol.size()
+    }
+
+    fn flags(&self) -> ExportFlags {
+        ExportFlags { read_only: false, can_trim: true, can_write_zeroes: true, can_fast_zero: true, can_multi_conn: true }
+    }
+
+    fn block_sizes(&self) -> BlockSizes {
+        BlockSizes { minimum: 1, preferred: 4096, maximum: MAX_IO_BYTES as u32 }
+    }
+
+    fn description(&self) -> String {
+        format!("ferrovol thin volume {} ({} KiB data units)", self.vol.name(), self.vol.unit_size() / 1024)
+    }
+
+    fn alloc_write_buf(&self, offset: u64, len: u32) -> AlignedBuf {
+        self.vol.alloc_write_buf(offset, len as usize)
+    }
+
+    async fn read(&self, offset: u64, len: u32) -> Result<ReadData<AlignedBuf>, Errno> {
+        let r = self.vol.read(offset, u64::from(len)).await.map_err(|e| log_err("read", e))?;
+        let extents = if r.extents.len() == 1 && r.extents[0].allocated {
+            Vec::new()
+        } else {
+            r.extents.iter().map(|e| Extent { length: e.length, hole: !e.allocated, zero: !e.allocated }).collect()
+        };
+        Ok(ReadData { data: r.data, extents })
+    }
+
+    async fn write(&self, offset: u64, buf: AlignedBuf, fua: bool) -> Result<(), Errno> {
+        self.vol.write(offset, buf, fua).await.map_err(|e| log_err("write", e))
+    }
+
+    async fn flush(&self) -> Result<(), Errno> {
+        self.vol.flush().await.map_err(|e| log_err("flush", e))
+    }
+
+    async fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<(), Errno> {
+        self.vol.trim(offset, len, fua).await.map_err(|e| log_err("trim", e))
+    }
+
+    async fn write_zeroes(&self, offset: u64, len: u64, may_unmap: bool, fast_only: bool, fua: bool) -> Result<(), Errno> {
+        // Zeroing by unmapping is a metadata change (fast); NO_HOLE writes real zeros.
+        if fast_only && !may_unmap {
+            return Err(Errno::Enotsup);
+        }
+        self.vol.write_zeroes(offset, len, may_unmap, fua).await.map_err(|e| log_err("write zeroes", e))
+    }
+
+    async fn cache(&self, _offset: u64, _len: u64) -> Result<(), Errno> {
+        // No server-side data cache (O_DIRECT); nothing to prefetch into.
+        Ok(())
+    }
+
+    fn block_status(&self, offset: u64, len: u64) -> Result<Vec<Extent>, Errno> {
+        let ext = self.vol.block_status(offset, len).map_err(|e| log_err("block status", e))?;
+        Ok(ext.into_iter().map(|e| Extent { length: e.length, hole: !e.allocated, zero: !e.allocated }).collect())
+    }
+}
+
+/// The pool's volumes as NBD exports.
+pub struct PoolRegistry {
+    pool: Pool,
+}
+
+impl PoolRegistry {
+    /// Exports every volume of `pool`, present and future.
+    pub fn new(pool: Pool) -> PoolRegistry {
+        PoolRegistry { pool }
+    }
+}
+
+impl ExportRegistry for PoolRegistry {
+    type Export = VolumeExport;
+
+    fn lookup(&self, name: &str) -> Option<Arc<VolumeExport>> {
+        self.pool.volume(name).ok().map(|vol| Arc::new(VolumeExport { vol }))
+    }
+
+    fn list(&self) -> Vec<(String, String)> {
+        self.pool
+            .list_volumes()
+            .into_iter()
+            .map(|v| {
+                let d = format!("ferrovol thin volume, {} bytes", v.size);
+                (v.name, d)
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,305 @@
+//! `ferrovol`: the storage host's binary.
+//!
+//! Lives here: the command line (`serve`, `volume ...`, `pool status`, `check`), the
+//! server's start-up and shutdown. Not here: the engine (`storage-engine`), the NBD
+//! protocol (`nbd`), the management API (mgmt.rs), NBD exports (exports.rs).
+
+mod errors;
+mod exports;
+mod mgmt;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use storage_engine::{Pool, PoolOptions};
+
+/// Thin-provisioned volumes in a pool, served over NBD.
+#[derive(Parser)]
+#[command(name = "ferrovol", version, about)]
+struct Cli {
+    /// Directory holding the pool file (pool.img) and the sockets.
+    #[arg(long, global = true, env = "FERROVOL_DATA_DIR", default_value = "./ferrovol-data")]
+    data_dir: PathBuf,
+    /// Management socket (default: <data-dir>/ferrovol.sock).
+    #[arg(long, global = true, env = "FERROVOL_SOCKET")]
+    socket: Option<PathBuf>,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run the storage server: create or open the pool and serve every volume over NBD.
+    Serve(ServeArgs),
+    /// Create, list, resize and delete volumes on a running server.
+    #[command(subcommand)]
+    Volume(VolumeCmd),
+    /// Pool information from a running server.
+    #[command(subcommand)]
+    Pool(PoolCmd),
+    /// Verify a stopped pool: checksums, mappings against refcounts, free space.
+    /// Exits 1 naming each problem found.
+    Check {
+        /// Pool file or block device (default: <data-dir>/pool.img).
+        #[arg(long)]
+        pool: Option<PathBuf>,
+    },
+}
+
+#[derive(clap::Args)]
+struct ServeArgs {
+    /// Pool file or raw block device (default: <data-dir>/pool.img, created if missing).
+    #[arg(long)]
+    pool: Option<PathBuf>,
+    /// Size of a new pool file (K, M, G, T are powers of 1024). Ignored for an existing pool.
+    #[arg(long, default_value = "64GiB", value_parser = parse_size)]
+    pool_size: u64,
+    /// Data-unit (allocation-unit) size of a new pool: 16K, 32K, 64K or 128K.
+    #[arg(long, default_value = "64KiB", value_parser = parse_size)]
+    unit_size: u64,
+    /// TCP address for NBD.
+    #[arg(long, default_value = "127.0.0.1:10809")]
+    listen: SocketAddr,
+    /// Unix socket for NBD (default: <data-dir>/nbd.sock).
+    #[arg(long)]
+    nbd_socket: Option<PathBuf>,
+}
+
+#[derive(Subcommand)]
+enum VolumeCmd {
+    /// Create a thin volume (exported over NBD under its name).
+    Create {
+        name: String,
+        /// Virtual size, a multiple of 4096 bytes (e.g. 10GiB; K, M, G, T are powers of 1024).
+        #[arg(long, value_parser = parse_size)]
+        size: u64,
+    },
+    /// List volumes with virtual size and allocated bytes.
+    List {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show one volume.
+    Info {
+        name: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Delete a volume and free its space.
+    Delete { name: String },
+    /// Grow a volume (shrinking is refused).
+    Resize {
+        name: String,
+        #[arg(long, value_parser = parse_size)]
+        size: u64,
+    },
+}
+
+#[derive(Subcommand)]
+enum PoolCmd {
+    /// Capacity, used, metadata and free bytes.
+    Status {
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    parse_size::Config::new().with_binary().parse_size(s).map_err(|e| format!("'{s}' is not a size: {e}"))
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("FERROVOL_LOG").unwrap_or_else(|_| "info".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
+    let r = rt.block_on(run(cli));
+    match r {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("ferrovol: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    let socket = cli.socket.clone().unwrap_or_else(|| cli.data_dir.join("ferrovol.sock"));
+    match cli.cmd {
+        Cmd::Serve(args) => serve(&cli.data_dir, &socket, args).await.map(|()| ExitCode::SUCCESS),
+        Cmd::Volume(cmd) => volume_cmd(&socket, cmd).await.map(|()| ExitCode::SUCCESS),
+        Cmd::Pool(PoolCmd::Status { json }) => pool_status(&socket, json).await.map(|()| ExitCode::SUCCESS),
+        Cmd::Check { pool } => {
+            let path = pool.unwrap_or_else(|| cli.data_dir.join("pool.img"));
+            let report = tokio::task::spawn_blocking(move || storage_engine::check(&path)).await??;
+            println!("{}", report.summary);
+            if report.problems.is_empty() {
+                println!("clean");
+                Ok(ExitCode::SUCCESS)
+            } else {
+                for p in &report.problems {
+                    println!("PROBLEM: {p}");
+                }
+                println!("{} problems", report.problems.len());
+                Ok(ExitCode::FAILURE)
+            }
+        }
+    }
+}
+
+fn status_err(s: tonic::Status) -> anyhow::Error {
+    anyhow::anyhow!("{}", s.message())
+}
+
+fn human(bytes: u64) -> String {
+    const U: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    let mut v = bytes as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i + 1 < U.len() {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{v:.1} {}", U[i])
+    }
+}
+
+fn volume_json(v: &mgmt::pb::Volume) -> serde_json::Value {
+    serde_json::json!({
+        "name": v.name, "id": v.id, "size_bytes": v.size_bytes,
+        "allocated_bytes": v.allocated_bytes, "created_unix": v.created_unix, "export_name": v.export_name,
+    })
+}
+
+async fn volume_cmd(socket: &Path, cmd: VolumeCmd) -> anyhow::Result<()> {
+    let mut c = mgmt::connect(socket).await?;
+    use mgmt::pb;
+    match cmd {
+        VolumeCmd::Create { name, size } => {
+            let v = c.create_volume(pb::CreateVolumeRequest { name, size_bytes: size }).await.map_err(status_err)?.into_inner();
+            println!("created volume {} ({} bytes, {})", v.name, v.size_bytes, human(v.size_bytes));
+        }
+        VolumeCmd::List { json } => {
+            let vs = c.list_volumes(pb::ListVolumesRequest {}).await.map_err(status_err)?.into_inner().volumes;
+            if json {
+                println!("{}", serde_json::Value::Array(vs.iter().map(volume_json).collect()));
+            } else {
+                println!("{:<40} {:>16} {:>16}", "NAME", "SIZE", "ALLOCATED");
+                for v in vs {
+                    println!("{:<40} {:>16} {:>16}", v.name, human(v.size_bytes), human(v.allocated_bytes));
+                }
+            }
+        }
+        VolumeCmd::Info { name, json } => {
+            let v = c.get_volume(pb::GetVolumeRequest { name }).await.map_err(status_err)?.into_inner();
+            if json {
+                println!("{}", volume_json(&v));
+            } else {
+                println!("name: {}\nid: {}\nsize: {} ({})\nallocated: {} ({})\nexport: {}", v.name, v.id, v.size_bytes, human(v.size_bytes), v.allocated_bytes, human(v.allocated_bytes), v.export_name);
+            }
+        }
+        VolumeCmd::Delete { name } => {
+            c.delete_volume(pb::DeleteVolumeRequest { name: name.clone() }).await.map_err(status_err)?;
+            println!("deleted volume {name}");
+        }
+        VolumeCmd::Resize { name, size } => {
+            let v = c.resize_volume(pb::ResizeVolumeRequest { name, size_bytes: size }).await.map_err(status_err)?.into_inner();
+            println!("resized volume {} to {} bytes ({})", v.name, v.size_bytes, human(v.size_bytes));
+        }
+    }
+    Ok(())
+}
+
+async fn pool_status(socket: &Path, json: bool) -> anyhow::Result<()> {
+    let mut c = mgmt::connect(socket).await?;
+    let s = c.get_pool_status(mgmt::pb::GetPoolStatusRequest {}).await.map_err(status_err)?.into_inner();
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "uuid": s.uuid, "path": s.path, "capacity_bytes": s.capacity_bytes, "used_bytes": s.used_bytes,
+                "metadata_bytes": s.metadata_bytes, "free_bytes": s.free_bytes, "unit_size_bytes": s.unit_size_bytes,
+                "volume_count": s.volume_count, "direct_io": s.direct_io, "failed": s.failed, "nbd_endpoints": s.nbd_endpoints,
+            })
+        );
+    } else {
+        println!("pool {} at {}", s.uuid, s.path);
+        println!("capacity {}  used {}  metadata {}  free {}", human(s.capacity_bytes), human(s.used_bytes), human(s.metadata_bytes), human(s.free_bytes));
+        println!("unit size {}  volumes {}  O_DIRECT {}  failed {}", human(u64::from(s.unit_size_bytes)), s.volume_count, s.direct_io, s.failed);
+        for e in s.nbd_endpoints {
+            println!("nbd: {e}");
+        }
+    }
+    Ok(())
+}
+
+/// Binds a unix socket at `path`, replacing a stale socket file (one nobody listens on).
+fn bind_unix(path: &Path) -> anyhow::Result<tokio::net::UnixListener> {
+    if path.exists() {
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            anyhow::bail!("{} is in use by a running server", path.display());
+        }
+        std::fs::remove_file(path).with_context(|| format!("remove stale socket {}", path.display()))?;
+    }
+    tokio::net::UnixListener::bind(path).with_context(|| format!("bind {}", path.display()))
+}
+
+async fn serve(data_dir: &Path, mgmt_socket: &Path, args: ServeArgs) -> anyhow::Result<()> {
+    std::fs::create_dir_all(data_dir).with_context(|| format!("create data dir {}", data_dir.display()))?;
+    let pool_path = args.pool.clone().unwrap_or_else(|| data_dir.join("pool.img"));
+    let opts = PoolOptions {
+        size: args.pool_size,
+        unit_size: u32::try_from(args.unit_size).map_err(|_| anyhow::anyhow!("unit size {} is too large", args.unit_size))?,
+    };
+    let p = pool_path.clone();
+    let pool = tokio::task::spawn_blocking(move || Pool::open_or_create(&p, &opts))
+        .await?
+        .with_context(|| format!("pool {}", pool_path.display()))?;
+    let nbd_sock = args.nbd_socket.clone().unwrap_or_else(|| data_dir.join("nbd.sock"));
+    let tcp = tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("bind NBD on {}", args.listen))?;
+    let unix = bind_unix(&nbd_sock)?;
+    let mgmt_listener = bind_unix(mgmt_socket)?;
+    let endpoints = vec![format!("nbd://{}", tcp.local_addr()?), format!("nbd+unix:///?socket={}", nbd_sock.display())];
+    tracing::info!(nbd_tcp = %tcp.local_addr()?, nbd_unix = %nbd_sock.display(), management = %mgmt_socket.display(), "serving");
+
+    let registry = Arc::new(exports::PoolRegistry::new(pool.clone()));
+    let config = Arc::new(nbd::ServerConfig::default());
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+    let tcp_task = tokio::spawn(nbd::serve_tcp(tcp, registry.clone(), config.clone(), stopped(stop_rx.clone())));
+    let unix_task = tokio::spawn(nbd::serve_unix(unix, registry.clone(), config.clone(), stopped(stop_rx.clone())));
+    let mgmt_task = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(mgmt::ManagementService::new(pool.clone(), endpoints))
+            .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(mgmt_listener), stopped(stop_rx.clone())),
+    );
+
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    tracing::info!("shutting down: flushing and checkpointing the pool");
+    let _ = stop_tx.send(true);
+    let _ = tcp_task.await;
+    let _ = unix_task.await;
+    let _ = mgmt_task.await;
+    let _ = std::fs::remove_file(&nbd_sock);
+    let _ = std::fs::remove_file(mgmt_socket);
+    if let Err(e) = pool.flush().await {
+        tracing::error!(error = %e, "final flush failed");
+    }
+    tokio::task::spawn_blocking(move || pool.close()).await??;
+    tracing::info!("pool closed cleanly");
+    Ok(())
+}
