@@ -449,6 +449,20 @@ pub fn open_pool_file(path: &std::path::Path, create: bool) -> io::Result<(File,
     }
 }
 
+/// Takes an advisory `flock` on the pool file, exclusive for a server and shared for
+/// the checker, without waiting. Held until the file is closed.
+///
+/// Errors: `WouldBlock` when another process holds a conflicting lock.
+pub fn lock_file(file: &File, exclusive: bool) -> io::Result<()> {
+    let op = if exclusive { libc::LOCK_EX } else { libc::LOCK_SH } | libc::LOCK_NB;
+    // SAFETY: flock on an fd that `file` keeps open; no memory is passed.
+    if unsafe { libc::flock(file.as_raw_fd(), op) } == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
 /// Size in bytes of a regular file or block device.
 pub fn device_size(file: &File) -> io::Result<u64> {
     use std::io::{Seek, SeekFrom};

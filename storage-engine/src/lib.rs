@@ -17,7 +17,7 @@ pub mod error;
 pub mod format;
 pub mod io;
 mod journal;
-mod meta;
+pub mod meta;
 mod pool;
 mod volume;
 

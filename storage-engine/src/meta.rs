@@ -3,7 +3,8 @@
 //! Lives here: [`MapTable`] (logical unit -> data unit + written-block bitmap, in
 //! refcounted 512-entry pages that copy on write, so a snapshot can share them), and
 //! [`Allocator`] (per-unit refcounts, the free set, frees waiting to become durable).
-//! Not here: I/O, logging, locking (the pool wraps these in its locks).
+//! Not here: I/O, logging, locking (the pool wraps these in its locks). Public so that
+//! benchmarks and tools can exercise them; the pool is their only writer.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
@@ -11,13 +12,13 @@ use std::sync::Arc;
 use crate::format::PAGE_ENTRIES;
 
 /// "Unmapped" in [`Entry::punit`].
-pub(crate) const UNMAPPED: u32 = u32::MAX;
+pub const UNMAPPED: u32 = u32::MAX;
 /// Refcount value marking a unit that holds checkpoint metadata.
-pub(crate) const META: u32 = u32::MAX;
+pub const META: u32 = u32::MAX;
 
 /// One mapping entry: 8 bytes, so a lookup touches a single cache line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Entry {
+pub struct Entry {
     /// Data unit, or [`UNMAPPED`].
     pub punit: u32,
     /// Bit `i` set: block `i` of the unit holds written data; clear: reads as zeros.
@@ -25,7 +26,9 @@ pub(crate) struct Entry {
 }
 
 impl Entry {
+    /// The unmapped entry.
     pub const EMPTY: Entry = Entry { punit: UNMAPPED, bitmap: 0 };
+    /// Whether the entry names a data unit.
     pub fn is_mapped(&self) -> bool {
         self.punit != UNMAPPED
     }
@@ -33,7 +36,8 @@ impl Entry {
 
 /// 512 consecutive mapping entries (4 KiB).
 #[derive(Clone)]
-pub(crate) struct MapPage {
+pub struct MapPage {
+    /// The entries, by index in the page.
     pub entries: [Entry; PAGE_ENTRIES],
     /// Number of mapped entries.
     pub mapped: u32,
@@ -41,7 +45,7 @@ pub(crate) struct MapPage {
 
 /// A volume's mapping: pages indexed by `lunit / 512`; an absent page is all unmapped.
 #[derive(Clone, Default)]
-pub(crate) struct MapTable {
+pub struct MapTable {
     pages: Vec<Option<Arc<MapPage>>>,
 }
 
@@ -137,7 +141,7 @@ fn split(lunit: u64) -> (usize, usize) {
 /// A unit is *free* (allocatable) only when its refcount is 0, it holds no checkpoint
 /// metadata, and the record that dropped its last reference is durable: a freed unit
 /// first waits in `pending_free` until the commit that carries its free completes.
-pub(crate) struct Allocator {
+pub struct Allocator {
     refcount: Vec<u32>,
     free_bits: Vec<u64>,
     free_count: u64,
@@ -174,18 +178,22 @@ impl Allocator {
         a
     }
 
+    /// Number of data units managed.
     pub fn unit_count(&self) -> u64 {
         self.refcount.len() as u64
     }
 
+    /// Units allocatable now.
     pub fn free_count(&self) -> u64 {
         self.free_count
     }
 
+    /// Refcount of `unit` ([`META`] for checkpoint units).
     pub fn refcount(&self, unit: u32) -> u32 {
         self.refcount[unit as usize]
     }
 
+    /// All refcounts, indexed by unit.
     pub fn refcounts(&self) -> &[u32] {
         &self.refcount
     }

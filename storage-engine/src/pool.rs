@@ -210,6 +210,16 @@ fn read_at_file(file: &File) -> impl FnMut(u64, usize) -> std::io::Result<Vec<u8
     }
 }
 
+fn lock(file: &File, exclusive: bool, path: &Path) -> Result<()> {
+    io::lock_file(file, exclusive).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::WouldBlock {
+            Error::new(ErrorKind::Failed, format!("{} is in use by another process (a running server?)", path.display()))
+        } else {
+            Error::io(format!("lock {}", path.display()), e)
+        }
+    })
+}
+
 /// Result of [`check`].
 #[derive(Debug, Clone)]
 pub struct CheckReport {
@@ -227,6 +237,7 @@ pub struct CheckReport {
 /// the report instead.
 pub fn check(path: &Path) -> Result<CheckReport> {
     let file = File::open(path).map_err(|e| Error::io(format!("open {}", path.display()), e))?;
+    lock(&file, false, path)?;
     let size = io::device_size(&file).map_err(|e| Error::io("size of pool", e))?;
     let mut read = read_at_file(&file);
     let loaded = journal::load(&mut read, size)?;
@@ -327,6 +338,7 @@ impl Pool {
             Err(_) => false,
         };
         let (file, _direct) = io::open_pool_file(path, !is_dev).map_err(|e| Error::io(format!("create {}", path.display()), e))?;
+        lock(&file, true, path)?;
         let size = if is_dev {
             io::device_size(&file).map_err(|e| Error::io("size of device", e))?
         } else {
@@ -377,6 +389,7 @@ impl Pool {
         }
         sync(&ring)?;
         drop(ring);
+        drop(file); // releases the lock for open()
         tracing::info!(path = %path.display(), size, unit_size = unit, "created pool");
         Pool::open(path)
     }
@@ -389,6 +402,7 @@ impl Pool {
     /// [`ErrorKind::Io`].
     pub fn open(path: &Path) -> Result<Pool> {
         let (file, direct) = io::open_pool_file(path, false).map_err(|e| Error::io(format!("open {}", path.display()), e))?;
+        lock(&file, true, path)?;
         let size = io::device_size(&file).map_err(|e| Error::io("size of pool", e))?;
         let loaded = {
             let plain = File::open(path).map_err(|e| Error::io(format!("open {}", path.display()), e))?;

@@ -339,6 +339,7 @@ impl Volume {
         let mut segs = Vec::new();
         let mut new_bits: Vec<(u64, u32, u32)> = Vec::new(); // (lunit, punit, bits)
         let mut pins = Pins { pool: &self.pool, units: Vec::new() };
+        let mut retry = false;
         {
             let map = self.vol.map.read();
             if self.vol.deleted.load(Ordering::Acquire) {
@@ -347,10 +348,8 @@ impl Volume {
             for u in u0..u1 {
                 let e = map.get(u);
                 if !e.is_mapped() {
-                    // Trimmed away between allocation and planning: allocate again.
-                    drop(map);
-                    drop(pins);
-                    return Box::pin(self.write_blocks(b0, b1, buf, fua, offset)).await;
+                    retry = true;
+                    break;
                 }
                 let s = (u * bpu).max(b0);
                 let e_blk = ((u + 1) * bpu).min(b1);
@@ -366,6 +365,11 @@ impl Volume {
                     new_bits.push((u, e.punit, m));
                 }
             }
+        }
+        if retry {
+            // Trimmed away between allocation and planning: allocate again.
+            drop(pins);
+            return Box::pin(self.write_blocks(b0, b1, buf, fua, offset)).await;
         }
         let dsync = fua && new_bits.is_empty();
         let (buf, r) = self.pool.ring.rw(Dir::Write { dsync }, buf, segs).await.map_err(|_| self.err(worker_gone(), "write", offset))?;
