@@ -103,7 +103,9 @@ pub struct BatchHeader {
     pub magic: U32,
     /// CRC-32C of the header (with this field zero) followed by the payload.
     pub crc: U32,
-    /// Sequence number: one more than the previous batch's, never reused.
+    /// Sequence number: one more than the previous batch's. Never reused: every open
+    /// writes a checkpoint that moves the sequence past any batch a crash could have
+    /// left behind the end of the log.
     pub seq: U64,
     /// First 8 bytes of the pool UUID.
     pub pool_tag: U64,
@@ -226,6 +228,8 @@ pub struct VolumeDeleteRec {
     pub volume: U64,
 }
 
+const _: () = assert!(size_of::<VolumeDeleteRec>() == 8);
+
 /// Body of [`REC_VOLUME_RESIZE`]. 16 bytes.
 #[derive(Debug, Clone, FromBytes, IntoBytes, KnownLayout, Immutable)]
 #[repr(C)]
@@ -236,6 +240,8 @@ pub struct VolumeResizeRec {
     pub size: U64,
 }
 
+const _: () = assert!(size_of::<VolumeResizeRec>() == 16);
+
 /// Body of [`REC_POOL`]. 16 bytes.
 #[derive(Debug, Clone, FromBytes, IntoBytes, KnownLayout, Immutable)]
 #[repr(C)]
@@ -245,6 +251,8 @@ pub struct PoolRec {
     /// Number of volumes in the checkpoint.
     pub volumes: U64,
 }
+
+const _: () = assert!(size_of::<PoolRec>() == 16);
 
 /// Head of a [`REC_PAGE`] body (32 bytes), followed by `entries` [`PageEntry`]s.
 /// A page covers 512 consecutive logical units; only mapped entries are stored.
@@ -289,6 +297,8 @@ pub struct PageRefRec {
     pub page_id: U64,
 }
 
+const _: () = assert!(size_of::<PageRefRec>() == 24);
+
 /// One entry of a [`REC_REFCOUNTS`] body. 16 bytes. Units not listed have refcount 0.
 #[derive(Debug, Clone, FromBytes, IntoBytes, KnownLayout, Immutable)]
 #[repr(C)]
@@ -300,6 +310,8 @@ pub struct RefcountEntry {
     /// Zero.
     pub pad: U32,
 }
+
+const _: () = assert!(size_of::<RefcountEntry>() == 16);
 
 /// Body of [`REC_END`]. 32 bytes.
 #[derive(Debug, Clone, FromBytes, IntoBytes, KnownLayout, Immutable)]
@@ -314,6 +326,8 @@ pub struct EndRec {
     /// Number of chunks in the checkpoint.
     pub chunks: U64,
 }
+
+const _: () = assert!(size_of::<EndRec>() == 32);
 
 /// Mapping entries per page (in memory and in checkpoints).
 pub const PAGE_ENTRIES: usize = 512;

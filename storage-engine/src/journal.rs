@@ -256,7 +256,7 @@ impl State {
             if r != 0 && r != META {
                 body.extend_from_slice(RefcountEntry { unit: (u as u64).into(), refcount: r.into(), pad: 0.into() }.as_bytes());
                 refcounts += 1;
-                if body.len() >= 4000 * 16 {
+                if body.len() + 2 * size_of::<RefcountEntry>() + size_of::<RecordHeader>() > w.limit.min(u16::MAX as usize) {
                     w.push(REC_REFCOUNTS, &[&body]);
                     body.clear();
                 }
@@ -289,7 +289,7 @@ struct ChunkWriter {
 impl ChunkWriter {
     fn push(&mut self, kind: u8, parts: &[&[u8]]) {
         let len: usize = size_of::<RecordHeader>() + parts.iter().map(|p| p.len()).sum::<usize>();
-        debug_assert!(len <= self.limit);
+        assert!(len <= self.limit, "checkpoint record of {len} bytes exceeds the chunk payload {}", self.limit);
         if self.chunks.last().expect("one chunk").len() + len > self.limit {
             self.chunks.push(Vec::new());
         }
@@ -329,14 +329,14 @@ pub(crate) fn validate_superblock(sb: &Superblock, size: u64) -> Result<Geometry
     if sb.magic != SUPERBLOCK_MAGIC {
         return Err(Error::corrupt("not a ferrovol pool: superblock magic is missing"));
     }
-    if sb.compute_crc() != sb.crc.get() {
-        return Err(Error::corrupt("superblock checksum mismatch"));
-    }
     if sb.version.get() != FORMAT_VERSION {
         return Err(Error::corrupt(format!(
             "pool format version {} is not supported by this build (it reads version {FORMAT_VERSION})",
             sb.version.get()
         )));
+    }
+    if sb.compute_crc() != sb.crc.get() {
+        return Err(Error::corrupt("superblock checksum mismatch"));
     }
     if sb.features.get() != 0 {
         return Err(Error::corrupt(format!("pool uses unknown feature bits {:#x}", sb.features.get())));
@@ -514,7 +514,7 @@ pub(crate) fn load(read: &mut ReadAt<'_>, size: u64) -> Result<Loaded> {
         let Some(end) = ended else {
             return Err(Error::corrupt("checkpoint has no end record (incomplete)"));
         };
-        if end.chunks.get() != index || end.volumes.get() != volumes.len() as u64 || end.pages.get() != pages.len() as u64 || end.refcounts.get() != stored_refcounts.len() as u64 {
+        if end.chunks.get() != index || sb.checkpoint_chunks.get() != index || end.volumes.get() != volumes.len() as u64 || end.pages.get() != pages.len() as u64 || end.refcounts.get() != stored_refcounts.len() as u64 {
             return Err(Error::corrupt("checkpoint totals do not match its contents"));
         }
     }

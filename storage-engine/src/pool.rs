@@ -14,18 +14,20 @@
 //! 3. write the records as log batches, `fdatasync`;
 //! 4. frees noted in step 1 become allocatable.
 //!
-//! A *checkpoint* (when half the log is used, and at close) snapshots the metadata
-//! under all the locks, `fdatasync`s the data, writes the snapshot into free data units,
-//! `fdatasync`s, then writes the other superblock slot pointing at it with the log
-//! restarting at the current position, and `fdatasync`s. Until that last write the old
-//! superblock, checkpoint and log describe the pool; after it, the new ones do.
+//! A *checkpoint* (when half the log is used or a commit would not fit, at open, and at
+//! close) snapshots the metadata under all the locks, writes the snapshot into free data
+//! units, `fdatasync`s (data and chunks), then writes the other superblock slot pointing
+//! at it with the log restarting at the current position, and `fdatasync`s. Until that
+//! last write the old superblock, checkpoint and log describe the pool; after it, the
+//! new ones do. The checkpoint at open also moves the log's sequence numbers past any
+//! batch a crash may have left beyond the replayed end of the log.
 
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use parking_lot::{Condvar, Mutex, RwLock};
 use tokio::sync::oneshot;
@@ -121,6 +123,12 @@ pub(crate) struct Journal {
 }
 
 #[derive(Default)]
+struct Commits {
+    queue: Mutex<CommitQueue>,
+    cv: Condvar,
+}
+
+#[derive(Default)]
 struct CommitQueue {
     waiters: Vec<oneshot::Sender<Result<(), ErrorKind>>>,
     background: bool,
@@ -150,8 +158,9 @@ pub(crate) struct PoolInner {
     pub failed: AtomicBool,
     /// Locks for read-modify-write of partial 4 KiB blocks, striped by (volume, block).
     pub stripes: Box<[tokio::sync::Mutex<()>]>,
-    queue: Mutex<CommitQueue>,
-    queue_cv: Condvar,
+    /// Commit requests; shared with the committer thread, which holds no strong
+    /// reference to the pool while it waits.
+    commits: Arc<Commits>,
     log: Mutex<LogState>,
     committer: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
@@ -166,8 +175,10 @@ fn now() -> u32 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs() as u32).unwrap_or(0)
 }
 
-/// Units to keep free so a checkpoint can always be written (two copies of an estimate:
-/// 40 bytes per used unit and a page header each, 256 bytes per volume, plus slack).
+/// Units to keep free so a checkpoint can always be written: twice an estimate of its
+/// size (72 bytes per used unit: a 16-byte page entry, a 16-byte refcount entry and up
+/// to a 40-byte page header if every unit sits in its own page; 256 bytes per volume),
+/// plus slack.
 fn meta_reserve(used: u64, volumes: u64, unit_size: u64) -> u64 {
     let payload = unit_size - size_of::<ChunkHeader>() as u64;
     let est = used * 72 + volumes * 256 + 4096;
@@ -248,7 +259,6 @@ pub fn check(path: &Path) -> Result<CheckReport> {
     let st = &loaded.state;
     let bpu = loaded.geo.blocks_per_unit();
     let mut derived = vec![0u32; loaded.geo.unit_count as usize];
-    let mut seen = std::collections::HashSet::new();
     let mut names = std::collections::HashSet::new();
     for (id, v) in &st.volumes {
         if validate_name(&v.name).is_err() || !names.insert(v.name.clone()) {
@@ -258,10 +268,6 @@ pub fn check(path: &Path) -> Result<CheckReport> {
             problems.push(format!("volume '{}' has an invalid size {}", v.name, v.size));
         }
         let units = st.units_of(v.size);
-        for p in v.map.pages().iter().flatten() {
-            let first = seen.insert(Arc::as_ptr(p));
-            let _ = first;
-        }
         for (lunit, e) in v.map.mapped() {
             if lunit >= units {
                 problems.push(format!("volume '{}' maps logical unit {lunit} past its end", v.name));
@@ -451,15 +457,19 @@ impl Pool {
             writes_since_sync: AtomicU64::new(0),
             failed: AtomicBool::new(false),
             stripes: (0..256).map(|_| tokio::sync::Mutex::new(())).collect(),
-            queue: Mutex::new(CommitQueue::default()),
-            queue_cv: Condvar::new(),
+            commits: Arc::new(Commits::default()),
             log: Mutex::new(LogState { cursor: log, sb, checkpoint_units }),
             committer: Mutex::new(None),
         });
+        // Checkpoint at once, moving the log's sequence numbers past any batch that a
+        // crash may have left beyond the end of the replayed log (a batch written while
+        // an earlier one of the same commit was torn). Replay then never reaches one.
+        inner.checkpoint(inner.geo.log_size / BLOCK_SIZE + 1).map_err(|e| e.op("open pool"))?;
         let weak = Arc::downgrade(&inner);
+        let commits = inner.commits.clone();
         let handle = std::thread::Builder::new()
             .name("ferrovol-commit".into())
-            .spawn(move || committer(weak))
+            .spawn(move || committer(weak, commits))
             .map_err(|e| Error::io("start committer", e))?;
         *inner.committer.lock() = Some(handle);
         Ok(Pool { inner })
@@ -604,9 +614,9 @@ impl Pool {
     pub fn close(self) -> Result<()> {
         let inner = self.inner;
         {
-            let mut q = inner.queue.lock();
+            let mut q = inner.commits.queue.lock();
             q.shutdown = true;
-            inner.queue_cv.notify_all();
+            inner.commits.cv.notify_all();
         }
         if let Some(h) = inner.committer.lock().take() {
             let _ = h.join();
@@ -614,7 +624,7 @@ impl Pool {
         if inner.failed.load(Ordering::SeqCst) {
             return Err(Error::new(ErrorKind::Failed, "pool failed; not writing a final checkpoint"));
         }
-        inner.checkpoint().map_err(|e| e.op("close pool"))
+        inner.checkpoint(0).map_err(|e| e.op("close pool"))
     }
 }
 
@@ -655,10 +665,10 @@ impl PoolInner {
         r.encode(&mut j.bytes);
         if j.bytes.len() >= BACKGROUND_COMMIT_BYTES {
             drop(j);
-            let mut q = self.queue.lock();
+            let mut q = self.commits.queue.lock();
             if !q.background {
                 q.background = true;
-                self.queue_cv.notify_one();
+                self.commits.cv.notify_one();
             }
         }
     }
@@ -667,12 +677,12 @@ impl PoolInner {
     pub async fn commit(&self) -> Result<()> {
         let (tx, rx) = oneshot::channel();
         {
-            let mut q = self.queue.lock();
+            let mut q = self.commits.queue.lock();
             if q.shutdown {
                 return Err(Error::new(ErrorKind::Failed, "pool is closing"));
             }
             q.waiters.push(tx);
-            self.queue_cv.notify_one();
+            self.commits.cv.notify_one();
         }
         match rx.await {
             Ok(Ok(())) => Ok(()),
@@ -706,7 +716,10 @@ impl PoolInner {
                     pos += self.geo.log_size - pos % self.geo.log_size;
                 }
                 if pos + len - log.cursor.head > self.geo.log_size {
-                    return Err(Error::new(ErrorKind::Failed, "log overflow").op("commit"));
+                    // No room in the log: a checkpoint captures these records' effects
+                    // (they are already applied in memory) and empties the log.
+                    drop(log);
+                    return self.checkpoint(0);
                 }
                 writes.push((self.geo.log_offset + pos % self.geo.log_size, b));
                 pos += len;
@@ -729,8 +742,9 @@ impl PoolInner {
         log.cursor.pos - log.cursor.head
     }
 
-    /// Writes a checkpoint (see the module docs).
-    fn checkpoint(&self) -> Result<()> {
+    /// Writes a checkpoint (see the module docs) whose sequence number is `seq_jump`
+    /// past the last log batch.
+    fn checkpoint(&self, seq_jump: u64) -> Result<()> {
         // 1. A consistent snapshot: all volume maps, the allocator and the journal.
         let (snapshot, pending) = {
             let vols = self.volumes.read();
@@ -759,9 +773,7 @@ impl PoolInner {
             (st, alloc.pending_free.len())
         };
         self.writes_since_sync.store(0, Ordering::SeqCst);
-        // 2. Data durable before metadata that points at it.
-        sync(&self.ring)?;
-        // 3. Write the chunks into freshly allocated units.
+        // 2. Write the chunks into freshly allocated units.
         let payload = self.geo.unit_size as usize - size_of::<ChunkHeader>();
         let chunks = snapshot.encode_checkpoint(payload);
         drop(snapshot);
@@ -782,7 +794,7 @@ impl PoolInner {
             got
         };
         let mut log = self.log.lock();
-        let seq = log.cursor.seq;
+        let seq = log.cursor.seq + seq_jump;
         let mut rxs = Vec::new();
         for (i, body) in chunks.iter().enumerate() {
             let next = units.get(i + 1).map(|&u| u64::from(u)).unwrap_or(NO_UNIT);
@@ -819,7 +831,7 @@ impl PoolInner {
             }
             return Err(e);
         }
-        // 4. Switch superblocks.
+        // 3. The sync above made the data and the chunks durable; switch superblocks.
         let mut sb = log.sb.clone();
         sb.generation = (sb.generation.get() + 1).into();
         sb.checkpoint_unit = u64::from(units[0]).into();
@@ -829,10 +841,11 @@ impl PoolInner {
         sb.crc = sb.compute_crc().into();
         write_blocks(&self.ring, SUPERBLOCK_OFFSETS[(sb.generation.get() % 2) as usize], sb.as_bytes())?;
         sync(&self.ring)?;
-        // 5. The old checkpoint's units and the snapshot's frees are now free.
+        // 4. The old checkpoint's units and the snapshot's frees are now free.
         let old = std::mem::replace(&mut log.checkpoint_units, units);
         log.sb = sb;
         log.cursor.head = log.cursor.pos;
+        log.cursor.seq = seq;
         drop(log);
         let mut a = self.alloc.lock();
         for u in old {
@@ -861,45 +874,40 @@ fn sync(ring: &IoRing) -> Result<()> {
 }
 
 /// The committer thread: serves commit requests in groups; checkpoints when half the
-/// log is used. Exits when the pool is dropped or closed.
-fn committer(pool: std::sync::Weak<PoolInner>) {
+/// log is used or a commit would not fit. Exits when the pool is closed or dropped.
+fn committer(pool: std::sync::Weak<PoolInner>, commits: Arc<Commits>) {
     loop {
-        let Some(inner) = pool.upgrade() else { return };
         let (waiters, shutdown) = {
-            let mut q = inner.queue.lock();
+            let mut q = commits.queue.lock();
             while q.waiters.is_empty() && !q.background && !q.shutdown {
-                // Wake now and then to notice the pool being dropped.
-                if inner.queue_cv.wait_for(&mut q, Duration::from_millis(200)).timed_out() && Arc::strong_count(&inner) == 1 {
-                    return;
-                }
+                commits.cv.wait(&mut q);
             }
             q.background = false;
             (std::mem::take(&mut q.waiters), q.shutdown)
         };
+        let Some(inner) = pool.upgrade() else {
+            for w in waiters {
+                let _ = w.send(Err(ErrorKind::Failed));
+            }
+            return;
+        };
         let result = if inner.failed.load(Ordering::SeqCst) {
             Err(ErrorKind::Failed)
         } else {
-            let r = if inner.log_used() > inner.geo.log_size / 2 { inner.checkpoint() } else { inner.commit_cycle() };
+            let pending = inner.journal.lock().bytes.len() as u64;
+            let r = if inner.log_used() + pending * 2 > inner.geo.log_size / 2 { inner.checkpoint(0) } else { inner.commit_cycle() };
             r.map_err(|e| {
                 inner.fail(&e);
                 ErrorKind::Failed
             })
         };
+        // Release the pool before answering, so a caller that drops its last handle
+        // after the flush closes the pool file at once.
+        drop(inner);
         for w in waiters {
             let _ = w.send(result);
         }
-        if shutdown {
-            // Serve whoever queued meanwhile, then stop.
-            let late = std::mem::take(&mut inner.queue.lock().waiters);
-            if !late.is_empty() {
-                let r = inner.commit_cycle().map_err(|e| {
-                    inner.fail(&e);
-                    ErrorKind::Failed
-                });
-                for w in late {
-                    let _ = w.send(r);
-                }
-            }
+        if shutdown && commits.queue.lock().waiters.is_empty() {
             return;
         }
     }
@@ -908,7 +916,7 @@ fn committer(pool: std::sync::Weak<PoolInner>) {
 impl Drop for PoolInner {
     fn drop(&mut self) {
         // Without close(): a crash-equivalent stop; the log has everything committed.
-        self.queue.lock().shutdown = true;
-        self.queue_cv.notify_all();
+        self.commits.queue.lock().shutdown = true;
+        self.commits.cv.notify_all();
     }
 }

@@ -303,9 +303,11 @@ impl Volume {
         let bpu = g.blocks_per_unit();
         let u0 = b0 / bpu;
         let u1 = (b1 - 1) / bpu + 1;
-        // Allocate data units for unmapped logical units.
+        // Allocate data units for unmapped logical units. If the pool is full but frees
+        // wait for a commit to become durable, commit and try once more.
         let mut allocated: Vec<(u64, u32)> = Vec::new();
-        {
+        for attempt in 0..2 {
+            let mut frees_pending = false;
             let needs = {
                 let map = self.vol.map.read();
                 (u0..u1).any(|u| !map.get(u).is_mapped())
@@ -326,14 +328,25 @@ impl Volume {
                             for &(_, p) in &allocated {
                                 a.decref(p);
                             }
-                            return Err(self.err(Error::new(ErrorKind::NoSpace, "no free data unit for an allocating write"), "write", offset));
+                            allocated.clear();
+                            frees_pending = !a.pending_free.is_empty();
+                            break;
                         }
                     }
                 }
                 for &(u, p) in &allocated {
                     map.set(u, Entry { punit: p, bitmap: 0 });
                 }
+                if allocated.len() == want.len() {
+                    break;
+                }
+            } else {
+                break;
             }
+            if attempt == 1 || !frees_pending {
+                return Err(self.err(Error::new(ErrorKind::NoSpace, "no free data unit for an allocating write"), "write", offset));
+            }
+            self.pool.commit().await.map_err(|e| self.err(e, "write", offset))?;
         }
         // Plan: segments, pins, and which units gain written blocks.
         let mut segs = Vec::new();
@@ -380,7 +393,9 @@ impl Volume {
             for &(u, p) in &allocated {
                 let cur = map.get(u);
                 if cur.punit == p && cur.bitmap == 0 {
+                    // Logged: a checkpoint may have captured the empty mapping meanwhile.
                     map.set(u, Entry::EMPTY);
+                    self.pool.log_record(&Record::Unmap { volume: self.vol.id, lunit: u });
                     self.pool.alloc.lock().decref(p);
                 }
             }

@@ -1,0 +1,192 @@
+//! Pool-level behaviour: space accounting and pool full, persistence of volume
+//! operations across clean and crash-style reopen, small data units with many mapped
+//! units (checkpoints spanning many chunks), heavy logging (checkpoints under log
+//! pressure), and refusal of corrupt or foreign pool files without writing to them.
+
+mod common;
+use common::*;
+use storage_engine::{ErrorKind, Pool, PoolOptions};
+
+fn reopen_crash(pool: Pool, dir: &std::path::Path) -> Pool {
+    drop(pool);
+    assert_clean(dir);
+    Pool::open(&pool_path(dir)).unwrap()
+}
+
+#[test]
+fn pool_full_refuses_allocating_writes_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let rt = rt();
+    let pool = create(dir.path(), 16 * MIB);
+    rt.block_on(pool.create_volume("big", 1 << 30)).unwrap();
+    let v = pool.volume("big").unwrap();
+    let mut written = Vec::new();
+    let mut off = 0u64;
+    let err = loop {
+        let data = vec![(off / 65536) as u8 | 1; 65536];
+        match rt.block_on(write(&v, off, &data, false)) {
+            Ok(()) => written.push(off),
+            Err(e) => break e,
+        }
+        off += 65536;
+        assert!(off < 1 << 30, "a 16 MiB pool took 1 GiB of writes");
+    };
+    assert_eq!(err.kind(), ErrorKind::NoSpace, "{err}");
+    assert!(written.len() > 100, "only {} units fit", written.len());
+    let st = pool.status();
+    assert!(st.free < 64 * 65536, "pool reports {} bytes free after ENOSPC", st.free);
+    // Overwrites of allocated data still work and everything acknowledged reads back.
+    rt.block_on(write(&v, written[3] + 4096, &[0xee; 8192], true)).unwrap();
+    rt.block_on(v.flush()).unwrap();
+    drop(v);
+    let pool = reopen_crash(pool, dir.path());
+    let v = pool.volume("big").unwrap();
+    for &o in &written {
+        let got = rt.block_on(read(&v, o, 65536));
+        let fill = (o / 65536) as u8 | 1;
+        if o == written[3] {
+            assert_eq!(&got[4096..12288], &[0xee; 8192][..]);
+            assert!(got[..4096].iter().chain(&got[12288..]).all(|&b| b == fill));
+        } else {
+            assert!(got.iter().all(|&b| b == fill), "unit at {o} lost its data");
+        }
+    }
+    // Trimming frees space (after a commit) and writes resume.
+    rt.block_on(v.trim(0, 16 * 65536, false)).unwrap();
+    rt.block_on(v.flush()).unwrap();
+    rt.block_on(write(&v, off, &[7; 65536], false)).unwrap();
+    drop(v);
+    pool.close().unwrap();
+    assert_clean(dir.path());
+}
+
+#[test]
+fn small_units_with_many_mappings_checkpoint_and_reopen() {
+    for unit in [16 * 1024u32, 32 * 1024] {
+        let dir = tempfile::tempdir().unwrap();
+        let rt = rt();
+        let pool = Pool::create(&pool_path(dir.path()), &PoolOptions { size: 96 * MIB, unit_size: unit }).unwrap();
+        rt.block_on(pool.create_volume("v", 64 * MIB)).unwrap();
+        let v = pool.volume("v").unwrap();
+        // Every unit mapped: thousands of refcount entries, several checkpoint chunks.
+        let mut off = 0;
+        while off < 64 * MIB {
+            rt.block_on(write(&v, off, &vec![(off >> 20) as u8 + 1; 1 << 20], false)).unwrap();
+            off += 1 << 20;
+        }
+        rt.block_on(v.flush()).unwrap();
+        drop(v);
+        pool.close().unwrap();
+        assert_clean(dir.path());
+        let pool = Pool::open(&pool_path(dir.path())).unwrap();
+        let v = pool.volume("v").unwrap();
+        for mib in [0u64, 17, 63] {
+            assert!(rt.block_on(read(&v, mib << 20, 1 << 20)).iter().all(|&b| b == mib as u8 + 1), "unit {unit}: MiB {mib}");
+        }
+        assert_eq!(pool.volume_info("v").unwrap().allocated, 64 * MIB);
+    }
+}
+
+#[test]
+fn heavy_logging_forces_checkpoints_and_survives_crash() {
+    let dir = tempfile::tempdir().unwrap();
+    let rt = rt();
+    let pool = create(dir.path(), 64 * MIB);
+    rt.block_on(pool.create_volume("v", 32 * MIB)).unwrap();
+    let v = pool.volume("v").unwrap();
+    // Far more records than half the 4 MiB log: 4 KiB writes and trims in turn.
+    for round in 0..12u64 {
+        for blk in 0..(32 * MIB / 65536) {
+            let o = blk * 65536 + (round % 16) * 4096;
+            rt.block_on(write(&v, o, &[round as u8 + 1; 4096], false)).unwrap();
+        }
+        rt.block_on(v.trim((round % 4) * 8 * MIB, 4 * MIB, false)).unwrap();
+    }
+    rt.block_on(v.flush()).unwrap();
+    let expect = rt.block_on(read(&v, 0, 32 * MIB));
+    drop(v);
+    let pool = reopen_crash(pool, dir.path());
+    let v = pool.volume("v").unwrap();
+    assert_eq!(rt.block_on(read(&v, 0, 32 * MIB)), expect);
+}
+
+#[test]
+fn volume_operations_persist_and_validate() {
+    let dir = tempfile::tempdir().unwrap();
+    let rt = rt();
+    let pool = create(dir.path(), 32 * MIB);
+    rt.block_on(pool.create_volume("a", 8 * MIB)).unwrap();
+    rt.block_on(pool.create_volume("b", 8 * MIB)).unwrap();
+    let kind = |r: storage_engine::Result<storage_engine::VolumeInfo>| r.unwrap_err().kind();
+    assert_eq!(kind(rt.block_on(pool.create_volume("a", 4096))), ErrorKind::AlreadyExists);
+    assert_eq!(kind(rt.block_on(pool.create_volume("../x", 4096))), ErrorKind::InvalidArgument);
+    assert_eq!(kind(rt.block_on(pool.create_volume("c", 4095))), ErrorKind::InvalidArgument);
+    assert_eq!(kind(rt.block_on(pool.resize_volume("a", 4 * MIB))), ErrorKind::InvalidArgument);
+    let va = pool.volume("a").unwrap();
+    rt.block_on(write(&va, 0, &[1; 65536], false)).unwrap();
+    let vb = pool.volume("b").unwrap();
+    rt.block_on(write(&vb, 0, &[2; 65536], false)).unwrap();
+    rt.block_on(pool.resize_volume("a", 16 * MIB)).unwrap();
+    assert_eq!(va.size(), 16 * MIB, "an open handle sees the new size");
+    rt.block_on(write(&va, 12 * MIB, &[3; 4096], false)).unwrap();
+    rt.block_on(pool.delete_volume("b")).unwrap();
+    assert_eq!(rt.block_on(vb.read(0, 4096)).unwrap_err().kind(), ErrorKind::NotFound);
+    let used = pool.status().used;
+    assert_eq!(used, 2 * 65536, "b's unit was freed");
+    drop((va, vb));
+    let pool = reopen_crash(pool, dir.path());
+    let names: Vec<_> = pool.list_volumes().into_iter().map(|v| (v.name, v.size)).collect();
+    assert_eq!(names, vec![("a".to_string(), 16 * MIB)]);
+    let va = pool.volume("a").unwrap();
+    assert!(rt.block_on(read(&va, 12 * MIB, 4096)).iter().all(|&b| b == 3));
+    assert!(rt.block_on(read(&va, 4 * MIB, 4096)).iter().all(|&b| b == 0));
+}
+
+fn sha(path: &std::path::Path) -> Vec<u8> {
+    std::fs::read(path).unwrap()
+}
+
+#[test]
+fn corrupt_and_foreign_files_are_refused_unchanged() {
+    let dir = tempfile::tempdir().unwrap();
+    let rt = rt();
+    let pool = create(dir.path(), 16 * MIB);
+    rt.block_on(pool.create_volume("a", MIB)).unwrap();
+    pool.close().unwrap();
+    let p = pool_path(dir.path());
+    // Flip a byte inside both superblock slots.
+    let mut img = std::fs::read(&p).unwrap();
+    img[100] ^= 0xff;
+    img[4096 + 100] ^= 0xff;
+    std::fs::write(&p, &img).unwrap();
+    let before = sha(&p);
+    let e = Pool::open(&p).err().expect("a corrupt pool must not open");
+    assert_eq!(e.kind(), ErrorKind::Corrupt);
+    assert!(e.to_string().contains("superblock checksum"), "{e}");
+    assert!(storage_engine::check(&p).is_err());
+    assert_eq!(sha(&p), before, "nothing may be written to a refused pool");
+    // A foreign file.
+    let f = dir.path().join("foreign.img");
+    std::fs::write(&f, vec![0x42u8; 4 * MIB as usize]).unwrap();
+    let e = Pool::open(&f).err().expect("a foreign file must not open");
+    assert!(e.to_string().contains("not a ferrovol pool"), "{e}");
+    assert_eq!(std::fs::read(&f).unwrap(), vec![0x42u8; 4 * MIB as usize]);
+    // A newer format version is named as such.
+    let mut img = before.clone();
+    for slot in [0usize, 4096] {
+        img[slot + 8] = 9; // version field (little endian)
+    }
+    std::fs::write(&p, &img).unwrap();
+    let e = Pool::open(&p).err().unwrap();
+    assert!(e.to_string().contains("version 9 is not supported"), "{e}");
+}
+
+#[test]
+fn a_second_open_of_a_pool_in_use_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let pool = create(dir.path(), 16 * MIB);
+    let e = Pool::open(&pool_path(dir.path())).err().unwrap();
+    assert!(e.to_string().contains("in use"), "{e}");
+    assert!(storage_engine::check(&pool_path(dir.path())).is_err(), "check refuses a pool in use");
+    drop(pool);
+}
