@@ -9,7 +9,7 @@ pub fn nbd_errno(e: &Error) -> nbd::Errno {
         ErrorKind::NoSpace => nbd::Errno::Enospc,
         ErrorKind::OutOfRange | ErrorKind::InvalidArgument => nbd::Errno::Einval,
         ErrorKind::NotFound | ErrorKind::AlreadyExists => nbd::Errno::Einval,
-        ErrorKind::Io | ErrorKind::Corrupt | ErrorKind::Failed => nbd::Errno::Eio,
+        ErrorKind::Io | ErrorKind::Corrupt | ErrorKind::Failed | ErrorKind::InUse => nbd::Errno::Eio,
     }
 }
 
@@ -23,6 +23,7 @@ pub fn grpc_status(e: &Error) -> tonic::Status {
         ErrorKind::OutOfRange => tonic::Status::out_of_range(msg),
         ErrorKind::NoSpace => tonic::Status::resource_exhausted(msg),
         ErrorKind::Failed => tonic::Status::failed_precondition(msg),
+        ErrorKind::InUse => tonic::Status::unavailable(msg),
         ErrorKind::Io | ErrorKind::Corrupt => tonic::Status::internal(msg),
     }
 }

@@ -23,8 +23,11 @@ pub enum ErrorKind {
     Io,
     /// On-disk metadata is inconsistent or fails its checksum; or the file is not a pool.
     Corrupt,
-    /// The pool stopped accepting writes after an I/O error on a metadata commit.
+    /// The pool stopped accepting writes after an I/O error on a metadata commit, or
+    /// was closed.
     Failed,
+    /// The pool file is locked by another process (a running server).
+    InUse,
 }
 
 impl ErrorKind {
@@ -37,7 +40,8 @@ impl ErrorKind {
             ErrorKind::NoSpace => "no space left in pool",
             ErrorKind::Io => "I/O error",
             ErrorKind::Corrupt => "corrupt pool",
-            ErrorKind::Failed => "pool failed and refuses writes",
+            ErrorKind::Failed => "pool failed or closed and refuses writes",
+            ErrorKind::InUse => "pool in use",
         }
     }
 }

@@ -156,6 +156,8 @@ pub(crate) struct PoolInner {
     /// Data writes completed since the last commit's fdatasync started.
     pub writes_since_sync: AtomicU64,
     pub failed: AtomicBool,
+    /// Set by [`Pool::close`]: later writes are refused.
+    closed: AtomicBool,
     /// Locks for read-modify-write of partial 4 KiB blocks, striped by (volume, block).
     pub stripes: Box<[tokio::sync::Mutex<()>]>,
     /// Commit requests; shared with the committer thread, which holds no strong
@@ -177,7 +179,8 @@ fn now() -> u32 {
 
 /// Units to keep free so a checkpoint can always be written: twice an estimate of its
 /// size (72 bytes per used unit: a 16-byte page entry, a 16-byte refcount entry and up
-/// to a 40-byte page header if every unit sits in its own page; 256 bytes per volume),
+/// to a 36-byte framed page header if every unit sits in its own page, rounded up;
+/// 256 bytes per volume),
 /// plus slack.
 fn meta_reserve(used: u64, volumes: u64, unit_size: u64) -> u64 {
     let payload = unit_size - size_of::<ChunkHeader>() as u64;
@@ -221,14 +224,22 @@ fn read_at_file(file: &File) -> impl FnMut(u64, usize) -> std::io::Result<Vec<u8
     }
 }
 
+/// Locks the pool file, retrying for up to 3 s: after a process is killed with I/O in
+/// flight, the kernel releases its files (and their locks) a little after it is reaped.
 fn lock(file: &File, exclusive: bool, path: &Path) -> Result<()> {
-    io::lock_file(file, exclusive).map_err(|e| {
-        if e.kind() == std::io::ErrorKind::WouldBlock {
-            Error::new(ErrorKind::Failed, format!("{} is in use by another process (a running server?)", path.display()))
-        } else {
-            Error::io(format!("lock {}", path.display()), e)
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(3);
+    loop {
+        match io::lock_file(file, exclusive) {
+            Ok(()) => return Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if std::time::Instant::now() >= deadline {
+                    return Err(Error::new(ErrorKind::InUse, format!("{} is in use by another process (a running server?)", path.display())));
+                }
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            Err(e) => return Err(Error::io(format!("lock {}", path.display()), e)),
         }
-    })
+    }
 }
 
 /// Result of [`check`].
@@ -456,6 +467,7 @@ impl Pool {
             pins,
             writes_since_sync: AtomicU64::new(0),
             failed: AtomicBool::new(false),
+            closed: AtomicBool::new(false),
             stripes: (0..256).map(|_| tokio::sync::Mutex::new(())).collect(),
             commits: Arc::new(Commits::default()),
             log: Mutex::new(LogState { cursor: log, sb, checkpoint_units }),
@@ -607,12 +619,16 @@ impl Pool {
         self.inner.commit().await
     }
 
-    /// Writes a checkpoint and stops the committer; the pool then opens without replay.
-    /// Outstanding [`Volume`] handles fail afterwards.
+    /// Stops the committer and writes a checkpoint; the pool then opens without replay.
+    /// Writes, trims and flushes through outstanding [`Volume`] handles fail afterwards
+    /// (reads still work); the pool file stays open until the last handle is dropped.
     ///
-    /// Errors: [`ErrorKind::Io`] if the final checkpoint cannot be written.
+    /// Errors: [`ErrorKind::Failed`] if the pool had failed (no checkpoint is written);
+    /// [`ErrorKind::Io`] if the final checkpoint cannot be written (the pool is then
+    /// marked failed; the log still holds every committed change).
     pub fn close(self) -> Result<()> {
         let inner = self.inner;
+        inner.closed.store(true, Ordering::SeqCst);
         {
             let mut q = inner.commits.queue.lock();
             q.shutdown = true;
@@ -624,7 +640,10 @@ impl Pool {
         if inner.failed.load(Ordering::SeqCst) {
             return Err(Error::new(ErrorKind::Failed, "pool failed; not writing a final checkpoint"));
         }
-        inner.checkpoint(0).map_err(|e| e.op("close pool"))
+        inner.checkpoint(0).map_err(|e| {
+            inner.fail(&e);
+            e.op("close pool")
+        })
     }
 }
 
@@ -641,7 +660,9 @@ impl PoolInner {
     }
 
     pub fn check_writable(&self) -> Result<()> {
-        if self.failed.load(Ordering::SeqCst) {
+        if self.closed.load(Ordering::SeqCst) {
+            Err(Error::new(ErrorKind::Failed, "the pool was closed"))
+        } else if self.failed.load(Ordering::SeqCst) {
             Err(Error::new(ErrorKind::Failed, "an earlier metadata commit failed; restart after fixing the device"))
         } else {
             Ok(())

@@ -324,12 +324,12 @@ impl Volume {
                     match a.alloc(reserve) {
                         Some(p) => allocated.push((u, p)),
                         None => {
+                            frees_pending = !a.pending_free.is_empty();
                             // Give back what this request took; nothing was logged for it.
                             for &(_, p) in &allocated {
                                 a.decref(p);
                             }
                             allocated.clear();
-                            frees_pending = !a.pending_free.is_empty();
                             break;
                         }
                     }
@@ -392,7 +392,9 @@ impl Volume {
             let mut map = self.vol.map.write();
             for &(u, p) in &allocated {
                 let cur = map.get(u);
-                if cur.punit == p && cur.bitmap == 0 {
+                // Only if no other write is using the unit now (its pin), else that
+                // write's completion needs the mapping.
+                if cur.punit == p && cur.bitmap == 0 && self.pool.pins[p as usize].load(Ordering::Acquire) == 0 {
                     // Logged: a checkpoint may have captured the empty mapping meanwhile.
                     map.set(u, Entry::EMPTY);
                     self.pool.log_record(&Record::Unmap { volume: self.vol.id, lunit: u });

@@ -1,0 +1,494 @@
+//! Bad input of every kind: unknown exports, out-of-range requests, protocol garbage,
+//! idle clients, damaged or foreign pool files, bad command lines, and a second server
+//! on a data dir in use. The server refuses each one clearly and keeps serving others.
+
+mod common;
+
+use common::*;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+/// A quick proof that `s` serves volume `name`: write and verify a pattern.
+fn still_serves(s: &Server, name: &str, pattern: u8) {
+    let p = format!("0x{pattern:02x}");
+    qemu_io_ok(&s.uri(name), &[&format!("write -P {p} 12345 6789"), &format!("read -P {p} 12345 6789")]);
+}
+
+#[test]
+fn unknown_export_is_refused() {
+    // An unknown export name is refused (TCP and unix) while the server keeps serving its volumes.
+    let td = TestDir::new();
+    let mut s = Server::start(&td.data());
+    s.create_volume("real", "16MiB");
+    for uri in [s.uri("nosuch"), s.unix_uri("nosuch"), s.uri("rea"), s.uri("real2"), s.uri("REAL")] {
+        let o = output(peer("nbdinfo").arg(&uri));
+        assert!(!o.status.success(), "nbdinfo on unknown export {uri} succeeded:\n{}", text(&o));
+        let o = qemu_io(&uri, &["read 0 4096"]);
+        assert!(!qemu_io_succeeded(&o), "qemu-io opened unknown export {uri}:\n{}", text(&o));
+    }
+    // names that are close to a real one, sent verbatim by libnbd, are refused too
+    let code = r#"
+import nbd, sys
+for n in ["../real", "/real", "real/", "Real", " real", "real ", "", "real\n"]:
+    h = nbd.NBD(); h.set_export_name(n)
+    try:
+        h.connect_uri(sys.argv[1]); print("accepted %r" % n)
+    except nbd.Error as e:
+        print("refused %r %s" % (n, e.errno))
+"#;
+    let out = python_ok(code, &[&s.base_uri()]);
+    assert!(!out.contains("accepted"), "near-miss export names accepted:\n{out}");
+    assert!(s.is_running(), "server died");
+    still_serves(&s, "real", 0x31);
+    let o = output(peer("nbdinfo").arg(s.unix_uri("real")));
+    assert!(o.status.success(), "nbdinfo on the real export after the refusals: {}", text(&o));
+}
+
+#[test]
+fn out_of_range_requests_fail_and_connection_survives() {
+    // Requests past the export's end fail (reads and trims with EINVAL) and the connection stays usable.
+    let td = TestDir::new();
+    let s = Server::start(&td.data());
+    s.create_volume("edge", "1MiB");
+    let code = r#"
+import nbd, sys
+h = nbd.NBD(); h.set_strict_mode(0); h.connect_uri(sys.argv[1])
+sz = h.get_size(); assert sz == 1048576, sz
+h.pwrite(b"\x7e" * 4096, sz - 4096)
+def errno_of(fn):
+    try:
+        fn()
+    except nbd.Error as e:
+        return e.errno
+    return None
+res = {}
+for name, fn in [("read-past-end", lambda: h.pread(4096, sz)),
+                 ("read-straddling-end", lambda: h.pread(4096, sz - 512)),
+                 ("read-far-past-end", lambda: h.pread(1, 1 << 60)),
+                 ("trim-past-end", lambda: h.trim(4096, sz)),
+                 ("write-past-end", lambda: h.pwrite(b"x" * 4096, sz)),
+                 ("write-straddling-end", lambda: h.pwrite(b"x" * 4096, sz - 512)),
+                 ("zero-past-end", lambda: h.zero(4096, sz))]:
+    res[name] = errno_of(fn)
+    # the connection still works, and the last block is intact
+    assert h.pread(4096, sz - 4096) == b"\x7e" * 4096, "last block changed or unreadable after " + name
+print(" ".join("%s=%s" % kv for kv in res.items()))
+"#;
+    let out = python_ok(code, &[&s.uri("edge")]);
+    let got: std::collections::HashMap<&str, &str> = out.split_whitespace().filter_map(|kv| kv.split_once('=')).collect();
+    for k in ["read-past-end", "read-straddling-end", "read-far-past-end", "trim-past-end"] {
+        assert_eq!(got.get(k).copied(), Some("EINVAL"), "{k}: {out}");
+    }
+    for k in ["write-past-end", "write-straddling-end", "zero-past-end"] {
+        let e = got.get(k).copied().unwrap_or("?");
+        assert!(e == "ENOSPC" || e == "EINVAL", "{k} must fail with ENOSPC or EINVAL: {out}");
+    }
+}
+
+/// Reads the 18-byte newstyle greeting and checks its magics and flags.
+fn read_greeting(c: &mut impl Read) -> u16 {
+    let mut g = [0u8; 18];
+    c.read_exact(&mut g).expect("greeting");
+    assert_eq!(&g[0..8], b"NBDMAGIC", "greeting magic");
+    assert_eq!(&g[8..16], b"IHAVEOPT", "greeting option magic");
+    let flags = u16::from_be_bytes([g[16], g[17]]);
+    assert!(flags & 1 == 1, "server does not advertise fixed newstyle: {flags:#x}");
+    flags
+}
+
+/// True if the peer closes the connection within `within` (reads up to EOF or reset).
+fn disconnected_within(c: &mut TcpStream, within: Duration) -> bool {
+    c.set_read_timeout(Some(within)).unwrap();
+    let t = Instant::now();
+    let mut buf = [0u8; 4096];
+    loop {
+        match c.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock || e.kind() == std::io::ErrorKind::TimedOut => return false,
+            Err(_) => return true, // reset
+        }
+        if t.elapsed() > within {
+            return false;
+        }
+    }
+}
+
+/// Handshake by NBD_OPT_EXPORT_NAME (no zero padding) on a raw TCP connection;
+/// returns the export size.
+fn raw_export_name(c: &mut TcpStream, name: &str) -> u64 {
+    let flags = read_greeting(c);
+    let client_flags: u32 = if flags & 2 == 2 { 3 } else { 1 };
+    c.write_all(&client_flags.to_be_bytes()).unwrap();
+    let mut opt = Vec::new();
+    opt.extend_from_slice(b"IHAVEOPT");
+    opt.extend_from_slice(&1u32.to_be_bytes()); // NBD_OPT_EXPORT_NAME
+    opt.extend_from_slice(&(name.len() as u32).to_be_bytes());
+    opt.extend_from_slice(name.as_bytes());
+    c.write_all(&opt).unwrap();
+    let mut r = vec![0u8; if client_flags & 2 == 2 { 10 } else { 134 }];
+    c.read_exact(&mut r).expect("export-name reply");
+    u64::from_be_bytes(r[0..8].try_into().unwrap())
+}
+
+/// A 28-byte transmission request.
+fn request(magic: u32, ty: u16, handle: u64, offset: u64, len: u32) -> Vec<u8> {
+    let mut v = Vec::new();
+    v.extend_from_slice(&magic.to_be_bytes());
+    v.extend_from_slice(&0u16.to_be_bytes());
+    v.extend_from_slice(&ty.to_be_bytes());
+    v.extend_from_slice(&handle.to_be_bytes());
+    v.extend_from_slice(&offset.to_be_bytes());
+    v.extend_from_slice(&len.to_be_bytes());
+    v
+}
+
+#[test]
+fn garbage_disconnects_only_that_client() {
+    // A raw client sending protocol garbage is disconnected while other clients keep working.
+    let td = TestDir::new();
+    let mut s = Server::start(&td.data());
+    s.create_volume("g", "16MiB");
+    qemu_io_ok(&s.uri("g"), &["write -P 0x47 0 64K"]);
+    let addr = ("127.0.0.1", s.port);
+
+    // a raw client that speaks correctly is served (so the refusals below are about the garbage)
+    let mut ok = TcpStream::connect(addr).unwrap();
+    assert_eq!(raw_export_name(&mut ok, "g"), 16 * MIB, "export size via NBD_OPT_EXPORT_NAME");
+    ok.write_all(&request(0x2560_9513, 0, 7, 0, 4096)).unwrap(); // NBD_CMD_READ
+    let mut reply = vec![0u8; 16 + 4096];
+    ok.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    ok.read_exact(&mut reply).expect("simple reply to a read");
+    assert_eq!(u32::from_be_bytes(reply[0..4].try_into().unwrap()), 0x6744_6698, "simple reply magic");
+    assert_eq!(u32::from_be_bytes(reply[4..8].try_into().unwrap()), 0, "read error");
+    assert_eq!(u64::from_be_bytes(reply[8..16].try_into().unwrap()), 7, "handle");
+    assert!(reply[16..].iter().all(|&b| b == 0x47), "read data");
+
+    // 1. bad option magic right after the greeting
+    let mut c1 = TcpStream::connect(addr).unwrap();
+    read_greeting(&mut c1);
+    c1.write_all(&1u32.to_be_bytes()).unwrap();
+    let _ = c1.write_all(b"GARBAGE!\x00\x00\x00\x07\x00\x00\x00\x00 and more junk");
+    still_serves(&s, "g", 0x51);
+    assert!(disconnected_within(&mut c1, Duration::from_secs(10)), "client sending a bad option magic was not disconnected");
+
+    // 2. unknown client flags
+    let mut c2 = TcpStream::connect(addr).unwrap();
+    read_greeting(&mut c2);
+    let _ = c2.write_all(&0xffff_fff0u32.to_be_bytes());
+    assert!(disconnected_within(&mut c2, Duration::from_secs(10)), "client with unknown flags was not disconnected");
+
+    // 3. random bytes instead of anything
+    let mut c3 = TcpStream::connect(addr).unwrap();
+    let _ = c3.write_all(&random_bytes(4096));
+    assert!(disconnected_within(&mut c3, Duration::from_secs(10)), "client sending random bytes was not disconnected");
+
+    // 4. a bad request magic in the transmission phase
+    let mut c4 = TcpStream::connect(addr).unwrap();
+    raw_export_name(&mut c4, "g");
+    let _ = c4.write_all(&request(0xdead_beef, 0, 1, 0, 4096));
+    still_serves(&s, "g", 0x52);
+    assert!(disconnected_within(&mut c4, Duration::from_secs(10)), "client sending a bad request magic was not disconnected");
+
+    // 5. a huge option length is refused without the server trying to read it all
+    let mut c5 = TcpStream::connect(addr).unwrap();
+    read_greeting(&mut c5);
+    c5.write_all(&1u32.to_be_bytes()).unwrap();
+    let mut opt = b"IHAVEOPT".to_vec();
+    opt.extend_from_slice(&3u32.to_be_bytes()); // NBD_OPT_LIST
+    opt.extend_from_slice(&0xffff_fff0u32.to_be_bytes());
+    let _ = c5.write_all(&opt);
+    still_serves(&s, "g", 0x53);
+    // (either an error reply then close, or close; it must not wait for 4 GiB)
+    assert!(disconnected_within(&mut c5, Duration::from_secs(10)), "client announcing a 4 GiB option was not disconnected");
+
+    // the well-behaved raw client from before is still served
+    ok.write_all(&request(0x2560_9513, 0, 8, 0, 512)).unwrap();
+    let mut reply = vec![0u8; 16 + 512];
+    ok.read_exact(&mut reply).expect("reply after the garbage clients");
+    assert_eq!(u32::from_be_bytes(reply[4..8].try_into().unwrap()), 0, "read error after the garbage clients");
+    assert!(reply[16..].iter().all(|&b| b == 0x47), "read data after the garbage clients");
+    assert!(s.is_running(), "server died");
+    still_serves(&s, "g", 0x54);
+}
+
+#[test]
+fn idle_clients_do_not_block_others() {
+    // Clients that send nothing, or stop mid-handshake or mid-request, do not block other clients.
+    let td = TestDir::new();
+    let s = Server::start(&td.data());
+    s.create_volume("i", "16MiB");
+    let mut idle_tcp: Vec<TcpStream> = (0..16).map(|_| TcpStream::connect(("127.0.0.1", s.port)).unwrap()).collect();
+    let idle_unix: Vec<UnixStream> = (0..8).map(|_| UnixStream::connect(s.nbd_socket()).unwrap()).collect();
+    // one stopped after the client flags, one after a handshake, one in the middle of a request
+    let mut half = TcpStream::connect(("127.0.0.1", s.port)).unwrap();
+    read_greeting(&mut half);
+    half.write_all(&1u32.to_be_bytes()).unwrap();
+    let mut after_hs = TcpStream::connect(("127.0.0.1", s.port)).unwrap();
+    raw_export_name(&mut after_hs, "i");
+    let mut mid_req = TcpStream::connect(("127.0.0.1", s.port)).unwrap();
+    raw_export_name(&mut mid_req, "i");
+    mid_req.write_all(&request(0x2560_9513, 1, 9, 0, 4096)[..28]).unwrap(); // a write header...
+    mid_req.write_all(&[0x11; 100]).unwrap(); // ...and only 100 of its 4096 data bytes
+    idle_tcp.push(half);
+
+    let t = Instant::now();
+    qemu_io_ok(&s.uri("i"), &["write -P 0x49 0 1M", "read -P 0x49 0 1M"]);
+    qemu_io_ok(&s.unix_uri("i"), &["read -P 0x49 0 1M"]);
+    let o = output(peer("nbdinfo").args(["--list", &s.base_uri()]));
+    assert!(o.status.success(), "nbdinfo --list with idle clients: {}", text(&o));
+    s.cli_ok(&["volume", "create", "j", "--size", "4MiB"]);
+    qemu_io_ok(&s.uri("j"), &["write -P 0x4a 0 4M", "read -P 0x4a 0 4M"]);
+    assert!(t.elapsed() < Duration::from_secs(20), "other clients took {:?} while idle clients were connected", t.elapsed());
+    drop(idle_tcp);
+    drop(idle_unix);
+    drop(after_hs);
+    drop(mid_req);
+    // the half-sent write was not applied
+    qemu_io_ok(&s.uri("i"), &["read -P 0x49 0 4096"]);
+}
+
+/// Runs `ferrovol serve` expected to refuse to start; returns its output. Killed after
+/// 20 s if it starts serving (which fails the test).
+fn serve_fails(dir: &Path, extra: &[&str]) -> String {
+    let port = free_port().to_string();
+    let o = output(
+        Command::new("timeout")
+            .args(["-k", "5", "20", BIN, "--data-dir"])
+            .arg(dir)
+            .args(["serve", "--pool-size", "2GiB", "--listen", &format!("127.0.0.1:{port}")])
+            .args(extra),
+    );
+    assert!(o.status.code() != Some(124), "ferrovol serve started on a pool it must refuse:\n{}", text(&o));
+    assert!(!o.status.success(), "ferrovol serve exited 0 on a pool it must refuse:\n{}", text(&o));
+    text(&o)
+}
+
+/// A pool with one volume holding some data, stopped cleanly.
+fn made_pool(td: &TestDir) {
+    let mut s = Server::start_with(&td.data(), "128MiB", &[]);
+    s.create_volume("vol", "64MiB");
+    qemu_io_ok(&s.uri("vol"), &["write -P 0x33 0 4M"]);
+    s.stop();
+    check_clean(&td.data());
+}
+
+fn overwrite(path: &Path, offset: u64, bytes: &[u8]) {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+    f.write_all_at(bytes, offset).unwrap();
+    f.sync_all().unwrap();
+}
+
+#[test]
+fn corrupt_superblock_is_refused_and_left_unchanged() {
+    // A pool with a random superblock region is refused by serve and check, naming the superblock, and left unchanged.
+    let td = TestDir::new();
+    made_pool(&td);
+    let pool = td.data().join("pool.img");
+    overwrite(&pool, 0, &random_bytes(8192));
+    let before = sha256(&pool);
+    let msg = serve_fails(&td.data(), &[]);
+    let m = msg.to_lowercase();
+    assert!(m.contains("superblock") || m.contains("corrupt"), "serve's message does not name the problem:\n{msg}");
+    assert_eq!(sha256(&pool), before, "serve modified a pool it refused");
+    let msg = cli_err(&td.data(), &["check"]);
+    let m = msg.to_lowercase();
+    assert!(m.contains("superblock") || m.contains("corrupt"), "check's message does not name the problem:\n{msg}");
+    assert!(!m.lines().any(|l| l.trim() == "clean"), "check printed clean:\n{msg}");
+    assert_eq!(sha256(&pool), before, "check modified the pool");
+    assert!(!td.data().join("ferrovol.sock").exists(), "a refused serve left a management socket");
+}
+
+#[test]
+fn flipped_superblock_bits_are_refused() {
+    // One flipped bit in each superblock slot is caught by its checksum: refused by serve and check, unchanged.
+    let td = TestDir::new();
+    made_pool(&td);
+    let pool = td.data().join("pool.img");
+    for slot in [0u64, 4096] {
+        let mut b = [0u8; 1];
+        use std::os::unix::fs::FileExt;
+        std::fs::File::open(&pool).unwrap().read_exact_at(&mut b, slot + 40).unwrap(); // in unit_size
+        overwrite(&pool, slot + 40, &[b[0] ^ 0x10]);
+    }
+    let before = sha256(&pool);
+    let msg = serve_fails(&td.data(), &[]);
+    assert!(msg.to_lowercase().contains("checksum") || msg.to_lowercase().contains("corrupt"), "serve: {msg}");
+    assert_eq!(sha256(&pool), before, "serve modified a pool it refused");
+    let msg = cli_err(&td.data(), &["check"]);
+    assert!(msg.to_lowercase().contains("checksum") || msg.to_lowercase().contains("corrupt"), "check: {msg}");
+}
+
+#[test]
+fn damaged_old_superblock_slot_is_tolerated() {
+    // A damaged non-current superblock slot does not stop the pool from opening with its data intact.
+    let td = TestDir::new();
+    made_pool(&td);
+    let pool = td.data().join("pool.img");
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::File::open(&pool).unwrap();
+    let gen = |slot: u64| {
+        let mut b = [0u8; 8];
+        f.read_exact_at(&mut b, slot + 80).unwrap();
+        u64::from_le_bytes(b)
+    };
+    let (g0, g1) = (gen(0), gen(4096));
+    assert_ne!(g0, g1, "both superblock slots have generation {g0}");
+    let old = if g0 < g1 { 0 } else { 4096 };
+    overwrite(&pool, old, &random_bytes(4096));
+    check_clean(&td.data());
+    let mut s = Server::start_with(&td.data(), "128MiB", &[]);
+    qemu_io_ok(&s.uri("vol"), &["read -P 0x33 0 4M", "read -P 0 4M 60M"]);
+    s.stop();
+    check_clean(&td.data());
+}
+
+#[test]
+fn foreign_file_is_refused_and_left_unchanged() {
+    // A foreign file at DIR/pool.img (random, text, empty) is refused clearly and left byte-for-byte unchanged.
+    for (what, bytes) in
+        [("random 64 MiB", random_bytes(64 * MIB as usize)), ("text", b"hello, this is not a pool\n".to_vec()), ("empty", Vec::new())]
+    {
+        let td = TestDir::new();
+        std::fs::create_dir_all(td.data()).unwrap();
+        let pool = td.data().join("pool.img");
+        std::fs::write(&pool, &bytes).unwrap();
+        let before = sha256(&pool);
+        let msg = serve_fails(&td.data(), &[]);
+        assert!(msg.contains("pool.img"), "{what}: serve's message does not name the file:\n{msg}");
+        let m = msg.to_lowercase();
+        assert!(
+            m.contains("not a ferrovol pool")
+                || m.contains("superblock")
+                || m.contains("corrupt")
+                || m.contains("too small")
+                || m.contains("empty"),
+            "{what}: serve's message does not say what is wrong:\n{msg}"
+        );
+        assert_eq!(sha256(&pool), before, "{what}: serve modified a foreign file");
+        assert_eq!(std::fs::metadata(&pool).unwrap().len(), bytes.len() as u64, "{what}: file size changed");
+        let msg = cli_err(&td.data(), &["check"]);
+        assert!(!msg.lines().any(|l| l.trim() == "clean"), "{what}: check printed clean:\n{msg}");
+        assert_eq!(sha256(&pool), before, "{what}: check modified a foreign file");
+    }
+}
+
+#[test]
+fn truncated_pool_is_refused() {
+    // A pool file cut short of its recorded size is refused and left unchanged.
+    let td = TestDir::new();
+    made_pool(&td);
+    let pool = td.data().join("pool.img");
+    let f = std::fs::OpenOptions::new().write(true).open(&pool).unwrap();
+    f.set_len(64 * MIB).unwrap();
+    drop(f);
+    let before = sha256(&pool);
+    let msg = serve_fails(&td.data(), &[]);
+    assert!(msg.contains("pool.img"), "serve's message does not name the file:\n{msg}");
+    assert_eq!(sha256(&pool), before, "serve modified a truncated pool");
+    assert_eq!(std::fs::metadata(&pool).unwrap().len(), 64 * MIB, "serve changed the size of a truncated pool");
+    cli_err(&td.data(), &["check"]);
+}
+
+#[test]
+fn cli_rejects_bad_arguments() {
+    // Bad command lines fail with a non-zero exit and a message saying what is wrong, changing nothing.
+    let td = TestDir::new();
+    let s = Server::start(&td.data());
+    s.create_volume("dup", "1GiB");
+    let cases: &[(&[&str], &[&str])] = &[
+        (&["volume", "create", "x", "--size", "12345"], &["4096"]),
+        (&["volume", "create", "x", "--size", "0"], &["size"]),
+        (&["volume", "create", "x", "--size", "banana"], &["banana"]),
+        (&["volume", "create", "x", "--size=-4096"], &["size"]),
+        (&["volume", "create", "x", "--size", "2PiB"], &["size"]),
+        (&["volume", "create", "x"], &["size"]),
+        (&["volume", "create", "../x", "--size", "1MiB"], &["name"]),
+        (&["volume", "create", "a/b", "--size", "1MiB"], &["name"]),
+        (&["volume", "create", ".hidden", "--size", "1MiB"], &["name"]),
+        (&["volume", "create", "--size", "1MiB", "--", "-dash"], &["name"]),
+        (&["volume", "create", "", "--size", "1MiB"], &["name"]),
+        (&["volume", "create", "sp ace", "--size", "1MiB"], &["name"]),
+        (&["volume", "create", "dup", "--size", "1GiB"], &["exists"]),
+        (&["volume", "delete", "nosuch"], &["not found"]),
+        (&["volume", "info", "nosuch"], &["not found"]),
+        (&["volume", "resize", "nosuch", "--size", "2GiB"], &["not found"]),
+        (&["volume", "resize", "dup", "--size", "512MiB"], &["shrink"]),
+        (&["volume", "resize", "dup", "--size", "1073745921"], &["4096"]), // not a multiple of 4096
+        (&["volume", "frobnicate"], &["frobnicate"]),
+    ];
+    for (args, words) in cases {
+        let msg = s.cli_err(args).to_lowercase();
+        for w in *words {
+            assert!(msg.contains(&w.to_lowercase()), "ferrovol {args:?}: message does not mention {w:?}:\n{msg}");
+        }
+    }
+    let long = "n".repeat(129);
+    let msg = s.cli_err(&["volume", "create", &long, "--size", "1MiB"]);
+    assert!(msg.to_lowercase().contains("name"), "129-char name: {msg}");
+    // the longest allowed name works
+    s.create_volume(&"n".repeat(128), "4KiB");
+    // nothing else was created or changed
+    let vols = s.volumes();
+    let mut names: Vec<(String, u64)> =
+        vols.as_array().unwrap().iter().map(|v| (v["name"].as_str().unwrap().to_owned(), v["size_bytes"].as_u64().unwrap())).collect();
+    names.sort();
+    assert_eq!(names, vec![("dup".to_owned(), GIB), ("n".repeat(128), 4096)], "volumes after the bad commands");
+}
+
+#[test]
+fn cli_without_server_says_so() {
+    // Management commands with no server running fail with a message pointing at the socket or `ferrovol serve`.
+    let td = TestDir::new();
+    for args in [&["volume", "list"][..], &["volume", "create", "v", "--size", "1GiB"], &["pool", "status"]] {
+        let msg = cli_err(&td.data(), args);
+        let m = msg.to_lowercase();
+        assert!(m.contains("socket") || m.contains("serve"), "ferrovol {args:?} with no server: {msg}");
+    }
+    // the same after a server has stopped (its socket is gone) and after kill -9 (stale socket)
+    let mut s = Server::start(&td.data());
+    s.stop();
+    let msg = cli_err(&td.data(), &["volume", "list"]);
+    assert!(msg.to_lowercase().contains("socket") || msg.contains("serve"), "after stop: {msg}");
+    s.restart();
+    s.kill9();
+    let msg = cli_err(&td.data(), &["volume", "list"]);
+    assert!(msg.to_lowercase().contains("socket") || msg.contains("serve"), "after kill -9: {msg}");
+}
+
+#[test]
+fn second_server_on_same_pool_fails() {
+    // A second server (or check) on a pool in use fails clearly while the first server keeps working.
+    let td = TestDir::new();
+    let mut s = Server::start(&td.data());
+    s.create_volume("one", "64MiB");
+    qemu_io_ok(&s.uri("one"), &["write -P 0x61 0 1M", "flush"]);
+    let pool_before = std::fs::metadata(td.data().join("pool.img")).unwrap().len();
+
+    let msg = serve_fails(&td.data(), &[]);
+    assert!(msg.to_lowercase().contains("in use"), "second server on the same data dir: {msg}");
+
+    // another data dir, same pool file
+    let other = td.path().join("other");
+    let pool = td.data().join("pool.img");
+    let msg = serve_fails(&other, &["--pool", pool.to_str().unwrap()]);
+    assert!(msg.to_lowercase().contains("in use"), "second server on the same pool file: {msg}");
+
+    let msg = cli_err(&td.data(), &["check"]);
+    assert!(msg.to_lowercase().contains("in use"), "check on a running pool: {msg}");
+
+    assert!(s.is_running(), "first server died");
+    assert_eq!(std::fs::metadata(&pool).unwrap().len(), pool_before, "pool size changed");
+    assert!(UnixStream::connect(td.data().join("ferrovol.sock")).is_ok(), "first server's management socket was taken over");
+    assert!(UnixStream::connect(s.nbd_socket()).is_ok(), "first server's NBD socket was taken over");
+    qemu_io_ok(&s.uri("one"), &["read -P 0x61 0 1M", "write -P 0x62 1M 1M"]);
+    qemu_io_ok(&s.unix_uri("one"), &["read -P 0x62 1M 1M"]);
+    s.cli_ok(&["volume", "create", "two", "--size", "4MiB"]);
+    s.stop();
+    check_clean(&td.data());
+}
