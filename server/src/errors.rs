@@ -7,6 +7,7 @@ use storage_engine::{Error, ErrorKind};
 pub fn nbd_errno(e: &Error) -> nbd::Errno {
     match e.kind() {
         ErrorKind::NoSpace => nbd::Errno::Enospc,
+        ErrorKind::ReadOnly => nbd::Errno::Eperm,
         ErrorKind::OutOfRange | ErrorKind::InvalidArgument => nbd::Errno::Einval,
         ErrorKind::NotFound | ErrorKind::AlreadyExists => nbd::Errno::Einval,
         ErrorKind::Io | ErrorKind::Corrupt | ErrorKind::Failed | ErrorKind::InUse => nbd::Errno::Eio,
@@ -24,6 +25,7 @@ pub fn grpc_status(e: &Error) -> tonic::Status {
         ErrorKind::NoSpace => tonic::Status::resource_exhausted(msg),
         ErrorKind::Failed => tonic::Status::failed_precondition(msg),
         ErrorKind::InUse => tonic::Status::unavailable(msg),
+        ErrorKind::ReadOnly => tonic::Status::failed_precondition(msg),
         ErrorKind::Io | ErrorKind::Corrupt => tonic::Status::internal(msg),
     }
 }

@@ -35,7 +35,8 @@ impl Export for VolumeExport {
     }
 
     fn flags(&self) -> ExportFlags {
-        ExportFlags { read_only: false, can_trim: true, can_write_zeroes: true, can_fast_zero: true, can_multi_conn: true }
+        let rw = !self.vol.is_snapshot();
+        ExportFlags { read_only: !rw, can_trim: rw, can_write_zeroes: rw, can_fast_zero: rw, can_multi_conn: true }
     }
 
     fn block_sizes(&self) -> BlockSizes {
@@ -43,7 +44,8 @@ impl Export for VolumeExport {
     }
 
     fn description(&self) -> String {
-        format!("ferrovol thin volume {} ({} KiB data units)", self.vol.name(), self.vol.unit_size() / 1024)
+        let kind = if self.vol.is_snapshot() { "read-only snapshot" } else { "thin volume" };
+        format!("ferrovol {kind} {} ({} KiB data units)", self.vol.name(), self.vol.unit_size() / 1024)
     }
 
     fn alloc_write_buf(&self, offset: u64, len: u32) -> AlignedBuf {

@@ -28,6 +28,8 @@ pub enum ErrorKind {
     Failed,
     /// The pool file is locked by another process (a running server).
     InUse,
+    /// A write to a read-only snapshot.
+    ReadOnly,
 }
 
 impl ErrorKind {
@@ -42,6 +44,7 @@ impl ErrorKind {
             ErrorKind::Corrupt => "corrupt pool",
             ErrorKind::Failed => "pool failed or closed and refuses writes",
             ErrorKind::InUse => "pool in use",
+            ErrorKind::ReadOnly => "read-only",
         }
     }
 }

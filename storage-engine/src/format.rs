@@ -166,6 +166,9 @@ pub const REC_VOLUME: u8 = 3;
 pub const REC_VOLUME_DELETE: u8 = 4;
 /// Log: set a volume's virtual size.
 pub const REC_VOLUME_RESIZE: u8 = 5;
+/// Log: a new volume or snapshot sharing every mapping page of another ([`ShareRec`]
+/// followed by the new name): snapshot create and clone.
+pub const REC_SHARE: u8 = 6;
 /// Checkpoint: pool-wide counters ([`PoolRec`]).
 pub const REC_POOL: u8 = 16;
 /// Checkpoint: one mapping page of a volume ([`PageRec`] then [`PageEntry`]s).
@@ -213,12 +216,34 @@ pub struct VolumeRec {
     pub size: U64,
     /// Creation time, seconds since the Unix epoch.
     pub created: U32,
-    /// Name length in bytes (1..=128).
+    /// Name length in bytes (1..=257: a snapshot is named `VOLUME@SNAPSHOT`).
     pub name_len: U16,
-    /// Zero.
-    pub pad: U16,
+    /// [`VOLUME_FLAG_SNAPSHOT`] or zero.
+    pub flags: U16,
 }
 const _: () = assert!(size_of::<VolumeRec>() == 24);
+
+/// [`VolumeRec::flags`]: a read-only snapshot rather than a writable volume.
+pub const VOLUME_FLAG_SNAPSHOT: u16 = 1;
+
+/// Head of a [`REC_SHARE`] body (32 bytes), followed by `name_len` bytes of name.
+#[derive(Debug, Clone, FromBytes, IntoBytes, KnownLayout, Immutable)]
+#[repr(C)]
+pub struct ShareRec {
+    /// Volume or snapshot whose pages are shared.
+    pub source: U64,
+    /// Id of the new volume or snapshot.
+    pub target: U64,
+    /// Virtual size of the new one, in bytes (the source's size).
+    pub size: U64,
+    /// Creation time, seconds since the Unix epoch.
+    pub created: U32,
+    /// Name length in bytes.
+    pub name_len: U16,
+    /// [`VOLUME_FLAG_SNAPSHOT`] or zero (a clone).
+    pub flags: U16,
+}
+const _: () = assert!(size_of::<ShareRec>() == 32);
 
 /// Body of [`REC_VOLUME_DELETE`]. 8 bytes.
 #[derive(Debug, Clone, FromBytes, IntoBytes, KnownLayout, Immutable)]

@@ -21,6 +21,7 @@ pub(crate) enum Record {
     Map { volume: u64, lunit: u64, punit: u32, bitmap: u32 },
     Unmap { volume: u64, lunit: u64 },
     Volume { volume: u64, size: u64, created: u32, name: String },
+    Share { source: u64, target: u64, size: u64, created: u32, snapshot: bool, name: String },
     VolumeDelete { volume: u64 },
     VolumeResize { volume: u64, size: u64 },
 }
@@ -57,9 +58,20 @@ impl Record {
                     size: (*size).into(),
                     created: (*created).into(),
                     name_len: (name.len() as u16).into(),
-                    pad: 0.into(),
+                    flags: 0.into(),
                 };
                 push_record(out, REC_VOLUME, &[r.as_bytes(), name.as_bytes()]);
+            }
+            Record::Share { source, target, size, created, snapshot, name } => {
+                let r = ShareRec {
+                    source: (*source).into(),
+                    target: (*target).into(),
+                    size: (*size).into(),
+                    created: (*created).into(),
+                    name_len: (name.len() as u16).into(),
+                    flags: (if *snapshot { VOLUME_FLAG_SNAPSHOT } else { 0 }).into(),
+                };
+                push_record(out, REC_SHARE, &[r.as_bytes(), name.as_bytes()]);
             }
             Record::VolumeDelete { volume } => {
                 push_record(out, REC_VOLUME_DELETE, &[VolumeDeleteRec { volume: (*volume).into() }.as_bytes()]);
@@ -93,6 +105,21 @@ impl Record {
                 let name = String::from_utf8(name.to_vec()).map_err(|_| bad())?;
                 Record::Volume { volume: r.volume.get(), size: r.size.get(), created: r.created.get(), name }
             }
+            REC_SHARE => {
+                let (r, name) = ShareRec::read_from_prefix(body).map_err(|_| bad())?;
+                if name.len() != r.name_len.get() as usize || r.flags.get() & !VOLUME_FLAG_SNAPSHOT != 0 {
+                    return Err(bad());
+                }
+                let name = String::from_utf8(name.to_vec()).map_err(|_| bad())?;
+                Record::Share {
+                    source: r.source.get(),
+                    target: r.target.get(),
+                    size: r.size.get(),
+                    created: r.created.get(),
+                    snapshot: r.flags.get() & VOLUME_FLAG_SNAPSHOT != 0,
+                    name,
+                }
+            }
             REC_VOLUME_DELETE => {
                 Record::VolumeDelete { volume: VolumeDeleteRec::read_from_bytes(body).map_err(|_| bad())?.volume.get() }
             }
@@ -125,6 +152,8 @@ pub(crate) fn split_records(mut payload: &[u8]) -> Result<Vec<(u8, &[u8])>> {
 #[derive(Clone)]
 pub(crate) struct VolumeMeta {
     pub name: String,
+    /// A read-only snapshot.
+    pub snapshot: bool,
     pub size: u64,
     pub created: u32,
     pub map: MapTable,
@@ -162,7 +191,8 @@ impl State {
                 if lunit >= vol.size.div_ceil(self.unit_size) {
                     return Err(Error::corrupt(format!("log maps logical unit {lunit} past the end of volume {volume}")));
                 }
-                let old = vol.map.set(lunit, Entry { punit, bitmap });
+                let alloc = &mut self.alloc;
+                let old = vol.map.set(lunit, Entry { punit, bitmap }, &mut |u| alloc.incref(u));
                 if old.punit != punit {
                     self.alloc.incref(punit);
                     if old.is_mapped() {
@@ -173,7 +203,8 @@ impl State {
             Record::Unmap { volume, lunit } => {
                 let vol = self.volumes.get_mut(&volume).ok_or_else(|| Error::corrupt(format!("log unmaps unit of unknown volume {volume}")))?;
                 if lunit < vol.size.div_ceil(self.unit_size) {
-                    let old = vol.map.set(lunit, Entry::EMPTY);
+                    let alloc = &mut self.alloc;
+                    let old = vol.map.set(lunit, Entry::EMPTY, &mut |u| alloc.incref(u));
                     if old.is_mapped() {
                         self.alloc.decref(old.punit);
                     }
@@ -184,13 +215,23 @@ impl State {
                     return Err(Error::corrupt(format!("volume id {volume} created twice")));
                 }
                 let map = MapTable::with_units(size.div_ceil(self.unit_size));
-                self.volumes.insert(volume, VolumeMeta { name, size, created, map });
+                self.volumes.insert(volume, VolumeMeta { name, snapshot: false, size, created, map });
                 self.next_volume = self.next_volume.max(volume + 1);
+            }
+            Record::Share { source, target, size, created, snapshot, name } => {
+                if self.volumes.contains_key(&target) {
+                    return Err(Error::corrupt(format!("volume id {target} created twice")));
+                }
+                let src = self.volumes.get(&source).ok_or_else(|| Error::corrupt(format!("log shares unknown volume {source}")))?;
+                let mut map = src.map.share();
+                map.grow(size.div_ceil(self.unit_size));
+                self.volumes.insert(target, VolumeMeta { name, snapshot, size, created, map });
+                self.next_volume = self.next_volume.max(target + 1);
             }
             Record::VolumeDelete { volume } => {
                 let mut vol = self.volumes.remove(&volume).ok_or_else(|| Error::corrupt(format!("log deletes unknown volume {volume}")))?;
-                for (_, e) in vol.map.take_all() {
-                    self.alloc.decref(e.punit);
+                for u in vol.map.release_all() {
+                    self.alloc.decref(u);
                 }
             }
             Record::VolumeResize { volume, size } => {
@@ -219,7 +260,7 @@ impl State {
                 size: v.size.into(),
                 created: v.created.into(),
                 name_len: (v.name.len() as u16).into(),
-                pad: 0.into(),
+                flags: (if v.snapshot { VOLUME_FLAG_SNAPSHOT } else { 0 }).into(),
             };
             w.push(REC_VOLUME, &[r.as_bytes(), v.name.as_bytes()]);
             for (index, page) in v.map.pages().iter().enumerate() {
@@ -253,6 +294,7 @@ impl State {
         let mut refcounts = 0u64;
         let mut body = Vec::new();
         for (u, &r) in self.alloc.refcounts().iter().enumerate() {
+            let r = if self.alloc.cow_inflight.contains(&(u as u32)) { 0 } else { r };
             if r != 0 && r != META {
                 body.extend_from_slice(RefcountEntry { unit: (u as u64).into(), refcount: r.into(), pad: 0.into() }.as_bytes());
                 refcounts += 1;
@@ -465,8 +507,13 @@ pub(crate) fn load(read: &mut ReadAt<'_>, size: u64) -> Result<Loaded> {
                     REC_POOL => next_volume = PoolRec::read_from_bytes(body).map_err(|_| bad("pool"))?.next_volume.get(),
                     REC_VOLUME => {
                         let Record::Volume { volume, size, created, name } = Record::decode(kind, body)? else { unreachable!() };
+                        let flags = VolumeRec::read_from_prefix(body).map_err(|_| bad("volume"))?.0.flags.get();
+                        if flags & !VOLUME_FLAG_SNAPSHOT != 0 {
+                            return Err(bad("volume (unknown flags)"));
+                        }
                         let map = MapTable::with_units(size.div_ceil(geo.unit_size));
-                        volumes.insert(volume, VolumeMeta { name, size, created, map });
+                        let snapshot = flags & VOLUME_FLAG_SNAPSHOT != 0;
+                        volumes.insert(volume, VolumeMeta { name, snapshot, size, created, map });
                     }
                     REC_PAGE => {
                         let (h, entries) = PageRec::read_from_prefix(body).map_err(|_| bad("page"))?;
@@ -475,7 +522,8 @@ pub(crate) fn load(read: &mut ReadAt<'_>, size: u64) -> Result<Loaded> {
                         if entries.len() != n || h.page_id.get() != pages.len() as u64 {
                             return Err(bad("page"));
                         }
-                        let mut page = MapPage { entries: [Entry::EMPTY; PAGE_ENTRIES], mapped: n as u32 };
+                        let mut page = MapPage::new();
+                        page.mapped = n as u32;
                         for e in entries {
                             let i = e.index.get() as usize;
                             let punit = u32::try_from(e.punit.get()).map_err(|_| bad("page"))?;
@@ -492,6 +540,7 @@ pub(crate) fn load(read: &mut ReadAt<'_>, size: u64) -> Result<Loaded> {
                     REC_PAGE_REF => {
                         let r = PageRefRec::read_from_bytes(body).map_err(|_| bad("page ref"))?;
                         let page = pages.get(r.page_id.get() as usize).cloned().ok_or_else(|| bad("page ref"))?;
+                        page.owners.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
                         let vol = volumes.get_mut(&r.volume.get()).ok_or_else(|| bad("page ref (unknown volume)"))?;
                         put_page(vol, r.page_index.get(), page, geo.unit_size).map_err(|_| bad("page ref (index)"))?;
                     }

@@ -1,8 +1,15 @@
 //! In-memory metadata: mapping tables of thin volumes, and the data-unit allocator.
 //!
 //! Lives here: [`MapTable`] (logical unit -> data unit + written-block bitmap, in
-//! refcounted 512-entry pages that copy on write, so a snapshot can share them), and
+//! 512-entry pages that snapshots and clones share and that copy on write), and
 //! [`Allocator`] (per-unit refcounts, the free set, frees waiting to become durable).
+//!
+//! Refcounting is lazy, as in qcow2 and btrfs: a data unit's refcount counts the
+//! *pages* that reference it, and a page's `owners` counts the tables (volumes,
+//! snapshots) that hold it. Sharing a table bumps only `owners`; when an owner changes a
+//! page held by others, it copies the page and increments the refcount of every unit
+//! the page maps. A unit is exclusive to a table when its page has one owner and the
+//! unit a refcount of one; otherwise a write must copy the unit first.
 //! Not here: I/O, logging, locking (the pool wraps these in its locks). Public so that
 //! benchmarks and tools can exercise them; the pool is their only writer.
 
@@ -34,13 +41,44 @@ impl Entry {
     }
 }
 
-/// 512 consecutive mapping entries (4 KiB).
-#[derive(Clone)]
+/// 512 consecutive mapping entries (4 KiB), shared by `owners` tables.
 pub struct MapPage {
     /// The entries, by index in the page.
     pub entries: [Entry; PAGE_ENTRIES],
     /// Number of mapped entries.
     pub mapped: u32,
+    /// Tables (volumes, snapshots) holding this page; more than one means shared.
+    pub owners: AtomicU32,
+}
+
+impl Clone for MapPage {
+    /// A private copy (one owner) with the same entries.
+    fn clone(&self) -> MapPage {
+        MapPage { entries: self.entries, mapped: self.mapped, owners: AtomicU32::new(1) }
+    }
+}
+
+impl MapPage {
+    /// An empty page with one owner.
+    pub fn new() -> MapPage {
+        MapPage { entries: [Entry::EMPTY; PAGE_ENTRIES], mapped: 0, owners: AtomicU32::new(1) }
+    }
+
+    /// Whether more than one table holds the page.
+    pub fn is_shared(&self) -> bool {
+        self.owners.load(Ordering::Acquire) > 1
+    }
+
+    /// Data units the page maps (one per mapped entry).
+    pub fn units(&self) -> impl Iterator<Item = u32> + '_ {
+        self.entries.iter().filter(|e| e.is_mapped()).map(|e| e.punit)
+    }
+}
+
+impl Default for MapPage {
+    fn default() -> Self {
+        MapPage::new()
+    }
 }
 
 /// A volume's mapping: pages indexed by `lunit / 512`; an absent page is all unmapped.
@@ -75,17 +113,34 @@ impl MapTable {
         }
     }
 
-    /// Sets the entry of `lunit`, copying its page first if a snapshot shares it.
-    /// Returns the previous entry. `lunit` must be inside the table.
-    pub fn set(&mut self, lunit: u64, e: Entry) -> Entry {
+    /// Whether the page holding `lunit` is shared with another table.
+    #[inline]
+    pub fn page_shared(&self, lunit: u64) -> bool {
+        let (p, _) = split(lunit);
+        matches!(self.pages.get(p), Some(Some(page)) if page.is_shared())
+    }
+
+    /// Sets the entry of `lunit`. If another table shares its page, the page is copied
+    /// first and `on_copy` receives every data unit the copy maps (their refcounts must
+    /// each gain one). Returns the previous entry. `lunit` must be inside the table.
+    pub fn set(&mut self, lunit: u64, e: Entry, on_copy: &mut dyn FnMut(u32)) -> Entry {
         let (p, i) = split(lunit);
         let slot = &mut self.pages[p];
         if slot.is_none() {
             if !e.is_mapped() {
                 return Entry::EMPTY;
             }
-            *slot = Some(Arc::new(MapPage { entries: [Entry::EMPTY; PAGE_ENTRIES], mapped: 0 }));
+            *slot = Some(Arc::new(MapPage::new()));
         }
+        let shared = slot.as_ref().expect("page present");
+        if shared.is_shared() {
+            let copy = (**shared).clone();
+            shared.owners.fetch_sub(1, Ordering::AcqRel);
+            copy.units().for_each(&mut *on_copy);
+            *slot = Some(Arc::new(copy));
+        }
+        // Unique logically; a checkpoint in progress may still hold the Arc, in which
+        // case make_mut copies it in memory only.
         let page = Arc::make_mut(slot.as_mut().expect("page present"));
         let old = std::mem::replace(&mut page.entries[i], e);
         match (old.is_mapped(), e.is_mapped()) {
@@ -123,11 +178,25 @@ impl MapTable {
         })
     }
 
-    /// Removes and returns every mapped entry.
-    pub fn take_all(&mut self) -> Vec<(u64, Entry)> {
-        let all = self.mapped().collect();
-        self.pages.clear();
-        all
+    /// Drops every page; returns the data units whose reference goes with them (the
+    /// units of pages this table held alone; shared pages just lose an owner).
+    pub fn release_all(&mut self) -> Vec<u32> {
+        let mut units = Vec::new();
+        for page in self.pages.drain(..).flatten() {
+            if page.owners.fetch_sub(1, Ordering::AcqRel) == 1 {
+                units.extend(page.units());
+            }
+        }
+        units
+    }
+
+    /// A new table sharing every page with this one (no data or entries copied):
+    /// the basis of snapshots and clones.
+    pub fn share(&self) -> MapTable {
+        for page in self.pages.iter().flatten() {
+            page.owners.fetch_add(1, Ordering::AcqRel);
+        }
+        MapTable { pages: self.pages.clone() }
     }
 }
 
@@ -142,7 +211,12 @@ fn split(lunit: u64) -> (usize, usize) {
 /// metadata, and the record that dropped its last reference is durable: a freed unit
 /// first waits in `pending_free` until the commit that carries its free completes.
 pub struct Allocator {
-    refcount: Vec<u32>,
+    /// Per-unit refcounts; changed only through `&mut self`, readable without the
+    /// allocator's lock through [`Allocator::refcount_table`].
+    refcount: Arc<[AtomicU32]>,
+    /// Units allocated for copy-on-write whose mapping is not installed yet; a
+    /// checkpoint counts them as free.
+    pub cow_inflight: std::collections::HashSet<u32>,
     free_bits: Vec<u64>,
     free_count: u64,
     cursor: usize,
@@ -160,7 +234,8 @@ impl Allocator {
     pub fn from_refcounts(refcount: Vec<u32>) -> Allocator {
         let n = refcount.len();
         let mut a = Allocator {
-            refcount,
+            refcount: refcount.into_iter().map(AtomicU32::new).collect(),
+            cow_inflight: Default::default(),
             free_bits: vec![0; n.div_ceil(64)],
             free_count: 0,
             cursor: 0,
@@ -169,7 +244,7 @@ impl Allocator {
             meta: 0,
         };
         for u in 0..n {
-            match a.refcount[u] {
+            match a.rc(u as u32) {
                 0 => a.set_free(u as u32),
                 META => a.meta += 1,
                 _ => a.used += 1,
@@ -188,14 +263,30 @@ impl Allocator {
         self.free_count
     }
 
-    /// Refcount of `unit` ([`META`] for checkpoint units).
-    pub fn refcount(&self, unit: u32) -> u32 {
-        self.refcount[unit as usize]
+    #[inline]
+    fn rc(&self, unit: u32) -> u32 {
+        self.refcount[unit as usize].load(Ordering::Relaxed)
     }
 
-    /// All refcounts, indexed by unit.
-    pub fn refcounts(&self) -> &[u32] {
-        &self.refcount
+    #[inline]
+    fn set_rc(&self, unit: u32, v: u32) {
+        self.refcount[unit as usize].store(v, Ordering::Release)
+    }
+
+    /// Refcount of `unit` ([`META`] for checkpoint units).
+    pub fn refcount(&self, unit: u32) -> u32 {
+        self.rc(unit)
+    }
+
+    /// A copy of all refcounts, indexed by unit.
+    pub fn refcounts(&self) -> Vec<u32> {
+        self.refcount.iter().map(|r| r.load(Ordering::Relaxed)).collect()
+    }
+
+    /// The refcount table itself, for lock-free reads (a value may be stale by the
+    /// time it is used; callers only use it where that is harmless).
+    pub fn refcount_table(&self) -> Arc<[AtomicU32]> {
+        self.refcount.clone()
     }
 
     fn set_free(&mut self, u: u32) {
@@ -233,7 +324,7 @@ impl Allocator {
             return None;
         }
         let u = self.take_free()?;
-        self.refcount[u as usize] = 1;
+        self.set_rc(u, 1);
         self.used += 1;
         Some(u)
     }
@@ -241,23 +332,23 @@ impl Allocator {
     /// Allocates a unit for checkpoint metadata (may dip into the reserve).
     pub fn alloc_meta(&mut self) -> Option<u32> {
         let u = self.take_free()?;
-        self.refcount[u as usize] = META;
+        self.set_rc(u, META);
         self.meta += 1;
         Some(u)
     }
 
     /// Frees a checkpoint unit once no durable superblock refers to it.
     pub fn free_meta(&mut self, u: u32) {
-        debug_assert_eq!(self.refcount[u as usize], META);
-        self.refcount[u as usize] = 0;
+        debug_assert_eq!(self.rc(u), META);
+        self.set_rc(u, 0);
         self.meta -= 1;
         self.set_free(u);
     }
 
     /// One more reference to a data unit (a replayed mapping, or sharing).
     pub fn incref(&mut self, u: u32) {
-        let r = &mut self.refcount[u as usize];
-        if *r == 0 {
+        let r = self.rc(u);
+        if r == 0 {
             // Taken out of the free set by replay.
             let (w, b) = (u as usize / 64, u % 64);
             if self.free_bits[w] & (1 << b) != 0 {
@@ -266,15 +357,15 @@ impl Allocator {
             }
             self.used += 1;
         }
-        *r += 1;
+        self.set_rc(u, r + 1);
     }
 
     /// One reference fewer; at zero the unit waits in `pending_free`.
     pub fn decref(&mut self, u: u32) {
-        let r = &mut self.refcount[u as usize];
-        debug_assert!(*r > 0 && *r != META);
-        *r -= 1;
-        if *r == 0 {
+        let r = self.rc(u);
+        debug_assert!(r > 0 && r != META);
+        self.set_rc(u, r - 1);
+        if r == 1 {
             self.used -= 1;
             self.pending_free.push(u);
         }
@@ -286,7 +377,7 @@ impl Allocator {
         let n = n.min(self.pending_free.len());
         let done: Vec<u32> = self.pending_free.drain(..n).collect();
         for u in done {
-            if self.refcount[u as usize] != 0 {
+            if self.rc(u) != 0 {
                 continue; // re-referenced by replay of a later record
             }
             if pins[u as usize].load(Ordering::Acquire) != 0 {
@@ -301,7 +392,7 @@ impl Allocator {
     pub fn release_all(&mut self) {
         let pending = std::mem::take(&mut self.pending_free);
         for u in pending {
-            if self.refcount[u as usize] == 0 {
+            if self.rc(u) == 0 {
                 let (w, b) = (u as usize / 64, u % 64);
                 if self.free_bits[w] & (1 << b) == 0 {
                     self.set_free(u);
@@ -317,16 +408,22 @@ mod tests {
 
     #[test]
     fn map_table_pages_appear_and_vanish() {
+        let mut copied = Vec::new();
         let mut t = MapTable::with_units(2000);
         assert_eq!(t.get(1500), Entry::EMPTY);
-        t.set(1500, Entry { punit: 7, bitmap: 1 });
+        t.set(1500, Entry { punit: 7, bitmap: 1 }, &mut |u| copied.push(u));
+        t.set(1501, Entry { punit: 8, bitmap: 1 }, &mut |u| copied.push(u));
         assert_eq!(t.get(1500).punit, 7);
         assert!(t.pages()[2].is_some());
-        let shared = t.clone();
-        t.set(1500, Entry::EMPTY);
-        assert!(t.pages()[2].is_none());
-        assert_eq!(shared.get(1500).punit, 7, "a clone keeps its copy of the page");
-        assert_eq!(shared.mapped().collect::<Vec<_>>(), vec![(1500, Entry { punit: 7, bitmap: 1 })]);
+        let mut shared = t.share();
+        assert!(t.page_shared(1500) && shared.page_shared(1501));
+        t.set(1500, Entry::EMPTY, &mut |u| copied.push(u));
+        assert_eq!(copied, vec![7, 8], "copying a shared page references its units again");
+        assert!(!t.page_shared(1501) && !shared.page_shared(1500));
+        assert_eq!(shared.get(1500).punit, 7, "the sharer keeps its page");
+        assert_eq!(shared.mapped().count(), 2);
+        assert_eq!(t.release_all(), vec![8]);
+        assert_eq!(shared.release_all(), vec![7, 8]);
     }
 
     #[test]

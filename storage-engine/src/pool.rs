@@ -69,14 +69,21 @@ impl Default for PoolOptions {
 /// A volume as listed by the management API.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VolumeInfo {
-    /// Volume name (also the NBD export name).
+    /// Name (also the NBD export name): `VOLUME` or, for a snapshot, `VOLUME@SNAPSHOT`.
     pub name: String,
     /// Id, unique for the pool's lifetime.
     pub id: u64,
+    /// Whether this is a read-only snapshot.
+    pub snapshot: bool,
     /// Virtual size in bytes.
     pub size: u64,
-    /// Bytes of data units mapped by the volume (units × unit size).
+    /// Bytes of data units mapped (units × unit size).
     pub allocated: u64,
+    /// Bytes of mapped units no other volume or snapshot references: what deleting
+    /// this one would free.
+    pub exclusive: u64,
+    /// Bytes of mapped units shared with other volumes or snapshots.
+    pub shared: u64,
     /// Creation time, seconds since the Unix epoch.
     pub created: u64,
 }
@@ -110,10 +117,31 @@ pub struct PoolStatus {
 pub(crate) struct VolState {
     pub id: u64,
     pub name: String,
+    /// A read-only snapshot.
+    pub snapshot: bool,
     pub created: u32,
     pub size: AtomicU64,
     pub map: RwLock<MapTable>,
     pub deleted: AtomicBool,
+    /// Writes, trims and zeroes hold it shared for their whole duration; taking a
+    /// snapshot or clone of this volume holds it exclusively, so the point in time
+    /// falls between writes, never inside one.
+    pub gate: tokio::sync::RwLock<()>,
+}
+
+impl VolState {
+    fn new(id: u64, name: String, snapshot: bool, created: u32, size: u64, map: MapTable) -> VolState {
+        VolState {
+            id,
+            name,
+            snapshot,
+            created,
+            size: AtomicU64::new(size),
+            map: RwLock::new(map),
+            deleted: AtomicBool::new(false),
+            gate: tokio::sync::RwLock::new(()),
+        }
+    }
 }
 
 /// Metadata records waiting for the next commit.
@@ -150,6 +178,8 @@ pub(crate) struct PoolInner {
     pub volumes: RwLock<BTreeMap<String, Arc<VolState>>>,
     next_volume: AtomicU64,
     pub alloc: Mutex<Allocator>,
+    /// The allocator's refcounts, for lock-free reads on the data path.
+    pub refcounts: Arc<[AtomicU32]>,
     pub journal: Mutex<Journal>,
     /// In-flight I/O per data unit; a pinned unit is never made allocatable.
     pub pins: Box<[AtomicU32]>,
@@ -160,6 +190,8 @@ pub(crate) struct PoolInner {
     closed: AtomicBool,
     /// Locks for read-modify-write of partial 4 KiB blocks, striped by (volume, block).
     pub stripes: Box<[tokio::sync::Mutex<()>]>,
+    /// Locks for copy-on-write of one logical unit, striped by (volume, unit).
+    pub cow_stripes: Box<[tokio::sync::Mutex<()>]>,
     /// Commit requests; shared with the committer thread, which holds no strong
     /// reference to the pool while it waits.
     commits: Arc<Commits>,
@@ -271,8 +303,13 @@ pub fn check(path: &Path) -> Result<CheckReport> {
     let bpu = loaded.geo.blocks_per_unit();
     let mut derived = vec![0u32; loaded.geo.unit_count as usize];
     let mut names = std::collections::HashSet::new();
+    let mut seen_pages = std::collections::HashSet::new();
     for (id, v) in &st.volumes {
-        if validate_name(&v.name).is_err() || !names.insert(v.name.clone()) {
+        let name_ok = match v.name.split_once('@') {
+            Some((vol, snap)) => v.snapshot && validate_name(vol).is_ok() && validate_name(snap).is_ok(),
+            None => !v.snapshot && validate_name(&v.name).is_ok(),
+        };
+        if !name_ok || !names.insert(v.name.clone()) {
             problems.push(format!("volume {id} has an invalid or duplicate name '{}'", v.name));
         }
         if validate_size(v.size).is_err() {
@@ -286,7 +323,14 @@ pub fn check(path: &Path) -> Result<CheckReport> {
             if bpu < 32 && e.bitmap >> bpu != 0 {
                 problems.push(format!("volume '{}' logical unit {lunit} has bitmap bits past the unit's {bpu} blocks", v.name));
             }
-            derived[e.punit as usize] += 1;
+        }
+        // A data unit's refcount counts the distinct pages that map it.
+        for page in v.map.pages().iter().flatten() {
+            if seen_pages.insert(Arc::as_ptr(page)) {
+                for u in page.units() {
+                    derived[u as usize] += 1;
+                }
+            }
         }
     }
     let a = &st.alloc;
@@ -442,14 +486,7 @@ impl Pool {
         let vols = volumes
             .into_iter()
             .map(|(id, v)| {
-                let vs = VolState {
-                    id,
-                    name: v.name.clone(),
-                    created: v.created,
-                    size: AtomicU64::new(v.size),
-                    map: RwLock::new(v.map),
-                    deleted: AtomicBool::new(false),
-                };
+                let vs = VolState::new(id, v.name.clone(), v.snapshot, v.created, v.size, v.map);
                 (v.name, Arc::new(vs))
             })
             .collect::<BTreeMap<_, _>>();
@@ -462,6 +499,7 @@ impl Pool {
             geo,
             volumes: RwLock::new(vols),
             next_volume: AtomicU64::new(next_volume),
+            refcounts: alloc.refcount_table(),
             alloc: Mutex::new(alloc),
             journal: Mutex::new(Journal::default()),
             pins,
@@ -469,6 +507,7 @@ impl Pool {
             failed: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             stripes: (0..256).map(|_| tokio::sync::Mutex::new(())).collect(),
+            cow_stripes: (0..256).map(|_| tokio::sync::Mutex::new(())).collect(),
             commits: Arc::new(Commits::default()),
             log: Mutex::new(LogState { cursor: log, sb, checkpoint_units }),
             committer: Mutex::new(None),
@@ -504,14 +543,7 @@ impl Pool {
             let id = self.inner.next_volume.fetch_add(1, Ordering::SeqCst);
             let created = now();
             let units = size.div_ceil(self.inner.geo.unit_size);
-            let vs = VolState {
-                id,
-                name: name.to_owned(),
-                created,
-                size: AtomicU64::new(size),
-                map: RwLock::new(MapTable::with_units(units)),
-                deleted: AtomicBool::new(false),
-            };
+            let vs = VolState::new(id, name.to_owned(), false, created, size, MapTable::with_units(units));
             self.inner.log_record(&Record::Volume { volume: id, size, created, name: name.to_owned() });
             vols.insert(name.to_owned(), Arc::new(vs));
         }
@@ -520,28 +552,158 @@ impl Pool {
         self.volume_info(name)
     }
 
-    /// Deletes a volume and frees its data units (after the delete is durable).
-    /// Open handles to it fail with [`ErrorKind::NotFound`] from then on.
+    /// Deletes a volume and frees the data units only it referenced (after the delete
+    /// is durable); its snapshots and clones stay intact. Open handles fail with
+    /// [`ErrorKind::NotFound`] from then on. Costs in-memory metadata work proportional
+    /// to the volume's mapped pages and one log record; no data is read or rewritten.
+    ///
+    /// Errors: [`ErrorKind::NotFound`] (also for a snapshot name: use
+    /// [`Pool::delete_snapshot`]), [`ErrorKind::Failed`]/[`ErrorKind::Io`].
+    pub async fn delete_volume(&self, name: &str) -> Result<()> {
+        if name.contains('@') {
+            return Err(Error::new(ErrorKind::NotFound, "no such volume (a snapshot is deleted with snapshot delete)").op("delete volume").volume(name));
+        }
+        self.delete_any(name, "delete volume").await
+    }
+
+    /// Deletes snapshot `snapshot` of `volume`; space only it held is freed at once.
     ///
     /// Errors: [`ErrorKind::NotFound`], [`ErrorKind::Failed`]/[`ErrorKind::Io`].
-    pub async fn delete_volume(&self, name: &str) -> Result<()> {
-        let err = |e: Error| e.op("delete volume").volume(name);
+    pub async fn delete_snapshot(&self, volume: &str, snapshot: &str) -> Result<()> {
+        self.delete_any(&format!("{volume}@{snapshot}"), "delete snapshot").await
+    }
+
+    async fn delete_any(&self, name: &str, op: &'static str) -> Result<()> {
+        let err = |e: Error| e.op(op).volume(name);
         self.inner.check_writable().map_err(err)?;
         {
             let mut vols = self.inner.volumes.write();
-            let vs = vols.remove(name).ok_or_else(|| err(Error::new(ErrorKind::NotFound, "no such volume")))?;
+            let vs = vols.remove(name).ok_or_else(|| err(Error::new(ErrorKind::NotFound, "no such volume or snapshot")))?;
             let mut map = vs.map.write();
             vs.deleted.store(true, Ordering::SeqCst);
             self.inner.log_record(&Record::VolumeDelete { volume: vs.id });
-            let entries = map.take_all();
+            let units = map.release_all();
             let mut alloc = self.inner.alloc.lock();
-            for (_, e) in entries {
-                alloc.decref(e.punit);
+            for u in units {
+                alloc.decref(u);
             }
         }
         self.inner.commit().await.map_err(err)?;
-        tracing::info!(volume = name, "deleted volume");
+        tracing::info!(name, op, "deleted");
         Ok(())
+    }
+
+    /// Takes snapshot `snapshot` of `volume`: a read-only volume named
+    /// `VOLUME@SNAPSHOT` that shares every mapping page (no data copied; the cost
+    /// grows with the number of mapped pages, not with the size). It holds every write
+    /// acknowledged before the call and none issued after the reply; writes in flight
+    /// on this volume are waited for. Durable on return.
+    ///
+    /// Errors: [`ErrorKind::NotFound`], [`ErrorKind::AlreadyExists`],
+    /// [`ErrorKind::InvalidArgument`] (name), [`ErrorKind::Failed`]/[`ErrorKind::Io`].
+    pub async fn create_snapshot(&self, volume: &str, snapshot: &str) -> Result<VolumeInfo> {
+        let full = format!("{volume}@{snapshot}");
+        let err = |e: Error| e.op("create snapshot").volume(&full);
+        validate_name(snapshot).map_err(err)?;
+        self.share(volume, &full, true).await.map_err(err)
+    }
+
+    /// Creates writable volume `name` from `source` (`VOLUME@SNAPSHOT` or `VOLUME`),
+    /// sharing its pages; the clone has its own lifetime (deleting the source leaves it
+    /// intact). Durable on return.
+    ///
+    /// Errors: [`ErrorKind::NotFound`], [`ErrorKind::AlreadyExists`],
+    /// [`ErrorKind::InvalidArgument`] (name), [`ErrorKind::Failed`]/[`ErrorKind::Io`].
+    pub async fn clone_volume(&self, source: &str, name: &str) -> Result<VolumeInfo> {
+        let err = |e: Error| e.op("clone volume").volume(name);
+        validate_name(name).map_err(err)?;
+        self.share(source, name, false).await.map_err(err)
+    }
+
+    async fn share(&self, source: &str, target: &str, snapshot: bool) -> Result<VolumeInfo> {
+        self.inner.check_writable()?;
+        let src = self.inner.volumes.read().get(source).cloned().ok_or_else(|| Error::new(ErrorKind::NotFound, format!("no volume or snapshot '{source}'")))?;
+        if snapshot && src.snapshot {
+            return Err(Error::new(ErrorKind::InvalidArgument, "snapshots are taken of volumes, not of snapshots"));
+        }
+        // Wait for writes in flight on the source, and hold new ones back briefly.
+        let _quiet = src.gate.write().await;
+        {
+            let mut vols = self.inner.volumes.write();
+            if vols.contains_key(target) {
+                return Err(Error::new(ErrorKind::AlreadyExists, "a volume or snapshot of that name exists"));
+            }
+            if src.deleted.load(Ordering::SeqCst) {
+                return Err(Error::new(ErrorKind::NotFound, format!("'{source}' was deleted")));
+            }
+            let map = src.map.read();
+            let id = self.inner.next_volume.fetch_add(1, Ordering::SeqCst);
+            let created = now();
+            let size = src.size.load(Ordering::SeqCst);
+            let shared = map.share();
+            self.inner.log_record(&Record::Share { source: src.id, target: id, size, created, snapshot, name: target.to_owned() });
+            vols.insert(target.to_owned(), Arc::new(VolState::new(id, target.to_owned(), snapshot, created, size, shared)));
+        }
+        drop(_quiet);
+        self.inner.commit().await?;
+        tracing::info!(source, target, snapshot, "shared");
+        self.volume_info(target)
+    }
+
+    /// Snapshots, of `volume` or of all volumes, sorted by name.
+    pub fn list_snapshots(&self, volume: Option<&str>) -> Vec<VolumeInfo> {
+        let prefix = volume.map(|v| format!("{v}@"));
+        self.inner
+            .volumes
+            .read()
+            .values()
+            .filter(|v| v.snapshot && prefix.as_ref().is_none_or(|p| v.name.starts_with(p.as_str())))
+            .map(|v| self.inner.info(v))
+            .collect()
+    }
+
+    /// Byte ranges `(offset, length)` whose content may differ between `a` and `b`
+    /// (volumes or snapshots, e.g. two snapshots of one volume, or a snapshot and the
+    /// live volume), found from the mappings alone: ranges where one side has written
+    /// blocks the other lacks, or both map different data units. Pages the two share
+    /// are skipped without a look. The ranges are sorted, disjoint, 4 KiB-aligned, and
+    /// cover up to the larger size.
+    ///
+    /// Errors: [`ErrorKind::NotFound`].
+    pub fn diff(&self, a: &str, b: &str) -> Result<Vec<(u64, u64)>> {
+        let get = |n: &str| self.inner.volumes.read().get(n).cloned().ok_or_else(|| Error::new(ErrorKind::NotFound, "no such volume or snapshot").op("diff").volume(n));
+        let (va, vb) = (get(a)?, get(b)?);
+        let (ma, mb) = (va.map.read().clone(), vb.map.read().clone());
+        let bpu = self.inner.geo.blocks_per_unit();
+        let us = self.inner.geo.unit_size;
+        let pages = ma.pages().len().max(mb.pages().len());
+        let mut out: Vec<(u64, u64)> = Vec::new();
+        let mut push = |off: u64, len: u64| match out.last_mut() {
+            Some((o, l)) if *o + *l == off => *l += len,
+            _ => out.push((off, len)),
+        };
+        for p in 0..pages {
+            let pa = ma.pages().get(p).and_then(|x| x.as_ref());
+            let pb = mb.pages().get(p).and_then(|x| x.as_ref());
+            match (pa, pb) {
+                (None, None) => continue,
+                (Some(x), Some(y)) if Arc::ptr_eq(x, y) => continue,
+                _ => {}
+            }
+            for i in 0..PAGE_ENTRIES as u64 {
+                let lunit = p as u64 * PAGE_ENTRIES as u64 + i;
+                let (ea, eb) = (ma.get(lunit), mb.get(lunit));
+                for blk in 0..bpu {
+                    let bit = 1u32 << blk;
+                    let wa = ea.is_mapped() && ea.bitmap & bit != 0;
+                    let wb = eb.is_mapped() && eb.bitmap & bit != 0;
+                    if wa != wb || (wa && ea.punit != eb.punit) {
+                        push(lunit * us + blk * BLOCK_SIZE, BLOCK_SIZE);
+                    }
+                }
+            }
+        }
+        Ok(out)
     }
 
     /// Grows a volume to `size` bytes (a multiple of 4096); connected clients keep
@@ -554,7 +716,7 @@ impl Pool {
         self.inner.check_writable().map_err(err)?;
         {
             let vols = self.inner.volumes.read();
-            let vs = vols.get(name).ok_or_else(|| err(Error::new(ErrorKind::NotFound, "no such volume")))?;
+            let vs = vols.get(name).filter(|v| !v.snapshot).ok_or_else(|| err(Error::new(ErrorKind::NotFound, "no such volume (snapshots cannot be resized)")))?;
             let mut map = vs.map.write();
             let old = vs.size.load(Ordering::SeqCst);
             if size < old {
@@ -588,9 +750,9 @@ impl Pool {
         Ok(self.inner.info(vs))
     }
 
-    /// All volumes, sorted by name.
+    /// All volumes (not snapshots), sorted by name.
     pub fn list_volumes(&self) -> Vec<VolumeInfo> {
-        self.inner.volumes.read().values().map(|v| self.inner.info(v)).collect()
+        self.inner.volumes.read().values().filter(|v| !v.snapshot).map(|v| self.inner.info(v)).collect()
     }
 
     /// Space accounting of the pool.
@@ -649,12 +811,21 @@ impl Pool {
 
 impl PoolInner {
     pub fn info(&self, v: &VolState) -> VolumeInfo {
-        let mapped = v.map.read().pages().iter().flatten().map(|p| u64::from(p.mapped)).sum::<u64>();
+        let (mut mapped, mut exclusive) = (0u64, 0u64);
+        for page in v.map.read().pages().iter().flatten() {
+            mapped += u64::from(page.mapped);
+            if !page.is_shared() {
+                exclusive += page.units().filter(|&u| self.refcounts[u as usize].load(Ordering::Relaxed) == 1).count() as u64;
+            }
+        }
         VolumeInfo {
             name: v.name.clone(),
             id: v.id,
+            snapshot: v.snapshot,
             size: v.size.load(Ordering::SeqCst),
             allocated: mapped * self.geo.unit_size,
+            exclusive: exclusive * self.geo.unit_size,
+            shared: (mapped - exclusive) * self.geo.unit_size,
             created: u64::from(v.created),
         }
     }
@@ -776,12 +947,20 @@ impl PoolInner {
             let volumes = maps
                 .iter()
                 .map(|(v, m)| {
-                    (v.id, VolumeMeta { name: v.name.clone(), size: v.size.load(Ordering::SeqCst), created: v.created, map: (**m).clone() })
+                    let meta = VolumeMeta {
+                        name: v.name.clone(),
+                        snapshot: v.snapshot,
+                        size: v.size.load(Ordering::SeqCst),
+                        created: v.created,
+                        map: (**m).clone(),
+                    };
+                    (v.id, meta)
                 })
                 .collect();
-            let mut refcounts = alloc.refcounts().to_vec();
-            for r in refcounts.iter_mut() {
-                if *r == crate::meta::META {
+            let mut refcounts = alloc.refcounts();
+            for (u, r) in refcounts.iter_mut().enumerate() {
+                // Checkpoint units and copy-on-write targets not yet mapped are free in it.
+                if *r == crate::meta::META || alloc.cow_inflight.contains(&(u as u32)) {
                     *r = 0;
                 }
             }

@@ -87,6 +87,15 @@ fn push_segment(segs: &mut Vec<Segment>, file_offset: u64, buf_offset: usize, le
     segs.push(Segment { file_offset, buf_offset, len });
 }
 
+/// Merges adjacent segments (ascending offsets in both the file and the buffer).
+fn merge(segs: impl Iterator<Item = Segment>) -> Vec<Segment> {
+    let mut out = Vec::new();
+    for s in segs {
+        push_segment(&mut out, s.file_offset, s.buf_offset, s.len);
+    }
+    out
+}
+
 fn push_extent(ext: &mut Vec<Extent>, length: u64, allocated: bool) {
     if length == 0 {
         return;
@@ -229,7 +238,25 @@ impl Volume {
     /// Errors: [`ErrorKind::OutOfRange`], [`ErrorKind::InvalidArgument`] (longer than
     /// [`MAX_IO_BYTES`] or a misplaced view), [`ErrorKind::NoSpace`] (only when a unit must
     /// be allocated), [`ErrorKind::Failed`], [`ErrorKind::NotFound`], [`ErrorKind::Io`].
-    pub async fn write(&self, offset: u64, mut buf: AlignedBuf, fua: bool) -> Result<()> {
+    pub async fn write(&self, offset: u64, buf: AlignedBuf, fua: bool) -> Result<()> {
+        self.check_read_only("write", offset)?;
+        let _gate = self.vol.gate.read().await;
+        self.write_inner(offset, buf, fua).await
+    }
+
+    fn check_read_only(&self, op: &'static str, offset: u64) -> Result<()> {
+        if self.vol.snapshot {
+            return Err(self.err(Error::new(ErrorKind::ReadOnly, "snapshots are read-only"), op, offset));
+        }
+        Ok(())
+    }
+
+    /// Whether the volume is a read-only snapshot.
+    pub fn is_snapshot(&self) -> bool {
+        self.vol.snapshot
+    }
+
+    async fn write_inner(&self, offset: u64, mut buf: AlignedBuf, fua: bool) -> Result<()> {
         let len = buf.as_ref().len() as u64;
         self.check_range("write", offset, len)?;
         self.pool.check_writable().map_err(|e| self.err(e, "write", offset))?;
@@ -335,7 +362,8 @@ impl Volume {
                     }
                 }
                 for &(u, p) in &allocated {
-                    map.set(u, Entry { punit: p, bitmap: 0 });
+                    let copied = set_entry(&mut map, u, Entry { punit: p, bitmap: 0 });
+                    incref_all(&mut a, copied);
                 }
                 if allocated.len() == want.len() {
                     break;
@@ -353,6 +381,7 @@ impl Volume {
         let mut new_bits: Vec<(u64, u32, u32)> = Vec::new(); // (lunit, punit, bits)
         let mut pins = Pins { pool: &self.pool, units: Vec::new() };
         let mut retry = false;
+        let mut private: Vec<(u64, u64, u64)> = Vec::new(); // (lunit, first block, end block)
         {
             let map = self.vol.map.read();
             if self.vol.deleted.load(Ordering::Acquire) {
@@ -366,6 +395,11 @@ impl Volume {
                 }
                 let s = (u * bpu).max(b0);
                 let e_blk = ((u + 1) * bpu).min(b1);
+                if map.page_shared(u) || self.pool.refcounts[e.punit as usize].load(Ordering::Acquire) > 1 {
+                    // Shared with a snapshot or clone: copy on write, unit by unit, below.
+                    private.push((u, s, e_blk));
+                    continue;
+                }
                 let m = mask(s - u * bpu, e_blk - u * bpu);
                 pins.add(e.punit);
                 push_segment(
@@ -384,7 +418,7 @@ impl Volume {
             drop(pins);
             return Box::pin(self.write_blocks(b0, b1, buf, fua, offset)).await;
         }
-        let dsync = fua && new_bits.is_empty();
+        let dsync = fua && new_bits.is_empty() && private.is_empty();
         let (buf, r) = self.pool.ring.rw(Dir::Write { dsync }, buf, segs).await.map_err(|_| self.err(worker_gone(), "write", offset))?;
         drop(pins);
         if let Err(e) = r {
@@ -396,9 +430,11 @@ impl Volume {
                 // write's completion needs the mapping.
                 if cur.punit == p && cur.bitmap == 0 && self.pool.pins[p as usize].load(Ordering::Acquire) == 0 {
                     // Logged: a checkpoint may have captured the empty mapping meanwhile.
-                    map.set(u, Entry::EMPTY);
+                    let copied = set_entry(&mut map, u, Entry::EMPTY);
                     self.pool.log_record(&Record::Unmap { volume: self.vol.id, lunit: u });
-                    self.pool.alloc.lock().decref(p);
+                    let mut a = self.pool.alloc.lock();
+                    incref_all(&mut a, copied);
+                    a.decref(p);
                 }
             }
             return Err(self.err(Error::io("pool write failed", e), "write", offset));
@@ -411,17 +447,107 @@ impl Volume {
                     // If a trim unmapped or remapped the unit meanwhile, the trim came later.
                     if cur.punit == p && cur.bitmap | m != cur.bitmap {
                         let bitmap = cur.bitmap | m;
-                        map.set(u, Entry { punit: p, bitmap });
+                        let copied = set_entry(&mut map, u, Entry { punit: p, bitmap });
+                        incref_all(&mut self.pool.alloc.lock(), copied);
                         self.pool.log_record(&Record::Map { volume: self.vol.id, lunit: u, punit: p, bitmap });
                     }
                 }
             }
+        }
+        for &(u, s, e) in &private {
+            let at = ((s - b0) * BLOCK_SIZE) as usize;
+            let data = &buf.full()[at..at + ((e - s) * BLOCK_SIZE) as usize];
+            self.write_private(u, s - u * bpu, e - u * bpu, data, offset).await?;
         }
         self.pool.writes_since_sync.fetch_add(1, Ordering::SeqCst);
         if fua && !dsync {
             self.pool.commit().await.map_err(|e| self.err(e, "write", offset))?;
         }
         Ok(buf)
+    }
+
+    /// Writes blocks `[s, e)` (relative to the unit) of logical unit `lunit` from `data`
+    /// when the unit may be shared: if it is, the written blocks the write does not
+    /// cover are copied with the new data into a fresh data unit, which then replaces
+    /// the shared one in this volume's mapping (copy on write; only written blocks are
+    /// copied). Also handles the unit having been unmapped or made exclusive meanwhile.
+    async fn write_private(&self, lunit: u64, s: u64, e: u64, data: &[u8], offset: u64) -> Result<()> {
+        while !self.write_private_once(lunit, s, e, data, offset).await? {}
+        Ok(())
+    }
+
+    /// One attempt of [`Volume::write_private`]; `Ok(false)` asks for another (another
+    /// writer mapped the unit meanwhile).
+    async fn write_private_once(&self, lunit: u64, s: u64, e: u64, data: &[u8], offset: u64) -> Result<bool> {
+        let g = &self.pool.geo;
+        let us = g.unit_size as usize;
+        let bs = BLOCK_SIZE as usize;
+        let m = mask(s, e);
+        let h = (self.vol.id.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ lunit).wrapping_mul(0xff51_afd7_ed55_8ccd);
+        let _unit_lock = self.pool.cow_stripes[(h >> 56) as usize % self.pool.cow_stripes.len()].lock().await;
+        let old = self.vol.map.read().get(lunit);
+        let exclusive = old.is_mapped()
+            && !self.vol.map.read().page_shared(lunit)
+            && self.pool.refcounts[old.punit as usize].load(Ordering::Acquire) == 1;
+        let mut buf = AlignedBuf::zeroed(us);
+        buf.full_mut()[s as usize * bs..e as usize * bs].copy_from_slice(data);
+        let mut pins = Pins { pool: &self.pool, units: Vec::new() };
+        let target = if exclusive {
+            pins.add(old.punit);
+            old.punit
+        } else {
+            let mut a = self.pool.alloc.lock();
+            let reserve = self.pool.reserve(&a);
+            let p = a.alloc(reserve).ok_or_else(|| self.err(Error::new(ErrorKind::NoSpace, "no free data unit for copy-on-write"), "write", offset))?;
+            a.cow_inflight.insert(p);
+            p
+        };
+        // Copy the old unit's written blocks that this write does not cover.
+        let copy = if old.is_mapped() && !exclusive { old.bitmap & !m } else { 0 };
+        let blocks = |bits: u32| (0..g.blocks_per_unit()).filter(move |b| bits & (1 << b) != 0);
+        let result: Result<()> = async {
+            if copy != 0 {
+                pins.add(old.punit);
+                let segs = blocks(copy).map(|b| Segment { file_offset: g.unit_offset(u64::from(old.punit)) + b * BLOCK_SIZE, buf_offset: b as usize * bs, len: bs });
+                let segs = merge(segs);
+                let (b2, r) = self.pool.ring.rw(Dir::Read, buf, segs).await.map_err(|_| worker_gone())?;
+                buf = b2;
+                r.map_err(|e| Error::io("copy-on-write read failed", e))?;
+            }
+            let segs = merge(blocks(copy | m).map(|b| Segment { file_offset: g.unit_offset(u64::from(target)) + b * BLOCK_SIZE, buf_offset: b as usize * bs, len: bs }));
+            let (_, r) = self.pool.ring.rw(Dir::Write { dsync: false }, buf, segs).await.map_err(|_| worker_gone())?;
+            r.map_err(|e| Error::io("pool write failed", e))
+        }
+        .await;
+        drop(pins);
+        let mut map = self.vol.map.write();
+        let cur = map.get(lunit);
+        let mut a = self.pool.alloc.lock();
+        if !exclusive {
+            a.cow_inflight.remove(&target);
+        }
+        let still = if old.is_mapped() { cur.punit == old.punit } else { !cur.is_mapped() };
+        if result.is_err() || !still || self.vol.deleted.load(Ordering::Acquire) {
+            if !exclusive {
+                a.decref(target);
+            }
+            // A write that mapped the unit meanwhile must not be overwritten: try again.
+            if result.is_ok() && !old.is_mapped() && cur.is_mapped() && !self.vol.deleted.load(Ordering::Acquire) {
+                return Ok(false);
+            }
+            // Failed, or a trim or delete came in between (it is then the later one).
+            return result.map(|()| true).map_err(|e| self.err(e, "write", offset));
+        }
+        let bitmap = if old.is_mapped() { cur.bitmap | m } else { m };
+        if cur.punit != target || bitmap != cur.bitmap {
+            let copied = set_entry(&mut map, lunit, Entry { punit: target, bitmap });
+            incref_all(&mut a, copied);
+            if cur.is_mapped() && cur.punit != target {
+                a.decref(cur.punit);
+            }
+            self.pool.log_record(&Record::Map { volume: self.vol.id, lunit, punit: target, bitmap });
+        }
+        Ok(true)
     }
 
     /// Discards `len` bytes at `offset`: the range reads as zeros at once; whole 4 KiB
@@ -431,6 +557,12 @@ impl Volume {
     ///
     /// Errors: [`ErrorKind::OutOfRange`], [`ErrorKind::Failed`], [`ErrorKind::NotFound`], [`ErrorKind::Io`].
     pub async fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
+        self.check_read_only("trim", offset)?;
+        let _gate = self.vol.gate.read().await;
+        self.trim_inner(offset, len, fua).await
+    }
+
+    async fn trim_inner(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
         self.check_range("trim", offset, len)?;
         self.pool.check_writable().map_err(|e| self.err(e, "trim", offset))?;
         if len == 0 {
@@ -454,7 +586,7 @@ impl Volume {
         for (o, l) in edges {
             if self.block_written(o / BLOCK_SIZE) {
                 let buf = self.alloc_write_buf(o, l as usize);
-                self.write(o, buf, false).await?;
+                self.write_inner(o, buf, false).await?;
             }
         }
         if fb0 < fb1 {
@@ -510,11 +642,14 @@ impl Volume {
             return;
         }
         if bitmap == 0 {
-            map.set(lunit, Entry::EMPTY);
+            let copied = set_entry(map, lunit, Entry::EMPTY);
             self.pool.log_record(&Record::Unmap { volume: self.vol.id, lunit });
-            self.pool.alloc.lock().decref(e.punit);
+            let mut a = self.pool.alloc.lock();
+            incref_all(&mut a, copied);
+            a.decref(e.punit);
         } else {
-            map.set(lunit, Entry { punit: e.punit, bitmap });
+            let copied = set_entry(map, lunit, Entry { punit: e.punit, bitmap });
+            incref_all(&mut self.pool.alloc.lock(), copied);
             self.pool.log_record(&Record::Map { volume: self.vol.id, lunit, punit: e.punit, bitmap });
         }
     }
@@ -525,8 +660,10 @@ impl Volume {
     /// Errors: as [`Volume::trim`] and [`Volume::write`] (including [`ErrorKind::NoSpace`]
     /// when `may_unmap` is false).
     pub async fn write_zeroes(&self, offset: u64, len: u64, may_unmap: bool, fua: bool) -> Result<()> {
+        self.check_read_only("write zeroes", offset)?;
+        let _gate = self.vol.gate.read().await;
         if may_unmap {
-            return self.trim(offset, len, fua).await;
+            return self.trim_inner(offset, len, fua).await;
         }
         self.check_range("write zeroes", offset, len)?;
         let mut o = offset;
@@ -534,7 +671,7 @@ impl Volume {
         while o < end {
             let l = (end - o).min(1 << 20);
             let buf = self.alloc_write_buf(o, l as usize);
-            self.write(o, buf, false).await?;
+            self.write_inner(o, buf, false).await?;
             o += l;
         }
         if fua {
@@ -584,6 +721,20 @@ impl Volume {
             pos = next;
         }
         Ok(ext)
+    }
+}
+
+/// Sets an entry; returns the data units of a shared page that had to be copied
+/// (each needs one more reference, taken with [`incref_all`]).
+fn set_entry(map: &mut MapTable, lunit: u64, e: Entry) -> Vec<u32> {
+    let mut copied = Vec::new();
+    map.set(lunit, e, &mut |u| copied.push(u));
+    copied
+}
+
+fn incref_all(a: &mut crate::meta::Allocator, units: Vec<u32>) {
+    for u in units {
+        a.incref(u);
     }
 }
 
