@@ -113,13 +113,11 @@ impl ExportRegistry for PoolRegistry {
     }
 
     fn list(&self) -> Vec<(String, String)> {
-        self.pool
-            .list_volumes()
-            .into_iter()
-            .map(|v| {
-                let d = format!("ferrovol thin volume, {} bytes", v.size);
-                (v.name, d)
-            })
-            .collect()
+        let vols = self.pool.list_volumes().into_iter().chain(self.pool.list_snapshots(None));
+        vols.map(|v| {
+            let kind = if v.snapshot { "read-only snapshot" } else { "thin volume" };
+            (v.name, format!("ferrovol {kind}, {} bytes", v.size))
+        })
+        .collect()
     }
 }

@@ -38,6 +38,9 @@ enum Cmd {
     /// Create, list, resize and delete volumes on a running server.
     #[command(subcommand)]
     Volume(VolumeCmd),
+    /// Create, list, delete and diff snapshots on a running server.
+    #[command(subcommand)]
+    Snapshot(SnapshotCmd),
     /// Pool information from a running server.
     #[command(subcommand)]
     Pool(PoolCmd),
@@ -97,6 +100,36 @@ enum VolumeCmd {
         #[arg(long, value_parser = parse_size)]
         size: u64,
     },
+    /// Create a writable volume from a snapshot (VOLUME@SNAPSHOT) or a volume, sharing its data.
+    Clone {
+        /// VOLUME@SNAPSHOT or VOLUME.
+        #[arg(long)]
+        from: String,
+        name: String,
+    },
+}
+
+#[derive(Subcommand)]
+enum SnapshotCmd {
+    /// Take a read-only, crash-consistent snapshot (exported as VOLUME@SNAPSHOT).
+    Create { volume: String, snapshot: String },
+    /// List snapshots (of VOLUME, or all) with mapped, exclusive and shared bytes.
+    List {
+        volume: Option<String>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Delete a snapshot.
+    Delete { volume: String, snapshot: String },
+    /// Byte ranges that differ between two snapshots (or a snapshot and its volume).
+    Diff {
+        /// VOLUME@SNAPSHOT (or VOLUME).
+        from: String,
+        /// VOLUME@SNAPSHOT (or VOLUME).
+        to: String,
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Subcommand)]
@@ -134,6 +167,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.cmd {
         Cmd::Serve(args) => serve(&cli.data_dir, &socket, args).await.map(|()| ExitCode::SUCCESS),
         Cmd::Volume(cmd) => volume_cmd(&socket, cmd).await.map(|()| ExitCode::SUCCESS),
+        Cmd::Snapshot(cmd) => snapshot_cmd(&socket, cmd).await.map(|()| ExitCode::SUCCESS),
         Cmd::Pool(PoolCmd::Status { json }) => pool_status(&socket, json).await.map(|()| ExitCode::SUCCESS),
         Cmd::Check { pool } => {
             let path = pool.unwrap_or_else(|| cli.data_dir.join("pool.img"));
@@ -176,7 +210,60 @@ fn volume_json(v: &mgmt::pb::Volume) -> serde_json::Value {
     serde_json::json!({
         "name": v.name, "id": v.id, "size_bytes": v.size_bytes,
         "allocated_bytes": v.allocated_bytes, "created_unix": v.created_unix, "export_name": v.export_name,
+        "snapshot": v.snapshot, "exclusive_bytes": v.exclusive_bytes, "shared_bytes": v.shared_bytes,
     })
+}
+
+fn print_table(vs: &[mgmt::pb::Volume]) {
+    println!("{:<40} {:>12} {:>12} {:>12} {:>12}", "NAME", "SIZE", "ALLOCATED", "EXCLUSIVE", "SHARED");
+    for v in vs {
+        println!(
+            "{:<40} {:>12} {:>12} {:>12} {:>12}",
+            v.name,
+            human(v.size_bytes),
+            human(v.allocated_bytes),
+            human(v.exclusive_bytes),
+            human(v.shared_bytes)
+        );
+    }
+}
+
+async fn snapshot_cmd(socket: &Path, cmd: SnapshotCmd) -> anyhow::Result<()> {
+    let mut c = mgmt::connect(socket).await?;
+    use mgmt::pb;
+    match cmd {
+        SnapshotCmd::Create { volume, snapshot } => {
+            let v = c.create_snapshot(pb::CreateSnapshotRequest { volume, snapshot }).await.map_err(status_err)?.into_inner();
+            println!("created snapshot {}", v.name);
+        }
+        SnapshotCmd::List { volume, json } => {
+            let req = pb::ListSnapshotsRequest { volume: volume.unwrap_or_default() };
+            let vs = c.list_snapshots(req).await.map_err(status_err)?.into_inner().snapshots;
+            if json {
+                println!("{}", serde_json::Value::Array(vs.iter().map(volume_json).collect()));
+            } else {
+                print_table(&vs);
+            }
+        }
+        SnapshotCmd::Delete { volume, snapshot } => {
+            c.delete_snapshot(pb::DeleteSnapshotRequest { volume: volume.clone(), snapshot: snapshot.clone() }).await.map_err(status_err)?;
+            println!("deleted snapshot {volume}@{snapshot}");
+        }
+        SnapshotCmd::Diff { from, to, json } => {
+            let ranges = c.diff_snapshots(pb::DiffSnapshotsRequest { from, to }).await.map_err(status_err)?.into_inner().ranges;
+            if json {
+                let r: Vec<_> = ranges.iter().map(|r| serde_json::json!({"offset": r.offset, "length": r.length})).collect();
+                println!("{}", serde_json::Value::Array(r));
+            } else {
+                for r in &ranges {
+                    println!("{} {}", r.offset, r.length);
+                }
+                let total: u64 = ranges.iter().map(|r| r.length).sum();
+                eprintln!("{} ranges, {} bytes differ", ranges.len(), total);
+            }
+        }
+    }
+    Ok(())
 }
 
 async fn volume_cmd(socket: &Path, cmd: VolumeCmd) -> anyhow::Result<()> {
@@ -192,10 +279,7 @@ async fn volume_cmd(socket: &Path, cmd: VolumeCmd) -> anyhow::Result<()> {
             if json {
                 println!("{}", serde_json::Value::Array(vs.iter().map(volume_json).collect()));
             } else {
-                println!("{:<40} {:>16} {:>16}", "NAME", "SIZE", "ALLOCATED");
-                for v in vs {
-                    println!("{:<40} {:>16} {:>16}", v.name, human(v.size_bytes), human(v.allocated_bytes));
-                }
+                print_table(&vs);
             }
         }
         VolumeCmd::Info { name, json } => {
@@ -209,6 +293,10 @@ async fn volume_cmd(socket: &Path, cmd: VolumeCmd) -> anyhow::Result<()> {
         VolumeCmd::Delete { name } => {
             c.delete_volume(pb::DeleteVolumeRequest { name: name.clone() }).await.map_err(status_err)?;
             println!("deleted volume {name}");
+        }
+        VolumeCmd::Clone { from, name } => {
+            let v = c.clone_volume(pb::CloneVolumeRequest { source: from.clone(), name }).await.map_err(status_err)?.into_inner();
+            println!("created volume {} from {from}", v.name);
         }
         VolumeCmd::Resize { name, size } => {
             let v = c.resize_volume(pb::ResizeVolumeRequest { name, size_bytes: size }).await.map_err(status_err)?.into_inner();

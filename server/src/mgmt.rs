@@ -42,6 +42,9 @@ fn volume(v: VolumeInfo) -> pb::Volume {
         size_bytes: v.size,
         allocated_bytes: v.allocated,
         created_unix: v.created,
+        snapshot: v.snapshot,
+        exclusive_bytes: v.exclusive,
+        shared_bytes: v.shared,
     }
 }
 
@@ -72,6 +75,38 @@ impl Management for ManagementService {
     async fn list_volumes(&self, _req: Request<pb::ListVolumesRequest>) -> Result<Response<pb::ListVolumesResponse>, Status> {
         let volumes = self.pool.list_volumes().into_iter().map(volume).collect();
         Ok(Response::new(pb::ListVolumesResponse { volumes }))
+    }
+
+    async fn create_snapshot(&self, req: Request<pb::CreateSnapshotRequest>) -> Result<Response<pb::Volume>, Status> {
+        let r = req.into_inner();
+        let v = self.pool.create_snapshot(&r.volume, &r.snapshot).await.map_err(|e| grpc_status(&e))?;
+        Ok(Response::new(volume(v)))
+    }
+
+    async fn delete_snapshot(&self, req: Request<pb::DeleteSnapshotRequest>) -> Result<Response<pb::DeleteSnapshotResponse>, Status> {
+        let r = req.into_inner();
+        self.pool.delete_snapshot(&r.volume, &r.snapshot).await.map_err(|e| grpc_status(&e))?;
+        Ok(Response::new(pb::DeleteSnapshotResponse {}))
+    }
+
+    async fn list_snapshots(&self, req: Request<pb::ListSnapshotsRequest>) -> Result<Response<pb::ListSnapshotsResponse>, Status> {
+        let r = req.into_inner();
+        let vol = (!r.volume.is_empty()).then_some(r.volume.as_str());
+        let snapshots = self.pool.list_snapshots(vol).into_iter().map(volume).collect();
+        Ok(Response::new(pb::ListSnapshotsResponse { snapshots }))
+    }
+
+    async fn clone_volume(&self, req: Request<pb::CloneVolumeRequest>) -> Result<Response<pb::Volume>, Status> {
+        let r = req.into_inner();
+        let v = self.pool.clone_volume(&r.source, &r.name).await.map_err(|e| grpc_status(&e))?;
+        Ok(Response::new(volume(v)))
+    }
+
+    async fn diff_snapshots(&self, req: Request<pb::DiffSnapshotsRequest>) -> Result<Response<pb::DiffSnapshotsResponse>, Status> {
+        let r = req.into_inner();
+        let ranges = self.pool.diff(&r.from, &r.to).map_err(|e| grpc_status(&e))?;
+        let ranges = ranges.into_iter().map(|(offset, length)| pb::ByteRange { offset, length }).collect();
+        Ok(Response::new(pb::DiffSnapshotsResponse { ranges }))
     }
 
     async fn get_pool_status(&self, _req: Request<pb::GetPoolStatusRequest>) -> Result<Response<pb::PoolStatus>, Status> {

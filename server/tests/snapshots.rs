@@ -1,0 +1,74 @@
+//! Snapshots and clones through the CLI and real NBD clients: a snapshot is exported
+//! read-only as VOLUME@SNAPSHOT with the data of its point in time, refuses writes,
+//! lists with its space accounting, diffs against the volume, survives deleting its
+//! volume and a kill -9; clones are writable and independent.
+
+mod common;
+use common::*;
+
+/// qemu-io opened read-only (a snapshot export refuses a read-write open).
+fn qemu_io_ro_ok(uri: &str, cmds: &[&str]) {
+    let mut c = peer("qemu-io");
+    c.args(["-r", "-f", "raw"]);
+    for cmd in cmds {
+        c.args(["-c", cmd]);
+    }
+    let o = output(c.arg(uri));
+    assert!(qemu_io_succeeded(&o), "qemu-io -r {cmds:?} on {uri} failed ({}):\n{}", o.status, text(&o));
+}
+
+#[test]
+fn snapshot_export_is_read_only_point_in_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = Server::start(dir.path());
+    s.create_volume("v", "256MiB");
+    qemu_io_ok(&s.uri("v"), &["write -P 0x11 0 4M", "write -P 0x22 8M 1M"]);
+    s.cli_ok(&["snapshot", "create", "v", "before"]);
+    qemu_io_ok(&s.uri("v"), &["write -P 0x33 1M 64k", "write -P 0x44 100M 4k"]);
+
+    // The snapshot export: read-only flag, old data, holes where nothing was written.
+    let info = json(&text(&output(peer("nbdinfo").args(["--json", &s.uri("v@before")]))));
+    let e = &info["exports"][0];
+    assert_eq!(e["is_read_only"], true, "{info}");
+    assert_eq!(e["export-size"], 256 * MIB);
+    qemu_io_ro_ok(&s.uri("v@before"), &["read -P 0x11 0 4M", "read -P 0x22 8M 1M", "read -P 0 100M 4k"]);
+    qemu_io_ok(&s.uri("v"), &["read -P 0x11 0 1M", "read -P 0x33 1M 64k", "read -P 0x11 1088k 2M", "read -P 0x44 100M 4k"]);
+    // Sent to the server (libnbd's strict mode off): the server itself answers EPERM.
+    let code = "h.set_strict_mode(0)\ntry:\n    h.pwrite(b'x' * 4096, 0)\nexcept nbd.Error as e:\n    print('errno', e.errno)";
+    let o = output(peer("nbdsh").args(["-u", &s.uri("v@before"), "-c", code]));
+    assert!(text(&o).contains("errno EPERM"), "write to a snapshot: {}", text(&o));
+    let list = json(&text(&output(peer("nbdinfo").args(["--list", "--json", &s.base_uri()]))));
+    let names: Vec<_> = list["exports"].as_array().unwrap().iter().map(|e| e["export-name"].as_str().unwrap().to_owned()).collect();
+    assert!(names.contains(&"v@before".to_string()), "{names:?}");
+
+    // Accounting: 5 MiB written before; the snapshot shares all but the overwritten unit.
+    let snaps = json(&s.cli_ok(&["snapshot", "list", "v", "--json"]));
+    let sn = &snaps[0];
+    assert_eq!(sn["name"], "v@before");
+    assert_eq!(sn["allocated_bytes"], 5 * MIB);
+    assert_eq!(sn["exclusive_bytes"], 64 * KIB, "only the overwritten unit is the snapshot's alone");
+    // Diff: exactly the overwritten 64 KiB and the new 4 KiB (from metadata; a copied unit counts whole).
+    let diff = json(&s.cli_ok(&["snapshot", "diff", "v@before", "v", "--json"]));
+    let ranges: Vec<(u64, u64)> = diff.as_array().unwrap().iter().map(|r| (r["offset"].as_u64().unwrap(), r["length"].as_u64().unwrap())).collect();
+    assert_eq!(ranges, vec![(MIB, 64 * KIB), (100 * MIB, 4 * KIB)]);
+
+    // A clone of the snapshot is writable and independent of both.
+    s.cli_ok(&["volume", "clone", "--from", "v@before", "c"]);
+    qemu_io_ok(&s.uri("c"), &["read -P 0x11 0 4M", "write -P 0x55 0 64k", "read -P 0x55 0 64k"]);
+    qemu_io_ro_ok(&s.uri("v@before"), &["read -P 0x11 0 64k"]);
+    // Deleting the volume leaves its snapshot and the clone readable, across kill -9.
+    s.cli_ok(&["volume", "delete", "v"]);
+    qemu_io_ro_ok(&s.uri("v@before"), &["read -P 0x11 0 4M"]);
+    s.kill9();
+    check_clean(dir.path());
+    s.restart();
+    qemu_io_ro_ok(&s.uri("v@before"), &["read -P 0x11 0 4M", "read -P 0x22 8M 1M"]);
+    qemu_io_ok(&s.uri("c"), &["read -P 0x55 0 64k", "read -P 0x11 64k 3M"]);
+    s.cli_ok(&["snapshot", "delete", "v", "before"]);
+    let err = s.cli_err(&["snapshot", "delete", "v", "before"]);
+    assert!(err.to_lowercase().contains("no such"), "{err}");
+    let err = s.cli_err(&["snapshot", "create", "c", "bad@name"]);
+    assert!(err.contains("invalid"), "{err}");
+    s.stop();
+    check_clean(dir.path());
+}
