@@ -19,11 +19,11 @@ mkdir -p "$WORK"
 job() { # job NAME URI extra-args... -> IOPS
   local name=$1 uri=$2; shift 2
   fio --name="$name" --ioengine=nbd --uri="$uri" --bs=4k --iodepth=32 --output-format=json "$@" \
-    | /usr/bin/python3 -c 'import json,sys; print(int(json.load(sys.stdin)["jobs"][0]["write"]["iops"]))'
+    | sed -n '/^{/,$p' | /usr/bin/python3 -c 'import json,sys; print(int(json.load(sys.stdin)["jobs"][0]["write"]["iops"]))'
 }
 for rep in $(seq "$REPS"); do
   rm -rf "$WORK/alloc"; mkdir -p "$WORK/alloc"
-  "$BIN" --data-dir "$WORK/alloc" serve --pool-size 24GiB --listen 127.0.0.1:$PORT 2>"$WORK/alloc/server.log" &
+  "$BIN" --data-dir "$WORK/alloc" serve --pool-size 24GiB --listen 127.0.0.1:$PORT >/dev/null 2>"$WORK/alloc/server.log" &
   PID=$!
   for _ in $(seq 100); do [ -S "$WORK/alloc/ferrovol.sock" ] && break; sleep 0.1; done
   "$BIN" --data-dir "$WORK/alloc" volume create a --size 8GiB >/dev/null

@@ -15,7 +15,7 @@ TOOLS=../shared/tools
 cargo build --release --bin ferrovol
 BIN=$PWD/target/release/ferrovol
 rm -rf "$WORK/data"; mkdir -p "$WORK"
-"$BIN" --data-dir "$WORK/data" serve --pool-size 16GiB --listen 127.0.0.1:$PORT 2>"$WORK/server.log" &
+"$BIN" --data-dir "$WORK/data" serve --pool-size 16GiB --listen 127.0.0.1:$PORT >/dev/null 2>"$WORK/server.log" &
 PID=$!
 trap 'kill $PID 2>/dev/null; wait $PID 2>/dev/null' EXIT
 for _ in $(seq 100); do [ -S "$WORK/data/ferrovol.sock" ] && break; sleep 0.1; done
