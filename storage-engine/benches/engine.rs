@@ -24,7 +24,7 @@ fn mapping(c: &mut Criterion) {
     let units = 1u64 << 20; // 64 GiB of 64 KiB units
     let mut t = MapTable::with_units(units);
     for u in 0..units {
-        t.set(u, Entry { punit: u as u32, bitmap: u32::MAX });
+        t.set(u, Entry { punit: u as u32, bitmap: u32::MAX }, &mut |_| {});
     }
     let mut g = c.benchmark_group("mapping");
     g.throughput(Throughput::Elements(1));
@@ -34,8 +34,20 @@ fn mapping(c: &mut Criterion) {
         b.iter(|| {
             let u = r.next() % units;
             let e = t.get(u);
-            t.set(u, Entry { punit: e.punit, bitmap: e.bitmap ^ 1 })
+            t.set(u, Entry { punit: e.punit, bitmap: e.bitmap ^ 1 }, &mut |_| {})
         })
+    });
+    // Copy on write of a shared page: share the table, then change one entry per page.
+    g.bench_function("set_in_shared_page_copies_page", |b| {
+        b.iter_batched(
+            || t.share(),
+            |mut shared| {
+                let mut n = 0;
+                shared.set(r.next() % units, Entry { punit: 1, bitmap: 1 }, &mut |_| n += 1);
+                (shared, n)
+            },
+            BatchSize::LargeInput,
+        )
     });
     g.finish();
 }
