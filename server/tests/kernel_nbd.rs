@@ -91,3 +91,37 @@ fn kernel_client_ext4_survives_sigkill_and_trims() {
     let out = Command::new(BIN).arg("--data-dir").arg(&dir).arg("check").output().unwrap();
     assert!(out.status.success(), "check after shutdown: {}", String::from_utf8_lossy(&out.stdout));
 }
+
+fn run_guest_env(script: &str, share: &Path, env: &[String]) {
+    let mut c = Command::new("bash");
+    c.arg(nbd_vm()).args(["-t", "900", "-s", share.to_str().unwrap()]);
+    for e in env {
+        c.args(["-e", e]);
+    }
+    let status = c.arg(guest(script)).status().unwrap();
+    assert!(status.success(), "guest script {script} {env:?} failed with {status} (see the console output above)");
+}
+
+/// ext4 on a volume, snapshot, more writes; the snapshot exported read-only passes
+/// e2fsck -fn, mounts read-only with the old files intact and none of the new ones,
+/// and the kernel cannot write to it.
+#[test]
+fn kernel_client_mounts_a_snapshot_read_only() {
+    assert!(nbd_vm().exists(), "{} is missing: the tests need the shared nbd-vm tool", nbd_vm().display());
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("data");
+    let share = tmp.path().join("share");
+    std::fs::create_dir_all(&share).unwrap();
+    let port = free_port();
+    let mut server = start(&dir, port);
+    cli(&dir, &["volume", "create", "kvol", "--size", "256MiB"]);
+    let env = |phase: &str| vec![format!("PORT={port}"), "EXPORT=kvol".into(), "SNAPSHOT=kvol@snap".into(), format!("PHASE={phase}")];
+    run_guest_env("guest-snapshot.sh", &share, &env("write"));
+    cli(&dir, &["snapshot", "create", "kvol", "snap"]);
+    run_guest_env("guest-snapshot.sh", &share, &env("change"));
+    run_guest_env("guest-snapshot.sh", &share, &env("verify"));
+    Command::new("kill").arg("-TERM").arg(server.id().to_string()).status().unwrap();
+    assert!(server.wait().unwrap().success(), "clean shutdown");
+    let out = Command::new(BIN).arg("--data-dir").arg(&dir).arg("check").output().unwrap();
+    assert!(out.status.success(), "check: {}", String::from_utf8_lossy(&out.stdout));
+}

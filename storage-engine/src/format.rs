@@ -10,8 +10,13 @@ use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
 
 /// Magic at byte 0 of both superblock slots.
 pub const SUPERBLOCK_MAGIC: [u8; 8] = *b"FERROVOL";
-/// Format version written by this build; pools of any other version are refused.
-pub const FORMAT_VERSION: u32 = 1;
+/// Format version written by this build. Version 2 added snapshots and clones
+/// (`REC_SHARE`, `VolumeRec::flags`, shared pages); a version 1 pool opens and is
+/// written as version 2 from its first checkpoint on, so builds that only know
+/// version 1 refuse it afterwards instead of misreading shared pages.
+pub const FORMAT_VERSION: u32 = 2;
+/// Oldest format version this build reads.
+pub const MIN_READ_VERSION: u32 = 1;
 /// Size of the I/O block, in bytes: the granularity of the written-block bitmap, of
 /// O_DIRECT I/O and of log and checkpoint writes.
 pub const BLOCK_SIZE: u64 = 4096;

@@ -99,7 +99,7 @@ impl Record {
             }
             REC_VOLUME => {
                 let (r, name) = VolumeRec::read_from_prefix(body).map_err(|_| bad())?;
-                if name.len() != r.name_len.get() as usize {
+                if name.len() != r.name_len.get() as usize || r.flags.get() & !VOLUME_FLAG_SNAPSHOT != 0 {
                     return Err(bad());
                 }
                 let name = String::from_utf8(name.to_vec()).map_err(|_| bad())?;
@@ -223,6 +223,9 @@ impl State {
                     return Err(Error::corrupt(format!("volume id {target} created twice")));
                 }
                 let src = self.volumes.get(&source).ok_or_else(|| Error::corrupt(format!("log shares unknown volume {source}")))?;
+                if size != src.size || (snapshot && src.snapshot) {
+                    return Err(Error::corrupt(format!("log shares volume {source} with a different size or as a snapshot of a snapshot")));
+                }
                 let mut map = src.map.share();
                 map.grow(size.div_ceil(self.unit_size));
                 self.volumes.insert(target, VolumeMeta { name, snapshot, size, created, map });
@@ -371,9 +374,9 @@ pub(crate) fn validate_superblock(sb: &Superblock, size: u64) -> Result<Geometry
     if sb.magic != SUPERBLOCK_MAGIC {
         return Err(Error::corrupt("not a ferrovol pool: superblock magic is missing"));
     }
-    if sb.version.get() != FORMAT_VERSION {
+    if !(MIN_READ_VERSION..=FORMAT_VERSION).contains(&sb.version.get()) {
         return Err(Error::corrupt(format!(
-            "pool format version {} is not supported by this build (it reads version {FORMAT_VERSION})",
+            "pool format version {} is not supported by this build (it reads versions {MIN_READ_VERSION} to {FORMAT_VERSION})",
             sb.version.get()
         )));
     }

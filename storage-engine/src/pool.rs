@@ -297,7 +297,7 @@ pub fn check(path: &Path) -> Result<CheckReport> {
     let loaded = journal::load(&mut read, size)?;
     let mut problems = Vec::new();
     for (u, stored, derived) in &loaded.refcount_mismatches {
-        problems.push(format!("checkpoint refcount of data unit {u} is {stored} but {derived} mappings reference it"));
+        problems.push(format!("checkpoint refcount of data unit {u} is {stored} but {derived} mapping pages reference it"));
     }
     let st = &loaded.state;
     let bpu = loaded.geo.blocks_per_unit();
@@ -342,7 +342,7 @@ pub fn check(path: &Path) -> Result<CheckReport> {
             _ => used += 1,
         }
         if r != crate::meta::META && r != derived[u] {
-            problems.push(format!("data unit {u} has refcount {r} but {} mappings reference it", derived[u]));
+            problems.push(format!("data unit {u} has refcount {r} but {} mapping pages reference it", derived[u]));
         }
     }
     if meta != loaded.checkpoint_units.len() as u64 {
@@ -472,7 +472,7 @@ impl Pool {
         };
         if let Some((u, stored, derived)) = loaded.refcount_mismatches.first() {
             return Err(Error::corrupt(format!(
-                "checkpoint refcount of data unit {u} is {stored} but {derived} mappings reference it ({} mismatches); run `ferrovol check`",
+                "checkpoint refcount of data unit {u} is {stored} but {derived} mapping pages reference it ({} mismatches); run `ferrovol check`",
                 loaded.refcount_mismatches.len()
             )));
         }
@@ -842,7 +842,9 @@ impl PoolInner {
 
     /// Units an allocating write must leave free.
     pub fn reserve(&self, a: &Allocator) -> u64 {
-        meta_reserve(a.used, self.volumes_len_hint(), self.geo.unit_size)
+        // The estimate from used units, or twice the last checkpoint (which also
+        // counts shared-page references and names), whichever is larger.
+        meta_reserve(a.used, self.volumes_len_hint(), self.geo.unit_size).max(2 * a.meta + 4)
     }
 
     fn volumes_len_hint(&self) -> u64 {
@@ -1033,6 +1035,7 @@ impl PoolInner {
         }
         // 3. The sync above made the data and the chunks durable; switch superblocks.
         let mut sb = log.sb.clone();
+        sb.version = FORMAT_VERSION.into();
         sb.generation = (sb.generation.get() + 1).into();
         sb.checkpoint_unit = u64::from(units[0]).into();
         sb.checkpoint_chunks = (units.len() as u64).into();

@@ -482,7 +482,6 @@ impl Volume {
         let g = &self.pool.geo;
         let us = g.unit_size as usize;
         let bs = BLOCK_SIZE as usize;
-        let m = mask(s, e);
         let h = (self.vol.id.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ lunit).wrapping_mul(0xff51_afd7_ed55_8ccd);
         let _unit_lock = self.pool.cow_stripes[(h >> 56) as usize % self.pool.cow_stripes.len()].lock().await;
         let old = self.vol.map.read().get(lunit);
@@ -496,14 +495,80 @@ impl Volume {
             pins.add(old.punit);
             old.punit
         } else {
-            let mut a = self.pool.alloc.lock();
-            let reserve = self.pool.reserve(&a);
-            let p = a.alloc(reserve).ok_or_else(|| self.err(Error::new(ErrorKind::NoSpace, "no free data unit for copy-on-write"), "write", offset))?;
-            a.cow_inflight.insert(p);
-            p
+            let got = {
+                let mut a = self.pool.alloc.lock();
+                let reserve = self.pool.reserve(&a);
+                match a.alloc(reserve) {
+                    Some(p) => {
+                        a.cow_inflight.insert(p);
+                        Ok(p)
+                    }
+                    None => Err(!a.pending_free.is_empty()),
+                }
+            };
+            match got {
+                Ok(p) => p,
+                Err(frees_pending) => {
+                    let no_space = || self.err(Error::new(ErrorKind::NoSpace, "no free data unit for copy-on-write"), "write", offset);
+                    if !frees_pending {
+                        return Err(no_space());
+                    }
+                    // Frees wait for a commit: make them durable, then try once more.
+                    drop(pins);
+                    self.pool.commit().await.map_err(|e| self.err(e, "write", offset))?;
+                    let retry = {
+                        let mut a = self.pool.alloc.lock();
+                        let reserve = self.pool.reserve(&a);
+                        let p = a.alloc(reserve);
+                        if let Some(p) = p {
+                            a.cow_inflight.insert(p);
+                        }
+                        p
+                    };
+                    let p = retry.ok_or_else(no_space)?;
+                    return self.finish_private(lunit, s, e, old, p, buf, offset).await;
+                }
+            }
         };
+        if !exclusive {
+            drop(pins);
+            return self.finish_private(lunit, s, e, old, target, buf, offset).await;
+        }
+        self.write_in_place(lunit, s, e, old, buf, pins, offset).await
+    }
+
+    /// Writes blocks `[s, e)` of an exclusive unit in place and records them.
+    #[allow(clippy::too_many_arguments)]
+    async fn write_in_place(&self, lunit: u64, s: u64, e: u64, old: Entry, buf: AlignedBuf, pins: Pins<'_>, offset: u64) -> Result<bool> {
+        let g = &self.pool.geo;
+        let bs = BLOCK_SIZE as usize;
+        let m = mask(s, e);
+        let segs = merge((s..e).map(|b| Segment { file_offset: g.unit_offset(u64::from(old.punit)) + b * BLOCK_SIZE, buf_offset: b as usize * bs, len: bs }));
+        let (_, r) = self.pool.ring.rw(Dir::Write { dsync: false }, buf, segs).await.map_err(|_| self.err(worker_gone(), "write", offset))?;
+        drop(pins);
+        r.map_err(|e| self.err(Error::io("pool write failed", e), "write", offset))?;
+        let mut map = self.vol.map.write();
+        let cur = map.get(lunit);
+        if cur.punit == old.punit && !self.vol.deleted.load(Ordering::Acquire) && cur.bitmap | m != cur.bitmap {
+            let bitmap = cur.bitmap | m;
+            let copied = set_entry(&mut map, lunit, Entry { punit: old.punit, bitmap });
+            incref_all(&mut self.pool.alloc.lock(), copied);
+            self.pool.log_record(&Record::Map { volume: self.vol.id, lunit, punit: old.punit, bitmap });
+        }
+        Ok(true)
+    }
+
+    /// Copy on write into the fresh unit `target`: the old unit's written blocks outside
+    /// `[s, e)` are copied with the new data (`buf`, a whole unit) in one write, then
+    /// `target` replaces the old unit in this volume's mapping.
+    #[allow(clippy::too_many_arguments)]
+    async fn finish_private(&self, lunit: u64, s: u64, e: u64, old: Entry, target: u32, mut buf: AlignedBuf, offset: u64) -> Result<bool> {
+        let g = &self.pool.geo;
+        let bs = BLOCK_SIZE as usize;
+        let m = mask(s, e);
+        let mut pins = Pins { pool: &self.pool, units: Vec::new() };
         // Copy the old unit's written blocks that this write does not cover.
-        let copy = if old.is_mapped() && !exclusive { old.bitmap & !m } else { 0 };
+        let copy = if old.is_mapped() { old.bitmap & !m } else { 0 };
         let blocks = |bits: u32| (0..g.blocks_per_unit()).filter(move |b| bits & (1 << b) != 0);
         let result: Result<()> = async {
             if copy != 0 {
@@ -523,16 +588,22 @@ impl Volume {
         let mut map = self.vol.map.write();
         let cur = map.get(lunit);
         let mut a = self.pool.alloc.lock();
-        if !exclusive {
-            a.cow_inflight.remove(&target);
-        }
+        a.cow_inflight.remove(&target);
         let still = if old.is_mapped() { cur.punit == old.punit } else { !cur.is_mapped() };
-        if result.is_err() || !still || self.vol.deleted.load(Ordering::Acquire) {
-            if !exclusive {
-                a.decref(target);
-            }
-            // A write that mapped the unit meanwhile must not be overwritten: try again.
-            if result.is_ok() && !old.is_mapped() && cur.is_mapped() && !self.vol.deleted.load(Ordering::Acquire) {
+        // If the old unit became this volume's alone meanwhile (its snapshot was
+        // deleted), another write may have gone into it in place after our copy:
+        // install nothing and write in place instead. Units never become shared again
+        // while a write runs (the gate), so a unit still shared now was shared all along.
+        let became_exclusive = old.is_mapped()
+            && still
+            && !map.page_shared(lunit)
+            && self.pool.refcounts[old.punit as usize].load(Ordering::Acquire) == 1;
+        if result.is_err() || !still || became_exclusive || self.vol.deleted.load(Ordering::Acquire) {
+            a.decref(target);
+            let deleted = self.vol.deleted.load(Ordering::Acquire);
+            // A write that mapped the unit meanwhile must not be overwritten, and a unit
+            // now exclusive takes the write in place: try again.
+            if result.is_ok() && !deleted && (became_exclusive || (!old.is_mapped() && cur.is_mapped())) {
                 return Ok(false);
             }
             // Failed, or a trim or delete came in between (it is then the later one).
