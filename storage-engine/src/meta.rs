@@ -193,10 +193,17 @@ impl MapTable {
     /// A new table sharing every page with this one (no data or entries copied):
     /// the basis of snapshots and clones.
     pub fn share(&self) -> MapTable {
-        for page in self.pages.iter().flatten() {
-            page.owners.fetch_add(1, Ordering::AcqRel);
-        }
-        MapTable { pages: self.pages.clone() }
+        let pages = self
+            .pages
+            .iter()
+            .map(|slot| {
+                slot.as_ref().map(|page| {
+                    page.owners.fetch_add(1, Ordering::AcqRel);
+                    page.clone()
+                })
+            })
+            .collect();
+        MapTable { pages }
     }
 }
 
