@@ -4,5 +4,7 @@ fn main() {
     // SAFETY: build scripts are single-threaded.
     unsafe { std::env::set_var("PROTOC", protoc) };
     println!("cargo:rerun-if-changed=proto/ferrovol.proto");
-    tonic_prost_build::configure().compile_protos(&["proto/ferrovol.proto"], &["proto"]).expect("compile ferrovol.proto");
+    tonic_prost_build::configure()
+        .compile_protos(&["proto/ferrovol.proto"], &["proto"])
+        .expect("compile ferrovol.proto");
 }

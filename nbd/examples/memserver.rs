@@ -18,33 +18,20 @@ use tokio::net::TcpListener;
 async fn main() -> std::io::Result<()> {
     let mut args = std::env::args().skip(1);
     let port: u16 = match args.next() {
-        Some(p) => p
-            .parse()
-            .map_err(|_| std::io::Error::other(format!("bad port {p:?}")))?,
+        Some(p) => p.parse().map_err(|_| std::io::Error::other(format!("bad port {p:?}")))?,
         None => 10809,
     };
     let name = args.next().unwrap_or_else(|| "mem".to_string());
     let size_mib: u64 = match args.next() {
-        Some(s) => s
-            .parse()
-            .map_err(|_| std::io::Error::other(format!("bad size {s:?}")))?,
+        Some(s) => s.parse().map_err(|_| std::io::Error::other(format!("bad size {s:?}")))?,
         None => 64,
     };
 
     let registry = Arc::new(MemRegistry::default().with(&name, MemExport::new(size_mib << 20)));
     let listener = TcpListener::bind(("127.0.0.1", port)).await?;
-    println!(
-        "serving export {name:?} ({size_mib} MiB) on nbd://{}/{name}",
-        listener.local_addr()?
-    );
+    println!("serving export {name:?} ({size_mib} MiB) on nbd://{}/{name}", listener.local_addr()?);
     let shutdown = async {
         let _ = tokio::signal::ctrl_c().await;
     };
-    nbd::serve_tcp(
-        listener,
-        registry,
-        Arc::new(ServerConfig::default()),
-        shutdown,
-    )
-    .await
+    nbd::serve_tcp(listener, registry, Arc::new(ServerConfig::default()), shutdown).await
 }

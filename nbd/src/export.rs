@@ -115,27 +115,13 @@ pub trait Export: Send + Sync + 'static {
     /// A buffer of exactly `len` bytes for the payload of a WRITE to `offset`.
     fn alloc_write_buf(&self, offset: u64, len: u32) -> Self::WriteBuf;
     /// `NBD_CMD_READ` of `len` bytes at `offset`.
-    fn read(
-        &self,
-        offset: u64,
-        len: u32,
-    ) -> impl Future<Output = Result<ReadData<Self::ReadBuf>, Errno>> + Send;
+    fn read(&self, offset: u64, len: u32) -> impl Future<Output = Result<ReadData<Self::ReadBuf>, Errno>> + Send;
     /// `NBD_CMD_WRITE`; `fua` is `NBD_CMD_FLAG_FUA`: durable before the reply.
-    fn write(
-        &self,
-        offset: u64,
-        buf: Self::WriteBuf,
-        fua: bool,
-    ) -> impl Future<Output = Result<(), Errno>> + Send;
+    fn write(&self, offset: u64, buf: Self::WriteBuf, fua: bool) -> impl Future<Output = Result<(), Errno>> + Send;
     /// `NBD_CMD_FLUSH`: every write completed before this call is durable on return.
     fn flush(&self) -> impl Future<Output = Result<(), Errno>> + Send;
     /// `NBD_CMD_TRIM` of `len` bytes at `offset` (the range reads as zeros afterwards).
-    fn trim(
-        &self,
-        offset: u64,
-        len: u64,
-        fua: bool,
-    ) -> impl Future<Output = Result<(), Errno>> + Send;
+    fn trim(&self, offset: u64, len: u64, fua: bool) -> impl Future<Output = Result<(), Errno>> + Send;
     /// `NBD_CMD_WRITE_ZEROES`. `may_unmap` is the absence of `NBD_CMD_FLAG_NO_HOLE`;
     /// `fast_only` is `NBD_CMD_FLAG_FAST_ZERO` (return `Enotsup` if it would be slow).
     fn write_zeroes(

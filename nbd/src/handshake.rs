@@ -53,11 +53,7 @@ impl Limits {
             // Largest power of two not above `maximum` (which is >= floor >= 512).
             preferred = (1u32 << (31 - maximum.leading_zeros())).max(floor);
         }
-        Self {
-            minimum,
-            preferred,
-            maximum,
-        }
+        Self { minimum, preferred, maximum }
     }
 }
 
@@ -137,9 +133,7 @@ async fn send_reply<S: AsyncWrite + Unpin>(
     reply_type: u32,
     data: &[u8],
 ) -> std::io::Result<()> {
-    stream
-        .write_all(&encode_option_reply(option, reply_type, data))
-        .await
+    stream.write_all(&encode_option_reply(option, reply_type, data)).await
 }
 
 async fn send_final<S: AsyncWrite + Unpin>(
@@ -166,23 +160,15 @@ where
     R: ExportRegistry,
     S: AsyncRead + AsyncWrite + Unpin,
 {
-    stream
-        .write_all(&encode_greeting(
-            NBD_FLAG_FIXED_NEWSTYLE | NBD_FLAG_NO_ZEROES,
-        ))
-        .await?;
+    stream.write_all(&encode_greeting(NBD_FLAG_FIXED_NEWSTYLE | NBD_FLAG_NO_ZEROES)).await?;
     stream.flush().await?;
 
     let client_flags = stream.read_u32().await?;
     if client_flags & !(NBD_FLAG_C_FIXED_NEWSTYLE | NBD_FLAG_C_NO_ZEROES) != 0 {
-        return Err(Error::protocol(format!(
-            "unknown client flags {client_flags:#x}"
-        )));
+        return Err(Error::protocol(format!("unknown client flags {client_flags:#x}")));
     }
     if client_flags & NBD_FLAG_C_FIXED_NEWSTYLE == 0 {
-        return Err(Error::protocol(
-            "client does not support fixed newstyle negotiation",
-        ));
+        return Err(Error::protocol("client does not support fixed newstyle negotiation"));
     }
     let no_zeroes = client_flags & NBD_FLAG_C_NO_ZEROES != 0;
 
@@ -192,8 +178,7 @@ where
         if !read_full_or_eof(stream, &mut header).await? {
             return Ok(None);
         }
-        let header = OptionHeader::parse(&header)
-            .map_err(|e| Error::protocol(format!("option header: {e}")))?;
+        let header = OptionHeader::parse(&header).map_err(|e| Error::protocol(format!("option header: {e}")))?;
         if header.length > config.max_option_length {
             return Err(Error::protocol(format!(
                 "option {} carries {} bytes of data, more than the {} allowed",
@@ -207,21 +192,16 @@ where
 
         match option {
             NBD_OPT_EXPORT_NAME => {
-                let name = parse_export_name(&data)
-                    .map_err(|e| Error::protocol(format!("NBD_OPT_EXPORT_NAME: {e}")))?;
+                let name =
+                    parse_export_name(&data).map_err(|e| Error::protocol(format!("NBD_OPT_EXPORT_NAME: {e}")))?;
                 let Some(export) = registry.lookup(&name) else {
                     return Err(Error::UnknownExport(name));
                 };
                 let params = state.params(&*export, &name, config);
-                let reply =
-                    encode_export_name_reply(export.size(), params.transmission_flags, no_zeroes);
+                let reply = encode_export_name_reply(export.size(), params.transmission_flags, no_zeroes);
                 stream.write_all(&reply).await?;
                 stream.flush().await?;
-                return Ok(Some(Negotiated {
-                    export,
-                    name,
-                    params,
-                }));
+                return Ok(Some(Negotiated { export, name, params }));
             }
             NBD_OPT_ABORT => {
                 // The client may already have closed; a failed ACK changes nothing.
@@ -230,41 +210,22 @@ where
             }
             NBD_OPT_LIST => {
                 if !data.is_empty() {
-                    send_final(
-                        stream,
-                        option,
-                        NBD_REP_ERR_INVALID,
-                        b"NBD_OPT_LIST takes no data",
-                    )
-                    .await?;
+                    send_final(stream, option, NBD_REP_ERR_INVALID, b"NBD_OPT_LIST takes no data").await?;
                     continue;
                 }
                 for (name, description) in registry.list() {
-                    send_reply(
-                        stream,
-                        option,
-                        NBD_REP_SERVER,
-                        &encode_rep_server(&name, &description),
-                    )
-                    .await?;
+                    send_reply(stream, option, NBD_REP_SERVER, &encode_rep_server(&name, &description)).await?;
                 }
                 send_final(stream, option, NBD_REP_ACK, &[]).await?;
             }
             NBD_OPT_INFO | NBD_OPT_GO => {
-                if let Some(n) = info_or_go(stream, registry, config, &state, option, &data).await?
-                {
+                if let Some(n) = info_or_go(stream, registry, config, &state, option, &data).await? {
                     return Ok(Some(n));
                 }
             }
             NBD_OPT_STRUCTURED_REPLY => {
                 if !data.is_empty() {
-                    send_final(
-                        stream,
-                        option,
-                        NBD_REP_ERR_INVALID,
-                        b"NBD_OPT_STRUCTURED_REPLY takes no data",
-                    )
-                    .await?;
+                    send_final(stream, option, NBD_REP_ERR_INVALID, b"NBD_OPT_STRUCTURED_REPLY takes no data").await?;
                     continue;
                 }
                 state.structured = true;
@@ -302,70 +263,30 @@ where
     let request = match InfoRequest::parse(data) {
         Ok(r) => r,
         Err(e) => {
-            send_final(
-                stream,
-                option,
-                NBD_REP_ERR_INVALID,
-                e.to_string().as_bytes(),
-            )
-            .await?;
+            send_final(stream, option, NBD_REP_ERR_INVALID, e.to_string().as_bytes()).await?;
             return Ok(None);
         }
     };
     let Some(export) = registry.lookup(&request.name) else {
-        send_final(
-            stream,
-            option,
-            NBD_REP_ERR_UNKNOWN,
-            b"no export of that name",
-        )
-        .await?;
+        send_final(stream, option, NBD_REP_ERR_UNKNOWN, b"no export of that name").await?;
         return Ok(None);
     };
     let params = state.params(&*export, &request.name, config);
 
-    send_reply(
-        stream,
-        option,
-        NBD_REP_INFO,
-        &encode_info_export(export.size(), params.transmission_flags),
-    )
-    .await?;
+    send_reply(stream, option, NBD_REP_INFO, &encode_info_export(export.size(), params.transmission_flags)).await?;
     if request.requests.contains(&NBD_INFO_NAME) {
-        send_reply(
-            stream,
-            option,
-            NBD_REP_INFO,
-            &encode_info_string(NBD_INFO_NAME, &request.name),
-        )
-        .await?;
+        send_reply(stream, option, NBD_REP_INFO, &encode_info_string(NBD_INFO_NAME, &request.name)).await?;
     }
     if request.requests.contains(&NBD_INFO_DESCRIPTION) {
         let description = export.description();
-        send_reply(
-            stream,
-            option,
-            NBD_REP_INFO,
-            &encode_info_string(NBD_INFO_DESCRIPTION, &description),
-        )
-        .await?;
+        send_reply(stream, option, NBD_REP_INFO, &encode_info_string(NBD_INFO_DESCRIPTION, &description)).await?;
     }
     let l = params.limits;
-    send_reply(
-        stream,
-        option,
-        NBD_REP_INFO,
-        &encode_info_block_size(l.minimum, l.preferred, l.maximum),
-    )
-    .await?;
+    send_reply(stream, option, NBD_REP_INFO, &encode_info_block_size(l.minimum, l.preferred, l.maximum)).await?;
     send_final(stream, option, NBD_REP_ACK, &[]).await?;
 
     if option == NBD_OPT_GO {
-        Ok(Some(Negotiated {
-            export,
-            name: request.name,
-            params,
-        }))
+        Ok(Some(Negotiated { export, name: request.name, params }))
     } else {
         Ok(None)
     }
@@ -392,57 +313,29 @@ where
         state.meta_export = None;
     }
     if !state.structured {
-        send_final(
-            stream,
-            option,
-            NBD_REP_ERR_INVALID,
-            b"negotiate NBD_OPT_STRUCTURED_REPLY first",
-        )
-        .await?;
+        send_final(stream, option, NBD_REP_ERR_INVALID, b"negotiate NBD_OPT_STRUCTURED_REPLY first").await?;
         return Ok(());
     }
     let request = match MetaContextRequest::parse(data) {
         Ok(r) => r,
         Err(e) => {
-            send_final(
-                stream,
-                option,
-                NBD_REP_ERR_INVALID,
-                e.to_string().as_bytes(),
-            )
-            .await?;
+            send_final(stream, option, NBD_REP_ERR_INVALID, e.to_string().as_bytes()).await?;
             return Ok(());
         }
     };
     if registry.lookup(&request.export_name).is_none() {
-        send_final(
-            stream,
-            option,
-            NBD_REP_ERR_UNKNOWN,
-            b"no export of that name",
-        )
-        .await?;
+        send_final(stream, option, NBD_REP_ERR_UNKNOWN, b"no export of that name").await?;
         return Ok(());
     }
     let selected = if set {
         request.queries.iter().any(|q| q == BASE_ALLOCATION)
     } else {
-        request.queries.is_empty()
-            || request
-                .queries
-                .iter()
-                .any(|q| q == BASE_ALLOCATION || q == "base:")
+        request.queries.is_empty() || request.queries.iter().any(|q| q == BASE_ALLOCATION || q == "base:")
     };
     if selected {
         // LIST replies carry the reserved id 0.
         let id = if set { BASE_ALLOCATION_ID } else { 0 };
-        send_reply(
-            stream,
-            option,
-            NBD_REP_META_CONTEXT,
-            &encode_meta_context(id, BASE_ALLOCATION),
-        )
-        .await?;
+        send_reply(stream, option, NBD_REP_META_CONTEXT, &encode_meta_context(id, BASE_ALLOCATION)).await?;
         if set {
             state.meta_export = Some(request.export_name);
         }
@@ -456,37 +349,19 @@ mod tests {
     use super::*;
 
     fn sizes(minimum: u32, preferred: u32, maximum: u32) -> BlockSizes {
-        BlockSizes {
-            minimum,
-            preferred,
-            maximum,
-        }
+        BlockSizes { minimum, preferred, maximum }
     }
 
     #[test]
     fn limits_pass_valid_values_through() {
         let l = Limits::new(sizes(512, 4096, 1 << 20), 1 << 25);
-        assert_eq!(
-            l,
-            Limits {
-                minimum: 512,
-                preferred: 4096,
-                maximum: 1 << 20
-            }
-        );
+        assert_eq!(l, Limits { minimum: 512, preferred: 4096, maximum: 1 << 20 });
     }
 
     #[test]
     fn limits_cap_the_maximum() {
         let l = Limits::new(sizes(1, 4096, u32::MAX), 1 << 25);
-        assert_eq!(
-            l,
-            Limits {
-                minimum: 1,
-                preferred: 4096,
-                maximum: 1 << 25
-            }
-        );
+        assert_eq!(l, Limits { minimum: 1, preferred: 4096, maximum: 1 << 25 });
         let l = Limits::new(sizes(1, 4096, u32::MAX), u32::MAX);
         assert_eq!(l.maximum, HARD_MAX_PAYLOAD);
     }
@@ -500,23 +375,9 @@ mod tests {
         assert_eq!(l.preferred, 4096);
         // preferred above the maximum comes down to it
         let l = Limits::new(sizes(512, 1 << 20, 3 * 4096), 1 << 25);
-        assert_eq!(
-            l,
-            Limits {
-                minimum: 512,
-                preferred: 8192,
-                maximum: 3 * 4096
-            }
-        );
+        assert_eq!(l, Limits { minimum: 512, preferred: 8192, maximum: 3 * 4096 });
         let l = Limits::new(sizes(0, 0, 0), 1 << 25);
-        assert_eq!(
-            l,
-            Limits {
-                minimum: 1,
-                preferred: 512,
-                maximum: 512
-            }
-        );
+        assert_eq!(l, Limits { minimum: 1, preferred: 512, maximum: 512 });
         let l = Limits::new(sizes(1 << 20, 1 << 20, 1 << 20), 1 << 25);
         assert_eq!(l.minimum, 1 << 16);
     }
@@ -531,10 +392,7 @@ mod tests {
             can_multi_conn: false,
         };
         let t = transmission_flags(none, false);
-        assert_eq!(
-            t,
-            NBD_FLAG_HAS_FLAGS | NBD_FLAG_SEND_FLUSH | NBD_FLAG_SEND_FUA | NBD_FLAG_SEND_CACHE
-        );
+        assert_eq!(t, NBD_FLAG_HAS_FLAGS | NBD_FLAG_SEND_FLUSH | NBD_FLAG_SEND_FUA | NBD_FLAG_SEND_CACHE);
         let all = ExportFlags {
             read_only: true,
             can_trim: true,

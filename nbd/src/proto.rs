@@ -324,15 +324,9 @@ impl OptionHeader {
     pub fn parse(b: &[u8; OPTION_HEADER_LEN]) -> Result<Self, WireError> {
         let magic = be_u64(b, 0);
         if magic != IHAVEOPT {
-            return Err(WireError::BadMagic {
-                expected: IHAVEOPT,
-                found: magic,
-            });
+            return Err(WireError::BadMagic { expected: IHAVEOPT, found: magic });
         }
-        Ok(Self {
-            option: be_u32(b, 8),
-            length: be_u32(b, 12),
-        })
+        Ok(Self { option: be_u32(b, 8), length: be_u32(b, 12) })
     }
 
     /// Encodes the header (the option data is sent separately).
@@ -365,16 +359,9 @@ impl OptionReplyHeader {
     pub fn parse(b: &[u8; OPTION_REPLY_HEADER_LEN]) -> Result<Self, WireError> {
         let magic = be_u64(b, 0);
         if magic != NBD_OPTION_REPLY_MAGIC {
-            return Err(WireError::BadMagic {
-                expected: NBD_OPTION_REPLY_MAGIC,
-                found: magic,
-            });
+            return Err(WireError::BadMagic { expected: NBD_OPTION_REPLY_MAGIC, found: magic });
         }
-        Ok(Self {
-            option: be_u32(b, 8),
-            reply_type: be_u32(b, 12),
-            length: be_u32(b, 16),
-        })
+        Ok(Self { option: be_u32(b, 8), reply_type: be_u32(b, 12), length: be_u32(b, 16) })
     }
 
     /// Encodes the header.
@@ -393,11 +380,7 @@ impl OptionReplyHeader {
 /// `u32::MAX` bytes so the header never lies.
 pub fn encode_option_reply(option: u32, reply_type: u32, data: &[u8]) -> Vec<u8> {
     let data = &data[..data.len().min(u32::MAX as usize)];
-    let header = OptionReplyHeader {
-        option,
-        reply_type,
-        length: data.len() as u32,
-    };
+    let header = OptionReplyHeader { option, reply_type, length: data.len() as u32 };
     let mut out = Vec::with_capacity(OPTION_REPLY_HEADER_LEN + data.len());
     out.extend_from_slice(&header.encode());
     out.extend_from_slice(data);
@@ -501,9 +484,7 @@ fn parse_string(b: &[u8]) -> Result<String, OptionDataError> {
     if b.len() > MAX_STRING_LEN || b.contains(&0) {
         return Err(OptionDataError::BadString);
     }
-    std::str::from_utf8(b)
-        .map(str::to_owned)
-        .map_err(|_| OptionDataError::BadString)
+    std::str::from_utf8(b).map(str::to_owned).map_err(|_| OptionDataError::BadString)
 }
 
 /// Parses the name given with `NBD_OPT_EXPORT_NAME`: the whole option data.
@@ -578,17 +559,12 @@ impl MetaContextRequest {
         let mut queries = Vec::with_capacity(count as usize);
         for _ in 0..count {
             let len = c.u32().ok_or(OptionDataError::BadLength)? as usize;
-            queries.push(parse_string(
-                c.bytes(len).ok_or(OptionDataError::BadLength)?,
-            )?);
+            queries.push(parse_string(c.bytes(len).ok_or(OptionDataError::BadLength)?)?);
         }
         if !c.data.is_empty() {
             return Err(OptionDataError::BadLength);
         }
-        Ok(Self {
-            export_name,
-            queries,
-        })
+        Ok(Self { export_name, queries })
     }
 
     /// Encodes option data (used by clients and tests).
@@ -692,10 +668,7 @@ impl Request {
     pub fn parse(b: &[u8; REQUEST_HEADER_LEN]) -> Result<Self, WireError> {
         let magic = be_u32(b, 0);
         if magic != NBD_REQUEST_MAGIC {
-            return Err(WireError::BadMagic {
-                expected: u64::from(NBD_REQUEST_MAGIC),
-                found: u64::from(magic),
-            });
+            return Err(WireError::BadMagic { expected: u64::from(NBD_REQUEST_MAGIC), found: u64::from(magic) });
         }
         Ok(Self {
             flags: be_u16(b, 4),
@@ -741,15 +714,9 @@ impl SimpleReply {
     pub fn parse(b: &[u8; SIMPLE_REPLY_LEN]) -> Result<Self, WireError> {
         let magic = be_u32(b, 0);
         if magic != NBD_SIMPLE_REPLY_MAGIC {
-            return Err(WireError::BadMagic {
-                expected: u64::from(NBD_SIMPLE_REPLY_MAGIC),
-                found: u64::from(magic),
-            });
+            return Err(WireError::BadMagic { expected: u64::from(NBD_SIMPLE_REPLY_MAGIC), found: u64::from(magic) });
         }
-        Ok(Self {
-            error: be_u32(b, 4),
-            handle: be_u64(b, 8),
-        })
+        Ok(Self { error: be_u32(b, 4), handle: be_u64(b, 8) })
     }
 
     /// Encodes the header.
@@ -789,12 +756,7 @@ impl ChunkHeader {
                 found: u64::from(magic),
             });
         }
-        Ok(Self {
-            flags: be_u16(b, 4),
-            chunk_type: be_u16(b, 6),
-            handle: be_u64(b, 8),
-            length: be_u32(b, 16),
-        })
+        Ok(Self { flags: be_u16(b, 4), chunk_type: be_u16(b, 6), handle: be_u64(b, 8), length: be_u32(b, 16) })
     }
 
     /// Encodes the header.
@@ -841,12 +803,7 @@ pub fn encode_offset_data_header(handle: u64, offset: u64, data_len: u32, done: 
 /// A complete `NBD_REPLY_TYPE_OFFSET_HOLE` chunk: `hole_len` bytes (nonzero) starting at
 /// byte `offset` read as zeros.
 pub fn encode_offset_hole(handle: u64, offset: u64, hole_len: u32, done: bool) -> [u8; 32] {
-    let header = ChunkHeader {
-        flags: done_flag(done),
-        chunk_type: NBD_REPLY_TYPE_OFFSET_HOLE,
-        handle,
-        length: 12,
-    };
+    let header = ChunkHeader { flags: done_flag(done), chunk_type: NBD_REPLY_TYPE_OFFSET_HOLE, handle, length: 12 };
     let mut b = [0u8; 32];
     b[0..20].copy_from_slice(&header.encode());
     b[20..28].copy_from_slice(&offset.to_be_bytes());
@@ -856,13 +813,7 @@ pub fn encode_offset_hole(handle: u64, offset: u64, hole_len: u32, done: bool) -
 
 /// A complete `NBD_REPLY_TYPE_NONE` chunk; always carries `NBD_REPLY_FLAG_DONE`.
 pub fn encode_none(handle: u64) -> [u8; CHUNK_HEADER_LEN] {
-    ChunkHeader {
-        flags: NBD_REPLY_FLAG_DONE,
-        chunk_type: NBD_REPLY_TYPE_NONE,
-        handle,
-        length: 0,
-    }
-    .encode()
+    ChunkHeader { flags: NBD_REPLY_FLAG_DONE, chunk_type: NBD_REPLY_TYPE_NONE, handle, length: 0 }.encode()
 }
 
 /// A complete `NBD_REPLY_TYPE_ERROR` chunk: 32-bit error, 16-bit message length,
@@ -908,12 +859,7 @@ pub fn allocation_status(extent: &Extent) -> u32 {
 /// A complete `NBD_REPLY_TYPE_BLOCK_STATUS` chunk: 32-bit metadata context id, then per
 /// descriptor a 32-bit length and 32-bit status. `descriptors` must not be empty and has
 /// fewer than 2^29 entries (the server caps it far lower).
-pub fn encode_block_status(
-    handle: u64,
-    context_id: u32,
-    descriptors: &[BlockDescriptor],
-    done: bool,
-) -> Vec<u8> {
+pub fn encode_block_status(handle: u64, context_id: u32, descriptors: &[BlockDescriptor], done: bool) -> Vec<u8> {
     let payload_len = 4 + 8 * descriptors.len();
     let header = ChunkHeader {
         flags: done_flag(done),
@@ -970,38 +916,19 @@ mod tests {
 
     #[test]
     fn request_exact_bytes() {
-        let r = Request {
-            flags: 1,
-            command: Command::Write,
-            handle: 7,
-            offset: 512,
-            length: 4096,
-        };
+        let r = Request { flags: 1, command: Command::Write, handle: 7, offset: 512, length: 4096 };
         let b = r.encode();
         assert_eq!(
             b,
-            [
-                0x25, 0x60, 0x95, 0x13, 0, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 7, 0, 0, 0, 0, 0, 0, 2, 0,
-                0, 0, 0x10, 0
-            ]
+            [0x25, 0x60, 0x95, 0x13, 0, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 7, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0x10, 0]
         );
     }
 
     #[test]
     fn request_bad_magic() {
-        let mut b = Request {
-            flags: 0,
-            command: Command::Read,
-            handle: 1,
-            offset: 0,
-            length: 1,
-        }
-        .encode();
+        let mut b = Request { flags: 0, command: Command::Read, handle: 1, offset: 0, length: 1 }.encode();
         b[0] ^= 0xff;
-        assert!(matches!(
-            Request::parse(&b),
-            Err(WireError::BadMagic { .. })
-        ));
+        assert!(matches!(Request::parse(&b), Err(WireError::BadMagic { .. })));
     }
 
     #[test]
@@ -1012,10 +939,7 @@ mod tests {
 
     #[test]
     fn option_header_round_trip() {
-        let h = OptionHeader {
-            option: NBD_OPT_GO,
-            length: 77,
-        };
+        let h = OptionHeader { option: NBD_OPT_GO, length: 77 };
         assert_eq!(OptionHeader::parse(&h.encode()), Ok(h));
         let mut b = h.encode();
         b[3] = 0;
@@ -1029,11 +953,7 @@ mod tests {
         h.copy_from_slice(&bytes[..20]);
         assert_eq!(
             OptionReplyHeader::parse(&h),
-            Ok(OptionReplyHeader {
-                option: NBD_OPT_LIST,
-                reply_type: NBD_REP_SERVER,
-                length: 3
-            })
+            Ok(OptionReplyHeader { option: NBD_OPT_LIST, reply_type: NBD_REP_SERVER, length: 3 })
         );
         assert_eq!(&bytes[..8], &[0, 3, 0xe8, 0x89, 0x04, 0x55, 0x65, 0xa9]);
         assert_eq!(&bytes[20..], b"abc");
@@ -1041,10 +961,7 @@ mod tests {
 
     #[test]
     fn simple_reply_round_trip() {
-        let r = SimpleReply {
-            error: Errno::Einval.wire_value(),
-            handle: 99,
-        };
+        let r = SimpleReply { error: Errno::Einval.wire_value(), handle: 99 };
         let b = r.encode();
         assert_eq!(&b[..4], &[0x67, 0x44, 0x66, 0x98]);
         assert_eq!(&b[4..8], &[0, 0, 0, 22]);
@@ -1053,12 +970,7 @@ mod tests {
 
     #[test]
     fn chunk_header_round_trip() {
-        let h = ChunkHeader {
-            flags: 1,
-            chunk_type: NBD_REPLY_TYPE_ERROR,
-            handle: 5,
-            length: 9,
-        };
+        let h = ChunkHeader { flags: 1, chunk_type: NBD_REPLY_TYPE_ERROR, handle: 5, length: 9 };
         let b = h.encode();
         assert_eq!(&b[..4], &[0x66, 0x8e, 0x33, 0xef]);
         assert_eq!(ChunkHeader::parse(&b), Ok(h));
@@ -1074,28 +986,12 @@ mod tests {
     fn offset_data_and_hole_chunks() {
         let d = encode_offset_data_header(3, 4096, 512, false);
         let h = header_of(&d);
-        assert_eq!(
-            h,
-            ChunkHeader {
-                flags: 0,
-                chunk_type: 1,
-                handle: 3,
-                length: 520
-            }
-        );
+        assert_eq!(h, ChunkHeader { flags: 0, chunk_type: 1, handle: 3, length: 520 });
         assert_eq!(&d[20..], &4096u64.to_be_bytes());
 
         let hole = encode_offset_hole(3, 8192, 1024, true);
         let h = header_of(&hole);
-        assert_eq!(
-            h,
-            ChunkHeader {
-                flags: 1,
-                chunk_type: 2,
-                handle: 3,
-                length: 12
-            }
-        );
+        assert_eq!(h, ChunkHeader { flags: 1, chunk_type: 2, handle: 3, length: 12 });
         assert_eq!(&hole[20..28], &8192u64.to_be_bytes());
         assert_eq!(&hole[28..], &1024u32.to_be_bytes());
     }
@@ -1103,27 +999,11 @@ mod tests {
     #[test]
     fn none_and_error_chunks() {
         let n = encode_none(8);
-        assert_eq!(
-            header_of(&n),
-            ChunkHeader {
-                flags: 1,
-                chunk_type: 0,
-                handle: 8,
-                length: 0
-            }
-        );
+        assert_eq!(header_of(&n), ChunkHeader { flags: 1, chunk_type: 0, handle: 8, length: 0 });
 
         let e = encode_error_chunk(8, Errno::Enospc, "full", true);
         let h = header_of(&e);
-        assert_eq!(
-            h,
-            ChunkHeader {
-                flags: 1,
-                chunk_type: 0x8001,
-                handle: 8,
-                length: 10
-            }
-        );
+        assert_eq!(h, ChunkHeader { flags: 1, chunk_type: 0x8001, handle: 8, length: 10 });
         assert_eq!(&e[20..24], &28u32.to_be_bytes());
         assert_eq!(&e[24..26], &4u16.to_be_bytes());
         assert_eq!(&e[26..], b"full");
@@ -1138,26 +1018,12 @@ mod tests {
     #[test]
     fn block_status_chunk() {
         let d = [
-            BlockDescriptor {
-                length: 4096,
-                status: NBD_STATE_HOLE | NBD_STATE_ZERO,
-            },
-            BlockDescriptor {
-                length: 512,
-                status: 0,
-            },
+            BlockDescriptor { length: 4096, status: NBD_STATE_HOLE | NBD_STATE_ZERO },
+            BlockDescriptor { length: 512, status: 0 },
         ];
         let b = encode_block_status(4, 1, &d, true);
         let h = header_of(&b);
-        assert_eq!(
-            h,
-            ChunkHeader {
-                flags: 1,
-                chunk_type: 5,
-                handle: 4,
-                length: 20
-            }
-        );
+        assert_eq!(h, ChunkHeader { flags: 1, chunk_type: 5, handle: 4, length: 20 });
         assert_eq!(&b[20..24], &1u32.to_be_bytes());
         assert_eq!(&b[24..28], &4096u32.to_be_bytes());
         assert_eq!(&b[28..32], &3u32.to_be_bytes());
@@ -1167,63 +1033,36 @@ mod tests {
 
     #[test]
     fn info_request_round_trip_and_validation() {
-        let r = InfoRequest {
-            name: "vol".into(),
-            requests: vec![NBD_INFO_BLOCK_SIZE, 99],
-        };
+        let r = InfoRequest { name: "vol".into(), requests: vec![NBD_INFO_BLOCK_SIZE, 99] };
         let b = r.encode();
         assert_eq!(InfoRequest::parse(&b), Ok(r));
         // name length past the end
-        assert_eq!(
-            InfoRequest::parse(&[0, 0, 0, 9, b'a', 0, 0]),
-            Err(OptionDataError::BadLength)
-        );
+        assert_eq!(InfoRequest::parse(&[0, 0, 0, 9, b'a', 0, 0]), Err(OptionDataError::BadLength));
         // count does not match the remaining bytes
-        assert_eq!(
-            InfoRequest::parse(&[0, 0, 0, 0, 0, 2, 0, 3]),
-            Err(OptionDataError::BadLength)
-        );
+        assert_eq!(InfoRequest::parse(&[0, 0, 0, 0, 0, 2, 0, 3]), Err(OptionDataError::BadLength));
         // trailing byte
-        assert_eq!(
-            InfoRequest::parse(&[0, 0, 0, 0, 0, 0, 1]),
-            Err(OptionDataError::BadLength)
-        );
+        assert_eq!(InfoRequest::parse(&[0, 0, 0, 0, 0, 0, 1]), Err(OptionDataError::BadLength));
         // too short for the fixed fields
         assert_eq!(InfoRequest::parse(&[0, 0]), Err(OptionDataError::BadLength));
         // NUL in name
-        assert_eq!(
-            InfoRequest::parse(&[0, 0, 0, 1, 0, 0, 0]),
-            Err(OptionDataError::BadString)
-        );
+        assert_eq!(InfoRequest::parse(&[0, 0, 0, 1, 0, 0, 0]), Err(OptionDataError::BadString));
         // invalid UTF-8
-        assert_eq!(
-            InfoRequest::parse(&[0, 0, 0, 1, 0xff, 0, 0]),
-            Err(OptionDataError::BadString)
-        );
+        assert_eq!(InfoRequest::parse(&[0, 0, 0, 1, 0xff, 0, 0]), Err(OptionDataError::BadString));
     }
 
     #[test]
     fn meta_context_round_trip_and_validation() {
-        let r = MetaContextRequest {
-            export_name: "e".into(),
-            queries: vec!["base:allocation".into(), "base:".into()],
-        };
+        let r = MetaContextRequest { export_name: "e".into(), queries: vec!["base:allocation".into(), "base:".into()] };
         assert_eq!(MetaContextRequest::parse(&r.encode()), Ok(r));
         // huge count with no data
-        assert_eq!(
-            MetaContextRequest::parse(&[0, 0, 0, 0, 0xff, 0xff, 0xff, 0xff]),
-            Err(OptionDataError::BadLength)
-        );
+        assert_eq!(MetaContextRequest::parse(&[0, 0, 0, 0, 0xff, 0xff, 0xff, 0xff]), Err(OptionDataError::BadLength));
         // query length past the end
         assert_eq!(
             MetaContextRequest::parse(&[0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 5, b'a']),
             Err(OptionDataError::BadLength)
         );
         // trailing garbage
-        assert_eq!(
-            MetaContextRequest::parse(&[0, 0, 0, 0, 0, 0, 0, 0, 1]),
-            Err(OptionDataError::BadLength)
-        );
+        assert_eq!(MetaContextRequest::parse(&[0, 0, 0, 0, 0, 0, 0, 0, 1]), Err(OptionDataError::BadLength));
     }
 
     #[test]

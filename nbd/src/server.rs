@@ -68,21 +68,15 @@ impl Default for ServerConfig {
 /// as error replies.
 ///
 /// Set `TCP_NODELAY` on TCP streams before calling this ([`serve_tcp`] does).
-pub async fn serve_connection<R, S>(
-    registry: Arc<R>,
-    mut stream: S,
-    config: Arc<ServerConfig>,
-) -> Result<(), Error>
+pub async fn serve_connection<R, S>(registry: Arc<R>, mut stream: S, config: Arc<ServerConfig>) -> Result<(), Error>
 where
     R: ExportRegistry,
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let negotiated = tokio::time::timeout(
-        config.handshake_timeout,
-        handshake::handshake(&mut stream, &*registry, &config),
-    )
-    .await
-    .map_err(|_| Error::HandshakeTimeout(config.handshake_timeout))??;
+    let negotiated =
+        tokio::time::timeout(config.handshake_timeout, handshake::handshake(&mut stream, &*registry, &config))
+            .await
+            .map_err(|_| Error::HandshakeTimeout(config.handshake_timeout))??;
     let Some(negotiated) = negotiated else {
         tracing::debug!("client ended option haggling");
         return Ok(());
@@ -158,12 +152,8 @@ where
     }
 }
 
-fn spawn_connection<R, S>(
-    registry: &Arc<R>,
-    config: &Arc<ServerConfig>,
-    stream: S,
-    span: tracing::Span,
-) where
+fn spawn_connection<R, S>(registry: &Arc<R>, config: &Arc<ServerConfig>, stream: S, span: tracing::Span)
+where
     R: ExportRegistry,
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
@@ -189,10 +179,7 @@ async fn accept_failed(e: std::io::Error) {
 /// Fills `buf` from `reader`. Returns `Ok(false)` if the stream ended before the first
 /// byte (a clean close between messages) and an `UnexpectedEof` error if it ended part
 /// way through.
-pub(crate) async fn read_full_or_eof<R: AsyncRead + Unpin>(
-    reader: &mut R,
-    buf: &mut [u8],
-) -> std::io::Result<bool> {
+pub(crate) async fn read_full_or_eof<R: AsyncRead + Unpin>(reader: &mut R, buf: &mut [u8]) -> std::io::Result<bool> {
     let mut filled = 0;
     while filled < buf.len() {
         let n = reader.read(&mut buf[filled..]).await?;

@@ -40,39 +40,13 @@ const BYTE_UNIT: usize = 4096;
 /// lengths are in bytes and within the export.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Op {
-    Read {
-        offset: u64,
-        len: u32,
-        df: bool,
-    },
-    Write {
-        offset: u64,
-        len: u32,
-        fua: bool,
-    },
+    Read { offset: u64, len: u32, df: bool },
+    Write { offset: u64, len: u32, fua: bool },
     Flush,
-    Trim {
-        offset: u64,
-        len: u32,
-        fua: bool,
-    },
-    WriteZeroes {
-        offset: u64,
-        len: u32,
-        may_unmap: bool,
-        fast_only: bool,
-        fua: bool,
-    },
-    Cache {
-        offset: u64,
-        len: u32,
-    },
-    BlockStatus {
-        offset: u64,
-        len: u32,
-        req_one: bool,
-        context_id: u32,
-    },
+    Trim { offset: u64, len: u32, fua: bool },
+    WriteZeroes { offset: u64, len: u32, may_unmap: bool, fast_only: bool, fua: bool },
+    Cache { offset: u64, len: u32 },
+    BlockStatus { offset: u64, len: u32, req_one: bool, context_id: u32 },
 }
 
 impl Op {
@@ -116,60 +90,38 @@ pub(crate) fn check(req: &Request, params: &Params, size: u64) -> Result<Op, Rej
     let tflags = params.transmission_flags;
     let flag_if = |cond: bool, flag: u16| if cond { flag } else { 0 };
     let allowed = match req.command {
-        Command::Read => {
-            NBD_CMD_FLAG_FUA | flag_if(tflags & NBD_FLAG_SEND_DF != 0, NBD_CMD_FLAG_DF)
-        }
-        Command::Write | Command::Flush | Command::Trim | Command::Cache | Command::Disc => {
-            NBD_CMD_FLAG_FUA
-        }
+        Command::Read => NBD_CMD_FLAG_FUA | flag_if(tflags & NBD_FLAG_SEND_DF != 0, NBD_CMD_FLAG_DF),
+        Command::Write | Command::Flush | Command::Trim | Command::Cache | Command::Disc => NBD_CMD_FLAG_FUA,
         Command::WriteZeroes => {
             NBD_CMD_FLAG_FUA
                 | NBD_CMD_FLAG_NO_HOLE
-                | flag_if(
-                    tflags & NBD_FLAG_SEND_FAST_ZERO != 0,
-                    NBD_CMD_FLAG_FAST_ZERO,
-                )
+                | flag_if(tflags & NBD_FLAG_SEND_FAST_ZERO != 0, NBD_CMD_FLAG_FAST_ZERO)
         }
         Command::BlockStatus => NBD_CMD_FLAG_FUA | NBD_CMD_FLAG_REQ_ONE,
         Command::Unsupported(_) => return Err(reject(Errno::Einval, "unknown command")),
     };
     if req.flags & !allowed != 0 {
-        return Err(reject(
-            Errno::Einval,
-            "command flag not valid for this command",
-        ));
+        return Err(reject(Errno::Einval, "command flag not valid for this command"));
     }
     let fua = req.flags & NBD_CMD_FLAG_FUA != 0;
 
-    let writes = matches!(
-        req.command,
-        Command::Write | Command::Trim | Command::WriteZeroes
-    );
+    let writes = matches!(req.command, Command::Write | Command::Trim | Command::WriteZeroes);
     if writes && tflags & NBD_FLAG_READ_ONLY != 0 {
         return Err(reject(Errno::Eperm, "export is read-only"));
     }
     match req.command {
         Command::Trim if tflags & NBD_FLAG_SEND_TRIM == 0 => {
-            return Err(reject(
-                Errno::Einval,
-                "trim is not supported by this export",
-            ));
+            return Err(reject(Errno::Einval, "trim is not supported by this export"));
         }
         Command::WriteZeroes if tflags & NBD_FLAG_SEND_WRITE_ZEROES == 0 => {
-            return Err(reject(
-                Errno::Einval,
-                "write zeroes is not supported by this export",
-            ));
+            return Err(reject(Errno::Einval, "write zeroes is not supported by this export"));
         }
         Command::BlockStatus if params.base_allocation.is_none() => {
             return Err(reject(Errno::Einval, "no metadata context was negotiated"));
         }
         Command::Flush => {
             if req.offset != 0 || req.length != 0 {
-                return Err(reject(
-                    Errno::Einval,
-                    "flush offset and length must be zero",
-                ));
+                return Err(reject(Errno::Einval, "flush offset and length must be zero"));
             }
             return Ok(Op::Flush);
         }
@@ -183,18 +135,10 @@ pub(crate) fn check(req: &Request, params: &Params, size: u64) -> Result<Op, Rej
     let end = offset.checked_add(u64::from(len));
     let min = u64::from(params.limits.minimum);
     if offset % min != 0 || (u64::from(len) % min != 0 && end != Some(size)) {
-        return Err(reject(
-            Errno::Einval,
-            "request not aligned to the minimum block size",
-        ));
+        return Err(reject(Errno::Einval, "request not aligned to the minimum block size"));
     }
-    if matches!(req.command, Command::Read | Command::Write | Command::Cache)
-        && len > params.limits.maximum
-    {
-        return Err(reject(
-            Errno::Einval,
-            "request longer than the maximum block size",
-        ));
+    if matches!(req.command, Command::Read | Command::Write | Command::Cache) && len > params.limits.maximum {
+        return Err(reject(Errno::Einval, "request longer than the maximum block size"));
     }
     if end.is_none_or(|end| end > size) {
         return Err(match req.command {
@@ -206,11 +150,7 @@ pub(crate) fn check(req: &Request, params: &Params, size: u64) -> Result<Op, Rej
     }
 
     Ok(match req.command {
-        Command::Read => Op::Read {
-            offset,
-            len,
-            df: req.flags & NBD_CMD_FLAG_DF != 0,
-        },
+        Command::Read => Op::Read { offset, len, df: req.flags & NBD_CMD_FLAG_DF != 0 },
         Command::Write => Op::Write { offset, len, fua },
         Command::Trim => Op::Trim { offset, len, fua },
         Command::WriteZeroes => Op::WriteZeroes {
@@ -254,10 +194,7 @@ struct Reply<B> {
 
 impl<B> Reply<B> {
     fn bytes(b: Vec<u8>) -> Self {
-        Self {
-            pieces: vec![Piece::Bytes(b)],
-            buf: None,
-        }
+        Self { pieces: vec![Piece::Bytes(b)], buf: None }
     }
 }
 
@@ -282,14 +219,7 @@ fn error_reply<B>(structured: bool, handle: u64, errno: Errno, message: &str) ->
     if structured {
         Reply::bytes(encode_error_chunk(handle, errno, message, true))
     } else {
-        Reply::bytes(
-            SimpleReply {
-                error: errno.wire_value(),
-                handle,
-            }
-            .encode()
-            .to_vec(),
-        )
+        Reply::bytes(SimpleReply { error: errno.wire_value(), handle }.encode().to_vec())
     }
 }
 
@@ -328,11 +258,7 @@ fn content_runs(extents: &[Extent], len: u32) -> Option<Vec<Run>> {
         let hole = e.hole && e.zero;
         match runs.last_mut() {
             Some(last) if last.hole == hole => last.len += run_len,
-            _ => runs.push(Run {
-                start,
-                len: run_len,
-                hole,
-            }),
+            _ => runs.push(Run { start, len: run_len, hole }),
         }
         covered = next;
     }
@@ -356,12 +282,7 @@ fn read_reply<B: AsRef<[u8]>>(
             got = data.data.as_ref().len(),
             "export returned a read buffer of the wrong length"
         );
-        return error_reply(
-            structured,
-            handle,
-            Errno::Eio,
-            "internal error: short read buffer",
-        );
+        return error_reply(structured, handle, Errno::Eio, "internal error: short read buffer");
     }
     if !structured {
         return Reply {
@@ -372,38 +293,21 @@ fn read_reply<B: AsRef<[u8]>>(
             buf: Some(data.data),
         };
     }
-    let runs = if df {
-        None
-    } else {
-        content_runs(&data.extents, len)
-    }
-    .unwrap_or_else(|| {
-        vec![Run {
-            start: 0,
-            len,
-            hole: false,
-        }]
-    });
+    let runs = if df { None } else { content_runs(&data.extents, len) }
+        .unwrap_or_else(|| vec![Run { start: 0, len, hole: false }]);
     let mut pieces = Vec::with_capacity(runs.len() * 2);
     let last = runs.len().saturating_sub(1);
     for (i, run) in runs.iter().enumerate() {
         let at = offset + u64::from(run.start);
         if run.hole {
-            pieces.push(Piece::Bytes(
-                encode_offset_hole(handle, at, run.len, i == last).to_vec(),
-            ));
+            pieces.push(Piece::Bytes(encode_offset_hole(handle, at, run.len, i == last).to_vec()));
         } else {
-            pieces.push(Piece::Bytes(
-                encode_offset_data_header(handle, at, run.len, i == last).to_vec(),
-            ));
+            pieces.push(Piece::Bytes(encode_offset_data_header(handle, at, run.len, i == last).to_vec()));
             let start = run.start as usize;
             pieces.push(Piece::Data(start..start + run.len as usize));
         }
     }
-    Reply {
-        pieces,
-        buf: Some(data.data),
-    }
+    Reply { pieces, buf: Some(data.data) }
 }
 
 /// Block status descriptors for a request of `len` bytes: zero-length extents dropped,
@@ -432,59 +336,32 @@ fn block_descriptors(extents: &[Extent], len: u32, req_one: bool) -> Vec<BlockDe
         covered += u64::from(l);
     }
     if out.is_empty() {
-        out.push(BlockDescriptor {
-            length: len,
-            status: 0,
-        });
+        out.push(BlockDescriptor { length: len, status: 0 });
     }
     out
 }
 
 /// Runs one validated request against the export and builds its reply.
-async fn execute<E: Export>(
-    export: &E,
-    structured: bool,
-    handle: u64,
-    op: Op,
-) -> Reply<E::ReadBuf> {
+async fn execute<E: Export>(export: &E, structured: bool, handle: u64, op: Op) -> Reply<E::ReadBuf> {
     match op {
         Op::Read { offset, len, df } => match export.read(offset, len).await {
             Ok(data) => read_reply(structured, handle, offset, len, df, data),
             Err(errno) => error_reply(structured, handle, errno, "read failed"),
         },
         Op::Flush => done(structured, handle, export.flush().await, "flush failed"),
-        Op::Trim { offset, len, fua } => done(
+        Op::Trim { offset, len, fua } => {
+            done(structured, handle, export.trim(offset, u64::from(len), fua).await, "trim failed")
+        }
+        Op::WriteZeroes { offset, len, may_unmap, fast_only, fua } => done(
             structured,
             handle,
-            export.trim(offset, u64::from(len), fua).await,
-            "trim failed",
-        ),
-        Op::WriteZeroes {
-            offset,
-            len,
-            may_unmap,
-            fast_only,
-            fua,
-        } => done(
-            structured,
-            handle,
-            export
-                .write_zeroes(offset, u64::from(len), may_unmap, fast_only, fua)
-                .await,
+            export.write_zeroes(offset, u64::from(len), may_unmap, fast_only, fua).await,
             "write zeroes failed",
         ),
-        Op::Cache { offset, len } => done(
-            structured,
-            handle,
-            export.cache(offset, u64::from(len)).await,
-            "cache failed",
-        ),
-        Op::BlockStatus {
-            offset,
-            len,
-            req_one,
-            context_id,
-        } => match export.block_status(offset, u64::from(len)) {
+        Op::Cache { offset, len } => {
+            done(structured, handle, export.cache(offset, u64::from(len)).await, "cache failed")
+        }
+        Op::BlockStatus { offset, len, req_one, context_id } => match export.block_status(offset, u64::from(len)) {
             Ok(extents) => {
                 let d = block_descriptors(&extents, len, req_one);
                 Reply::bytes(encode_block_status(handle, context_id, &d, true))
@@ -501,24 +378,16 @@ async fn execute<E: Export>(
 // ---------------------------------------------------------------------------------------
 
 /// Runs the transmission phase on `stream` until the client disconnects.
-pub(crate) async fn transmission<E, S>(
-    stream: S,
-    negotiated: Negotiated<E>,
-    config: &ServerConfig,
-) -> Result<(), Error>
+pub(crate) async fn transmission<E, S>(stream: S, negotiated: Negotiated<E>, config: &ServerConfig) -> Result<(), Error>
 where
     E: Export,
     S: AsyncRead + AsyncWrite + Unpin + Send,
 {
     let (mut reader, writer) = tokio::io::split(stream);
-    let capacity = config
-        .max_in_flight_requests
-        .clamp(1, Semaphore::MAX_PERMITS);
+    let capacity = config.max_in_flight_requests.clamp(1, Semaphore::MAX_PERMITS);
     let (tx, rx) = mpsc::channel(capacity);
-    let (read_result, write_result) = tokio::join!(
-        read_requests(&mut reader, negotiated, tx, config),
-        write_replies(writer, rx),
-    );
+    let (read_result, write_result) =
+        tokio::join!(read_requests(&mut reader, negotiated, tx, config), write_replies(writer, rx),);
     // A writer failure is the root cause when both ended badly.
     write_result?;
     read_result
@@ -555,10 +424,7 @@ where
         match piece {
             Piece::Bytes(b) => w.write_all(b).await?,
             Piece::Data(range) => {
-                let data = reply
-                    .buf
-                    .as_ref()
-                    .and_then(|b| b.as_ref().get(range.clone()));
+                let data = reply.buf.as_ref().and_then(|b| b.as_ref().get(range.clone()));
                 match data {
                     Some(d) => w.write_all(d).await?,
                     // Ranges are built from the checked buffer length; never reached.
@@ -587,9 +453,7 @@ struct Budget {
 
 impl Budget {
     fn new(config: &ServerConfig) -> Self {
-        let count = config
-            .max_in_flight_requests
-            .clamp(1, Semaphore::MAX_PERMITS);
+        let count = config.max_in_flight_requests.clamp(1, Semaphore::MAX_PERMITS);
         let units = (config.max_in_flight_bytes / BYTE_UNIT).clamp(1, u32::MAX as usize);
         Self {
             count: Arc::new(Semaphore::new(count)),
@@ -603,20 +467,8 @@ impl Budget {
     async fn acquire(&self, bytes: usize) -> Option<Permits> {
         let count = Arc::clone(&self.count).acquire_owned().await.ok()?;
         let units = bytes.div_ceil(BYTE_UNIT).min(self.byte_units as usize) as u32;
-        let bytes = if units == 0 {
-            None
-        } else {
-            Some(
-                Arc::clone(&self.bytes)
-                    .acquire_many_owned(units)
-                    .await
-                    .ok()?,
-            )
-        };
-        Some(Permits {
-            _count: count,
-            _bytes: bytes,
-        })
+        let bytes = if units == 0 { None } else { Some(Arc::clone(&self.bytes).acquire_many_owned(units).await.ok()?) };
+        Some(Permits { _count: count, _bytes: bytes })
     }
 }
 
@@ -688,14 +540,7 @@ where
                     }
                 }
                 let reply = error_reply(structured, handle, rejection.errno, rejection.message);
-                if tx
-                    .send(Outgoing {
-                        reply,
-                        _permits: permits,
-                    })
-                    .await
-                    .is_err()
-                {
+                if tx.send(Outgoing { reply, _permits: permits }).await.is_err() {
                     break Ok(());
                 }
                 continue;
@@ -715,20 +560,8 @@ where
                 if let Err(e) = discard(reader, len).await {
                     break Err(e.into());
                 }
-                let reply = error_reply(
-                    structured,
-                    handle,
-                    Errno::Eio,
-                    "internal error: write buffer",
-                );
-                if tx
-                    .send(Outgoing {
-                        reply,
-                        _permits: permits,
-                    })
-                    .await
-                    .is_err()
-                {
+                let reply = error_reply(structured, handle, Errno::Eio, "internal error: write buffer");
+                if tx.send(Outgoing { reply, _permits: permits }).await.is_err() {
                     break Ok(());
                 }
                 continue;
@@ -740,22 +573,12 @@ where
                 let result = export.write(offset, buf, fua).await;
                 let reply = done(structured, handle, result, "write failed");
                 // A send error means the writer is gone; the reader stops on its own.
-                let _ = tx
-                    .send(Outgoing {
-                        reply,
-                        _permits: permits,
-                    })
-                    .await;
+                let _ = tx.send(Outgoing { reply, _permits: permits }).await;
             });
         } else {
             tasks.spawn(async move {
                 let reply = execute(&*export, structured, handle, op).await;
-                let _ = tx
-                    .send(Outgoing {
-                        reply,
-                        _permits: permits,
-                    })
-                    .await;
+                let _ = tx.send(Outgoing { reply, _permits: permits }).await;
             });
         }
     };
@@ -780,22 +603,12 @@ mod tests {
             structured,
             base_allocation: meta.then_some(1),
             transmission_flags: NBD_FLAG_HAS_FLAGS | tflags,
-            limits: Limits {
-                minimum: 1,
-                preferred: 4096,
-                maximum: 1 << 20,
-            },
+            limits: Limits { minimum: 1, preferred: 4096, maximum: 1 << 20 },
         }
     }
 
     fn req(command: Command, flags: u16, offset: u64, length: u32) -> Request {
-        Request {
-            flags,
-            command,
-            handle: 1,
-            offset,
-            length,
-        }
+        Request { flags, command, handle: 1, offset, length }
     }
 
     const SIZE: u64 = 1 << 24;
@@ -810,55 +623,20 @@ mod tests {
         let p = params(ALL | NBD_FLAG_SEND_DF, true, true);
         assert_eq!(
             check(&req(Command::Read, NBD_CMD_FLAG_DF, 0, 4096), &p, SIZE),
-            Ok(Op::Read {
-                offset: 0,
-                len: 4096,
-                df: true
-            })
+            Ok(Op::Read { offset: 0, len: 4096, df: true })
         );
         assert_eq!(
             check(&req(Command::Write, NBD_CMD_FLAG_FUA, 512, 512), &p, SIZE),
-            Ok(Op::Write {
-                offset: 512,
-                len: 512,
-                fua: true
-            })
+            Ok(Op::Write { offset: 512, len: 512, fua: true })
+        );
+        assert_eq!(check(&req(Command::Flush, 0, 0, 0), &p, SIZE), Ok(Op::Flush));
+        assert_eq!(
+            check(&req(Command::WriteZeroes, NBD_CMD_FLAG_NO_HOLE | NBD_CMD_FLAG_FAST_ZERO, 0, 1 << 22), &p, SIZE),
+            Ok(Op::WriteZeroes { offset: 0, len: 1 << 22, may_unmap: false, fast_only: true, fua: false })
         );
         assert_eq!(
-            check(&req(Command::Flush, 0, 0, 0), &p, SIZE),
-            Ok(Op::Flush)
-        );
-        assert_eq!(
-            check(
-                &req(
-                    Command::WriteZeroes,
-                    NBD_CMD_FLAG_NO_HOLE | NBD_CMD_FLAG_FAST_ZERO,
-                    0,
-                    1 << 22
-                ),
-                &p,
-                SIZE
-            ),
-            Ok(Op::WriteZeroes {
-                offset: 0,
-                len: 1 << 22,
-                may_unmap: false,
-                fast_only: true,
-                fua: false
-            })
-        );
-        assert_eq!(
-            check(
-                &req(Command::BlockStatus, NBD_CMD_FLAG_REQ_ONE, 0, 1 << 22),
-                &p,
-                SIZE
-            ),
-            Ok(Op::BlockStatus {
-                offset: 0,
-                len: 1 << 22,
-                req_one: true,
-                context_id: 1
-            })
+            check(&req(Command::BlockStatus, NBD_CMD_FLAG_REQ_ONE, 0, 1 << 22), &p, SIZE),
+            Ok(Op::BlockStatus { offset: 0, len: 1 << 22, req_one: true, context_id: 1 })
         );
         // the last bytes of the export, exactly
         assert!(check(&req(Command::Read, 0, SIZE - 1, 1), &p, SIZE).is_ok());
@@ -867,155 +645,69 @@ mod tests {
     #[test]
     fn rejects_bad_commands_and_flags() {
         let p = params(ALL, false, false);
-        assert_eq!(
-            errno(check(&req(Command::Unsupported(99), 0, 0, 1), &p, SIZE)),
-            Some(Errno::Einval)
-        );
+        assert_eq!(errno(check(&req(Command::Unsupported(99), 0, 0, 1), &p, SIZE)), Some(Errno::Einval));
         // DF without SEND_DF
-        assert_eq!(
-            errno(check(&req(Command::Read, NBD_CMD_FLAG_DF, 0, 1), &p, SIZE)),
-            Some(Errno::Einval)
-        );
+        assert_eq!(errno(check(&req(Command::Read, NBD_CMD_FLAG_DF, 0, 1), &p, SIZE)), Some(Errno::Einval));
         // DF on write
         let p_df = params(ALL | NBD_FLAG_SEND_DF, true, false);
-        assert_eq!(
-            errno(check(
-                &req(Command::Write, NBD_CMD_FLAG_DF, 0, 1),
-                &p_df,
-                SIZE
-            )),
-            Some(Errno::Einval)
-        );
+        assert_eq!(errno(check(&req(Command::Write, NBD_CMD_FLAG_DF, 0, 1), &p_df, SIZE)), Some(Errno::Einval));
         // FAST_ZERO on something other than WRITE_ZEROES
-        assert_eq!(
-            errno(check(
-                &req(Command::Trim, NBD_CMD_FLAG_FAST_ZERO, 0, 1),
-                &p,
-                SIZE
-            )),
-            Some(Errno::Einval)
-        );
+        assert_eq!(errno(check(&req(Command::Trim, NBD_CMD_FLAG_FAST_ZERO, 0, 1), &p, SIZE)), Some(Errno::Einval));
         // FAST_ZERO when not offered
         let p_nofast = params(NBD_FLAG_SEND_WRITE_ZEROES, false, false);
         assert_eq!(
-            errno(check(
-                &req(Command::WriteZeroes, NBD_CMD_FLAG_FAST_ZERO, 0, 1),
-                &p_nofast,
-                SIZE
-            )),
+            errno(check(&req(Command::WriteZeroes, NBD_CMD_FLAG_FAST_ZERO, 0, 1), &p_nofast, SIZE)),
             Some(Errno::Einval)
         );
         // unknown flag bit
-        assert_eq!(
-            errno(check(&req(Command::Read, 1 << 9, 0, 1), &p, SIZE)),
-            Some(Errno::Einval)
-        );
+        assert_eq!(errno(check(&req(Command::Read, 1 << 9, 0, 1), &p, SIZE)), Some(Errno::Einval));
         // REQ_ONE on read
-        assert_eq!(
-            errno(check(
-                &req(Command::Read, NBD_CMD_FLAG_REQ_ONE, 0, 1),
-                &p,
-                SIZE
-            )),
-            Some(Errno::Einval)
-        );
+        assert_eq!(errno(check(&req(Command::Read, NBD_CMD_FLAG_REQ_ONE, 0, 1), &p, SIZE)), Some(Errno::Einval));
         // block status not negotiated
-        assert_eq!(
-            errno(check(&req(Command::BlockStatus, 0, 0, 1), &p, SIZE)),
-            Some(Errno::Einval)
-        );
+        assert_eq!(errno(check(&req(Command::BlockStatus, 0, 0, 1), &p, SIZE)), Some(Errno::Einval));
         // trim / write zeroes not offered
         let p_none = params(0, false, false);
-        assert_eq!(
-            errno(check(&req(Command::Trim, 0, 0, 1), &p_none, SIZE)),
-            Some(Errno::Einval)
-        );
-        assert_eq!(
-            errno(check(&req(Command::WriteZeroes, 0, 0, 1), &p_none, SIZE)),
-            Some(Errno::Einval)
-        );
+        assert_eq!(errno(check(&req(Command::Trim, 0, 0, 1), &p_none, SIZE)), Some(Errno::Einval));
+        assert_eq!(errno(check(&req(Command::WriteZeroes, 0, 0, 1), &p_none, SIZE)), Some(Errno::Einval));
         // flush with an offset
-        assert_eq!(
-            errno(check(&req(Command::Flush, 0, 1, 0), &p, SIZE)),
-            Some(Errno::Einval)
-        );
+        assert_eq!(errno(check(&req(Command::Flush, 0, 1, 0), &p, SIZE)), Some(Errno::Einval));
     }
 
     #[test]
     fn read_only_export() {
         let p = params(ALL | NBD_FLAG_READ_ONLY, false, false);
         for cmd in [Command::Write, Command::Trim, Command::WriteZeroes] {
-            assert_eq!(
-                errno(check(&req(cmd, 0, 0, 512), &p, SIZE)),
-                Some(Errno::Eperm),
-                "{cmd:?}"
-            );
+            assert_eq!(errno(check(&req(cmd, 0, 0, 512), &p, SIZE)), Some(Errno::Eperm), "{cmd:?}");
         }
         assert!(check(&req(Command::Read, 0, 0, 512), &p, SIZE).is_ok());
-        assert_eq!(
-            check(&req(Command::Flush, 0, 0, 0), &p, SIZE),
-            Ok(Op::Flush)
-        );
+        assert_eq!(check(&req(Command::Flush, 0, 0, 0), &p, SIZE), Ok(Op::Flush));
     }
 
     #[test]
     fn ranges_lengths_and_alignment() {
         let p = params(ALL, false, false);
         // past the end: EINVAL for reads/trim/cache, ENOSPC for writes
-        assert_eq!(
-            errno(check(&req(Command::Read, 0, SIZE, 1), &p, SIZE)),
-            Some(Errno::Einval)
-        );
-        assert_eq!(
-            errno(check(&req(Command::Trim, 0, SIZE - 1, 2), &p, SIZE)),
-            Some(Errno::Einval)
-        );
-        assert_eq!(
-            errno(check(&req(Command::Cache, 0, SIZE, 1), &p, SIZE)),
-            Some(Errno::Einval)
-        );
-        assert_eq!(
-            errno(check(&req(Command::Write, 0, SIZE - 1, 2), &p, SIZE)),
-            Some(Errno::Enospc)
-        );
-        assert_eq!(
-            errno(check(&req(Command::WriteZeroes, 0, SIZE, 1), &p, SIZE)),
-            Some(Errno::Enospc)
-        );
+        assert_eq!(errno(check(&req(Command::Read, 0, SIZE, 1), &p, SIZE)), Some(Errno::Einval));
+        assert_eq!(errno(check(&req(Command::Trim, 0, SIZE - 1, 2), &p, SIZE)), Some(Errno::Einval));
+        assert_eq!(errno(check(&req(Command::Cache, 0, SIZE, 1), &p, SIZE)), Some(Errno::Einval));
+        assert_eq!(errno(check(&req(Command::Write, 0, SIZE - 1, 2), &p, SIZE)), Some(Errno::Enospc));
+        assert_eq!(errno(check(&req(Command::WriteZeroes, 0, SIZE, 1), &p, SIZE)), Some(Errno::Enospc));
         // offset + length overflows u64
-        assert_eq!(
-            errno(check(&req(Command::Read, 0, u64::MAX, 2), &p, SIZE)),
-            Some(Errno::Einval)
-        );
+        assert_eq!(errno(check(&req(Command::Read, 0, u64::MAX, 2), &p, SIZE)), Some(Errno::Einval));
         // zero length
-        assert_eq!(
-            errno(check(&req(Command::Read, 0, 0, 0), &p, SIZE)),
-            Some(Errno::Einval)
-        );
-        assert_eq!(
-            errno(check(&req(Command::Write, 0, 0, 0), &p, SIZE)),
-            Some(Errno::Einval)
-        );
+        assert_eq!(errno(check(&req(Command::Read, 0, 0, 0), &p, SIZE)), Some(Errno::Einval));
+        assert_eq!(errno(check(&req(Command::Write, 0, 0, 0), &p, SIZE)), Some(Errno::Einval));
         // above the maximum block size: READ, WRITE, CACHE only
         for cmd in [Command::Read, Command::Write, Command::Cache] {
-            assert_eq!(
-                errno(check(&req(cmd, 0, 0, (1 << 20) + 1), &p, SIZE)),
-                Some(Errno::Einval)
-            );
+            assert_eq!(errno(check(&req(cmd, 0, 0, (1 << 20) + 1), &p, SIZE)), Some(Errno::Einval));
         }
         assert!(check(&req(Command::Trim, 0, 0, 1 << 23), &p, SIZE).is_ok());
         assert!(check(&req(Command::WriteZeroes, 0, 0, 1 << 23), &p, SIZE).is_ok());
         // alignment to the minimum block size
         let mut p512 = p;
         p512.limits.minimum = 512;
-        assert_eq!(
-            errno(check(&req(Command::Read, 0, 1, 512), &p512, SIZE)),
-            Some(Errno::Einval)
-        );
-        assert_eq!(
-            errno(check(&req(Command::Read, 0, 0, 100), &p512, SIZE)),
-            Some(Errno::Einval)
-        );
+        assert_eq!(errno(check(&req(Command::Read, 0, 1, 512), &p512, SIZE)), Some(Errno::Einval));
+        assert_eq!(errno(check(&req(Command::Read, 0, 0, 100), &p512, SIZE)), Some(Errno::Einval));
         assert!(check(&req(Command::Read, 0, 1024, 512), &p512, SIZE).is_ok());
         // an unaligned tail is allowed when it ends exactly at the end of the export
         assert!(check(&req(Command::Read, 0, 1024, 100), &p512, 1124).is_ok());
@@ -1037,80 +729,37 @@ mod tests {
         assert_eq!(
             content_runs(&e, 2560),
             Some(vec![
-                Run {
-                    start: 0,
-                    len: 1024,
-                    hole: false
-                },
-                Run {
-                    start: 1024,
-                    len: 1024,
-                    hole: true
-                },
-                Run {
-                    start: 2048,
-                    len: 512,
-                    hole: false
-                },
+                Run { start: 0, len: 1024, hole: false },
+                Run { start: 1024, len: 1024, hole: true },
+                Run { start: 2048, len: 512, hole: false },
             ])
         );
         // does not add up: fall back
         assert_eq!(content_runs(&e, 4096), None);
         assert_eq!(content_runs(&e, 100), None);
         assert_eq!(content_runs(&[], 100), None);
-        assert_eq!(
-            content_runs(&[ext(u64::MAX, true, true), ext(2, true, true)], 100),
-            None
-        );
+        assert_eq!(content_runs(&[ext(u64::MAX, true, true), ext(2, true, true)], 100), None);
     }
 
     #[test]
     fn descriptors_from_extents() {
-        let e = [
-            ext(4096, true, true),
-            ext(4096, true, true),
-            ext(4096, false, false),
-        ];
+        let e = [ext(4096, true, true), ext(4096, true, true), ext(4096, false, false)];
         assert_eq!(
             block_descriptors(&e, 10_000, false),
             vec![
-                BlockDescriptor {
-                    length: 8192,
-                    status: NBD_STATE_HOLE | NBD_STATE_ZERO
-                },
-                BlockDescriptor {
-                    length: 1808,
-                    status: 0
-                },
+                BlockDescriptor { length: 8192, status: NBD_STATE_HOLE | NBD_STATE_ZERO },
+                BlockDescriptor { length: 1808, status: 0 },
             ]
         );
         assert_eq!(
             block_descriptors(&e, 10_000, true),
-            vec![BlockDescriptor {
-                length: 8192,
-                status: NBD_STATE_HOLE | NBD_STATE_ZERO
-            }]
+            vec![BlockDescriptor { length: 8192, status: NBD_STATE_HOLE | NBD_STATE_ZERO }]
         );
         assert_eq!(
             block_descriptors(&e, 100, true),
-            vec![BlockDescriptor {
-                length: 100,
-                status: NBD_STATE_HOLE | NBD_STATE_ZERO
-            }]
+            vec![BlockDescriptor { length: 100, status: NBD_STATE_HOLE | NBD_STATE_ZERO }]
         );
-        assert_eq!(
-            block_descriptors(&[], 77, false),
-            vec![BlockDescriptor {
-                length: 77,
-                status: 0
-            }]
-        );
-        assert_eq!(
-            block_descriptors(&[ext(0, true, true)], 77, true),
-            vec![BlockDescriptor {
-                length: 77,
-                status: 0
-            }]
-        );
+        assert_eq!(block_descriptors(&[], 77, false), vec![BlockDescriptor { length: 77, status: 0 }]);
+        assert_eq!(block_descriptors(&[ext(0, true, true)], 77, true), vec![BlockDescriptor { length: 77, status: 0 }]);
     }
 }

@@ -16,11 +16,7 @@ const SIZE: u64 = 1 << 24;
 fn registry() -> Arc<MemRegistry> {
     let mut described = MemExport::new(SIZE);
     described.description = "the first disk".into();
-    Arc::new(
-        MemRegistry::default()
-            .with("disk", described)
-            .with("ro", MemExport::new(1 << 20).read_only()),
-    )
+    Arc::new(MemRegistry::default().with("disk", described).with("ro", MemExport::new(1 << 20).read_only()))
 }
 
 fn start_default() -> (tokio::io::DuplexStream, ServerTask) {
@@ -41,11 +37,7 @@ async fn greeting_and_export_name_with_zeroes() {
         ]
     );
     c.write_all(&[0, 0, 0, 1]).await.unwrap(); // fixed newstyle, zeroes wanted
-    c.write_all(&[
-        0x49, 0x48, 0x41, 0x56, 0x45, 0x4f, 0x50, 0x54, 0, 0, 0, 1, 0, 0, 0, 4,
-    ])
-    .await
-    .unwrap();
+    c.write_all(&[0x49, 0x48, 0x41, 0x56, 0x45, 0x4f, 0x50, 0x54, 0, 0, 0, 1, 0, 0, 0, 4]).await.unwrap();
     c.write_all(b"disk").await.unwrap();
     let mut reply = [0u8; 134];
     c.read_exact(&mut reply).await.unwrap();
@@ -96,11 +88,7 @@ async fn go_reply_bytes() {
     greet(&mut c, NBD_FLAG_C_FIXED_NEWSTYLE).await;
     // NBD_OPT_GO "disk", no information requests
     c.write_all(b"IHAVEOPT").await.unwrap();
-    c.write_all(&[
-        0, 0, 0, 7, 0, 0, 0, 10, 0, 0, 0, 4, b'd', b'i', b's', b'k', 0, 0,
-    ])
-    .await
-    .unwrap();
+    c.write_all(&[0, 0, 0, 7, 0, 0, 0, 10, 0, 0, 0, 4, b'd', b'i', b's', b'k', 0, 0]).await.unwrap();
     let magic = [0x00, 0x03, 0xe8, 0x89, 0x04, 0x55, 0x65, 0xa9];
 
     let mut info = [0u8; 32];
@@ -138,10 +126,7 @@ async fn list_exports() {
     assert_eq!(replies.len(), 3);
     let (h, d) = &replies[0];
     assert_eq!((h.option, h.reply_type), (NBD_OPT_LIST, NBD_REP_SERVER));
-    assert_eq!(
-        d,
-        &[&[0u8, 0, 0, 4][..], b"disk", b"the first disk"].concat()
-    );
+    assert_eq!(d, &[&[0u8, 0, 0, 4][..], b"disk", b"the first disk"].concat());
     let (h, d) = &replies[1];
     assert_eq!(h.reply_type, NBD_REP_SERVER);
     assert_eq!(&d[..6], &[0, 0, 0, 2, b'r', b'o']);
@@ -153,10 +138,7 @@ async fn list_exports() {
     assert_eq!(h.reply_type, NBD_REP_ERR_INVALID);
     send_option(&mut c, NBD_OPT_ABORT, &[]).await;
     let (h, _) = read_option_reply(&mut c).await;
-    assert_eq!(
-        (h.option, h.reply_type, h.length),
-        (NBD_OPT_ABORT, NBD_REP_ACK, 0)
-    );
+    assert_eq!((h.option, h.reply_type, h.length), (NBD_OPT_ABORT, NBD_REP_ACK, 0));
     expect_closed(&mut c).await;
     finish(task).await.unwrap();
 }
@@ -167,12 +149,7 @@ async fn info_with_block_size_name_and_description() {
     greet(&mut c, NBD_FLAG_C_FIXED_NEWSTYLE).await;
     let req = InfoRequest {
         name: "disk".into(),
-        requests: vec![
-            NBD_INFO_NAME,
-            NBD_INFO_DESCRIPTION,
-            NBD_INFO_BLOCK_SIZE,
-            0x7777,
-        ],
+        requests: vec![NBD_INFO_NAME, NBD_INFO_DESCRIPTION, NBD_INFO_BLOCK_SIZE, 0x7777],
     };
     send_option(&mut c, NBD_OPT_INFO, &req.encode()).await;
     let replies = read_option_replies(&mut c).await;
@@ -196,32 +173,13 @@ async fn info_with_block_size_name_and_description() {
         }
     }
     seen.sort();
-    assert_eq!(
-        seen,
-        vec![
-            NBD_INFO_EXPORT,
-            NBD_INFO_NAME,
-            NBD_INFO_DESCRIPTION,
-            NBD_INFO_BLOCK_SIZE
-        ]
-    );
+    assert_eq!(seen, vec![NBD_INFO_EXPORT, NBD_INFO_NAME, NBD_INFO_DESCRIPTION, NBD_INFO_BLOCK_SIZE]);
     assert_eq!(replies.last().unwrap().0.reply_type, NBD_REP_ACK);
 
     // INFO does not enter transmission: GO still works
-    let go = InfoRequest {
-        name: "disk".into(),
-        requests: vec![],
-    };
+    let go = InfoRequest { name: "disk".into(), requests: vec![] };
     send_option(&mut c, NBD_OPT_GO, &go.encode()).await;
-    assert_eq!(
-        read_option_replies(&mut c)
-            .await
-            .last()
-            .unwrap()
-            .0
-            .reply_type,
-        NBD_REP_ACK
-    );
+    assert_eq!(read_option_replies(&mut c).await.last().unwrap().0.reply_type, NBD_REP_ACK);
     send_request(&mut c, Command::Disc, 0, 1, 0, 0).await;
     expect_closed(&mut c).await;
     finish(task).await.unwrap();
@@ -232,53 +190,18 @@ async fn unknown_export_is_an_error_reply_for_info_and_go() {
     let (mut c, task) = start_default();
     greet(&mut c, NBD_FLAG_C_FIXED_NEWSTYLE).await;
     for option in [NBD_OPT_INFO, NBD_OPT_GO] {
-        let req = InfoRequest {
-            name: "nope".into(),
-            requests: vec![],
-        };
+        let req = InfoRequest { name: "nope".into(), requests: vec![] };
         send_option(&mut c, option, &req.encode()).await;
         let replies = read_option_replies(&mut c).await;
         assert_eq!(replies.len(), 1, "no NBD_REP_INFO before the error");
-        assert_eq!(
-            (replies[0].0.option, replies[0].0.reply_type),
-            (option, NBD_REP_ERR_UNKNOWN)
-        );
+        assert_eq!((replies[0].0.option, replies[0].0.reply_type), (option, NBD_REP_ERR_UNKNOWN));
     }
     // the empty (default) name is unknown in this registry too
-    send_option(
-        &mut c,
-        NBD_OPT_GO,
-        &InfoRequest {
-            name: String::new(),
-            requests: vec![],
-        }
-        .encode(),
-    )
-    .await;
-    assert_eq!(
-        read_option_reply(&mut c).await.0.reply_type,
-        NBD_REP_ERR_UNKNOWN
-    );
+    send_option(&mut c, NBD_OPT_GO, &InfoRequest { name: String::new(), requests: vec![] }.encode()).await;
+    assert_eq!(read_option_reply(&mut c).await.0.reply_type, NBD_REP_ERR_UNKNOWN);
     // and the client can go on to a real export
-    send_option(
-        &mut c,
-        NBD_OPT_GO,
-        &InfoRequest {
-            name: "disk".into(),
-            requests: vec![],
-        }
-        .encode(),
-    )
-    .await;
-    assert_eq!(
-        read_option_replies(&mut c)
-            .await
-            .last()
-            .unwrap()
-            .0
-            .reply_type,
-        NBD_REP_ACK
-    );
+    send_option(&mut c, NBD_OPT_GO, &InfoRequest { name: "disk".into(), requests: vec![] }.encode()).await;
+    assert_eq!(read_option_replies(&mut c).await.last().unwrap().0.reply_type, NBD_REP_ACK);
     drop(c);
     finish(task).await.unwrap();
 }
@@ -318,41 +241,22 @@ async fn malformed_options_are_invalid() {
     let (mut c, task) = start_default();
     greet(&mut c, NBD_FLAG_C_FIXED_NEWSTYLE).await;
     let cases: Vec<(u32, Vec<u8>)> = vec![
-        (NBD_OPT_GO, vec![0, 0, 0, 9, b'd']), // name length past the end
+        (NBD_OPT_GO, vec![0, 0, 0, 9, b'd']),         // name length past the end
         (NBD_OPT_INFO, vec![0, 0, 0, 0, 0, 2, 0, 3]), // 2 requests, 1 present
-        (NBD_OPT_GO, vec![0, 0, 0, 1, 0xff, 0, 0]), // invalid UTF-8
-        (NBD_OPT_STRUCTURED_REPLY, vec![1]),  // takes no data
-        (
-            NBD_OPT_SET_META_CONTEXT,
-            MetaContextRequest {
-                export_name: "disk".into(),
-                queries: vec![],
-            }
-            .encode(),
-        ), // before structured
+        (NBD_OPT_GO, vec![0, 0, 0, 1, 0xff, 0, 0]),   // invalid UTF-8
+        (NBD_OPT_STRUCTURED_REPLY, vec![1]),          // takes no data
+        (NBD_OPT_SET_META_CONTEXT, MetaContextRequest { export_name: "disk".into(), queries: vec![] }.encode()), // before structured
     ];
     for (option, data) in cases {
         send_option(&mut c, option, &data).await;
         let (h, _) = read_option_reply(&mut c).await;
-        assert_eq!(
-            (h.option, h.reply_type),
-            (option, NBD_REP_ERR_INVALID),
-            "option {option}"
-        );
+        assert_eq!((h.option, h.reply_type), (option, NBD_REP_ERR_INVALID), "option {option}");
     }
     send_option(&mut c, NBD_OPT_STRUCTURED_REPLY, &[]).await;
     assert_eq!(read_option_reply(&mut c).await.0.reply_type, NBD_REP_ACK);
     // meta context request with a query length past the end
-    send_option(
-        &mut c,
-        NBD_OPT_LIST_META_CONTEXT,
-        &[0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 50, b'b'],
-    )
-    .await;
-    assert_eq!(
-        read_option_reply(&mut c).await.0.reply_type,
-        NBD_REP_ERR_INVALID
-    );
+    send_option(&mut c, NBD_OPT_LIST_META_CONTEXT, &[0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 50, b'b']).await;
+    assert_eq!(read_option_reply(&mut c).await.0.reply_type, NBD_REP_ERR_INVALID);
     drop(c);
     finish(task).await.unwrap();
 }
@@ -362,15 +266,7 @@ async fn oversized_option_disconnects() {
     let (mut c, task) = start_default();
     greet(&mut c, NBD_FLAG_C_FIXED_NEWSTYLE).await;
     // claims 1 GiB of option data; the server must not wait for or allocate it
-    c.write_all(
-        &OptionHeader {
-            option: NBD_OPT_LIST,
-            length: 1 << 30,
-        }
-        .encode(),
-    )
-    .await
-    .unwrap();
+    c.write_all(&OptionHeader { option: NBD_OPT_LIST, length: 1 << 30 }.encode()).await.unwrap();
     expect_closed(&mut c).await;
     assert!(matches!(finish(task).await, Err(nbd::Error::Protocol(_))));
 }
@@ -381,10 +277,7 @@ async fn bad_client_flags_disconnect() {
         let (mut c, task) = start_default();
         greet(&mut c, flags).await;
         expect_closed(&mut c).await;
-        assert!(
-            matches!(finish(task).await, Err(nbd::Error::Protocol(_))),
-            "flags {flags:#x}"
-        );
+        assert!(matches!(finish(task).await, Err(nbd::Error::Protocol(_))), "flags {flags:#x}");
     }
 }
 
@@ -409,19 +302,13 @@ async fn client_leaving_during_haggling_is_fine() {
 
 #[tokio::test]
 async fn handshake_timeout() {
-    let config = ServerConfig {
-        handshake_timeout: Duration::from_millis(200),
-        ..Default::default()
-    };
+    let config = ServerConfig { handshake_timeout: Duration::from_millis(200), ..Default::default() };
     let (mut c, task) = start(registry(), config);
     let mut g = [0u8; 18];
     c.read_exact(&mut g).await.unwrap();
     // never answer
     expect_closed(&mut c).await;
-    assert!(matches!(
-        finish(task).await,
-        Err(nbd::Error::HandshakeTimeout(_))
-    ));
+    assert!(matches!(finish(task).await, Err(nbd::Error::HandshakeTimeout(_))));
 }
 
 #[tokio::test]
@@ -432,27 +319,16 @@ async fn meta_context_list_and_set() {
     assert_eq!(read_option_reply(&mut c).await.0.reply_type, NBD_REP_ACK);
 
     let list = |queries: &[&str]| {
-        MetaContextRequest {
-            export_name: "disk".into(),
-            queries: queries.iter().map(|q| q.to_string()).collect(),
-        }
-        .encode()
+        MetaContextRequest { export_name: "disk".into(), queries: queries.iter().map(|q| q.to_string()).collect() }
+            .encode()
     };
     // LIST: no query, "base:" and "base:allocation" all find base:allocation with id 0
-    for queries in [
-        &[][..],
-        &["base:"][..],
-        &["base:allocation"][..],
-        &["x-foo:bar", "base:"][..],
-    ] {
+    for queries in [&[][..], &["base:"][..], &["base:allocation"][..], &["x-foo:bar", "base:"][..]] {
         send_option(&mut c, NBD_OPT_LIST_META_CONTEXT, &list(queries)).await;
         let replies = read_option_replies(&mut c).await;
         assert_eq!(replies.len(), 2, "{queries:?}");
         assert_eq!(replies[0].0.reply_type, NBD_REP_META_CONTEXT);
-        assert_eq!(
-            replies[0].1,
-            [&[0u8, 0, 0, 0][..], b"base:allocation"].concat()
-        );
+        assert_eq!(replies[0].1, [&[0u8, 0, 0, 0][..], b"base:allocation"].concat());
         assert_eq!(replies[1].0.reply_type, NBD_REP_ACK);
     }
     // LIST: other namespaces and unknown leaves are ignored
@@ -468,41 +344,18 @@ async fn meta_context_list_and_set() {
     assert_eq!(replies.len(), 1);
     assert_eq!(replies[0].0.reply_type, NBD_REP_ACK);
     // SET: unknown export
-    let unknown = MetaContextRequest {
-        export_name: "nope".into(),
-        queries: vec!["base:allocation".into()],
-    };
+    let unknown = MetaContextRequest { export_name: "nope".into(), queries: vec!["base:allocation".into()] };
     send_option(&mut c, NBD_OPT_SET_META_CONTEXT, &unknown.encode()).await;
-    assert_eq!(
-        read_option_reply(&mut c).await.0.reply_type,
-        NBD_REP_ERR_UNKNOWN
-    );
+    assert_eq!(read_option_reply(&mut c).await.0.reply_type, NBD_REP_ERR_UNKNOWN);
     // SET: base:allocation gets a nonzero id
-    send_option(
-        &mut c,
-        NBD_OPT_SET_META_CONTEXT,
-        &list(&["base:allocation", "base:allocation"]),
-    )
-    .await;
+    send_option(&mut c, NBD_OPT_SET_META_CONTEXT, &list(&["base:allocation", "base:allocation"])).await;
     let replies = read_option_replies(&mut c).await;
     assert_eq!(replies.len(), 2);
     assert_eq!(replies[0].0.reply_type, NBD_REP_META_CONTEXT);
-    assert_eq!(
-        replies[0].1,
-        [&[0u8, 0, 0, 1][..], b"base:allocation"].concat()
-    );
+    assert_eq!(replies[0].1, [&[0u8, 0, 0, 1][..], b"base:allocation"].concat());
     assert_eq!(replies[1].0.reply_type, NBD_REP_ACK);
     // GO: structured replies bring NBD_FLAG_SEND_DF
-    send_option(
-        &mut c,
-        NBD_OPT_GO,
-        &InfoRequest {
-            name: "disk".into(),
-            requests: vec![],
-        }
-        .encode(),
-    )
-    .await;
+    send_option(&mut c, NBD_OPT_GO, &InfoRequest { name: "disk".into(), requests: vec![] }.encode()).await;
     let replies = read_option_replies(&mut c).await;
     let (_, info) = replies.iter().find(|(_, d)| d[..2] == [0, 0]).unwrap();
     let tflags = u16::from_be_bytes([info[10], info[11]]);
@@ -522,22 +375,10 @@ async fn meta_context_for_another_export_does_not_enable_block_status() {
     greet(&mut c, NBD_FLAG_C_FIXED_NEWSTYLE).await;
     send_option(&mut c, NBD_OPT_STRUCTURED_REPLY, &[]).await;
     read_option_reply(&mut c).await;
-    let q = MetaContextRequest {
-        export_name: "ro".into(),
-        queries: vec!["base:allocation".into()],
-    };
+    let q = MetaContextRequest { export_name: "ro".into(), queries: vec!["base:allocation".into()] };
     send_option(&mut c, NBD_OPT_SET_META_CONTEXT, &q.encode()).await;
     assert_eq!(read_option_replies(&mut c).await.len(), 2);
-    send_option(
-        &mut c,
-        NBD_OPT_GO,
-        &InfoRequest {
-            name: "disk".into(),
-            requests: vec![],
-        }
-        .encode(),
-    )
-    .await;
+    send_option(&mut c, NBD_OPT_GO, &InfoRequest { name: "disk".into(), requests: vec![] }.encode()).await;
     read_option_replies(&mut c).await;
     send_request(&mut c, Command::BlockStatus, 0, 9, 0, 4096).await;
     let (errno, _) = chunk_error(&structured_reply(&mut c, 9).await);

@@ -35,11 +35,7 @@ async fn run(program: &str, args: &[&str], path_first: Option<&str>) -> Option<O
 }
 
 fn text(out: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
+    format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
 }
 
 /// Lines of `nbdinfo --map`: (offset, length, type).
@@ -47,11 +43,7 @@ fn map_lines(out: &str) -> Vec<(u64, u64, u32)> {
     out.lines()
         .filter_map(|l| {
             let mut it = l.split_whitespace();
-            Some((
-                it.next()?.parse().ok()?,
-                it.next()?.parse().ok()?,
-                it.next()?.parse().ok()?,
-            ))
+            Some((it.next()?.parse().ok()?, it.next()?.parse().ok()?, it.next()?.parse().ok()?))
         })
         .collect()
 }
@@ -96,14 +88,10 @@ async fn real_clients() {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
     let (stop, stopped) = oneshot::channel::<()>();
-    let server = tokio::spawn(nbd::serve_tcp(
-        listener,
-        Arc::clone(&registry),
-        Arc::new(ServerConfig::default()),
-        async move {
+    let server =
+        tokio::spawn(nbd::serve_tcp(listener, Arc::clone(&registry), Arc::new(ServerConfig::default()), async move {
             let _ = stopped.await;
-        },
-    ));
+        }));
     let uri = format!("nbd://127.0.0.1:{port}/disk");
 
     if let Some(out) = run("nbdinfo", &["--json", &uri], None).await {
@@ -123,19 +111,9 @@ async fn real_clients() {
         ] {
             assert!(s.contains(needle), "missing {needle} in {s}");
         }
-        let list = run(
-            "nbdinfo",
-            &["--list", "--json", &format!("nbd://127.0.0.1:{port}")],
-            None,
-        )
-        .await
-        .unwrap();
+        let list = run("nbdinfo", &["--list", "--json", &format!("nbd://127.0.0.1:{port}")], None).await.unwrap();
         assert!(list.status.success(), "{}", text(&list));
-        assert!(
-            text(&list).contains("\"export-name\": \"disk\""),
-            "{}",
-            text(&list)
-        );
+        assert!(text(&list).contains("\"export-name\": \"disk\""), "{}", text(&list));
     }
 
     if let Some(out) = run(
@@ -164,28 +142,14 @@ async fn real_clients() {
         assert!(!s.contains("Pattern verification failed"), "{s}");
         assert_eq!(registry.get("disk").snapshot(4096..4100), vec![0xab; 4]);
         // a wrong pattern is noticed, so the checks above are real
-        let bad = run(
-            "qemu-io",
-            &["-f", "raw", "-c", "read -P 0xac 4096 512", &uri],
-            None,
-        )
-        .await
-        .unwrap();
-        assert!(
-            text(&bad).contains("Pattern verification failed"),
-            "{}",
-            text(&bad)
-        );
+        let bad = run("qemu-io", &["-f", "raw", "-c", "read -P 0xac 4096 512", &uri], None).await.unwrap();
+        assert!(text(&bad).contains("Pattern verification failed"), "{}", text(&bad));
 
         // block status through libnbd reflects the write
         if let Some(map) = run("nbdinfo", &["--map", &uri], None).await {
             let s = text(&map);
             assert!(map.status.success(), "{s}");
-            assert_eq!(
-                map_lines(&s),
-                vec![(0, 4096, 3), (4096, 65536, 0), (69632, SIZE - 69632, 3)],
-                "{s}"
-            );
+            assert_eq!(map_lines(&s), vec![(0, 4096, 3), (4096, 65536, 0), (69632, SIZE - 69632, 3)], "{s}");
         }
     }
 

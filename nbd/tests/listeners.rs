@@ -32,14 +32,9 @@ async fn tcp_clients_are_isolated_and_shutdown_stops_accepting() {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (stop, stopped) = oneshot::channel::<()>();
-    let server = tokio::spawn(nbd::serve_tcp(
-        listener,
-        registry(),
-        Arc::new(ServerConfig::default()),
-        async move {
-            let _ = stopped.await;
-        },
-    ));
+    let server = tokio::spawn(nbd::serve_tcp(listener, registry(), Arc::new(ServerConfig::default()), async move {
+        let _ = stopped.await;
+    }));
 
     let mut good = TcpStream::connect(addr).await.unwrap();
     connect(&mut good, "disk", false, false).await;
@@ -65,11 +60,7 @@ async fn tcp_clients_are_isolated_and_shutdown_stops_accepting() {
     assert_eq!(data, vec![1; 64]);
 
     stop.send(()).unwrap();
-    tokio::time::timeout(Duration::from_secs(5), server)
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
+    tokio::time::timeout(Duration::from_secs(5), server).await.unwrap().unwrap().unwrap();
     // accepted connections outlive the accept loop
     round_trip(&mut good, 3).await;
     // but nobody new is accepted
@@ -78,38 +69,22 @@ async fn tcp_clients_are_isolated_and_shutdown_stops_accepting() {
 
 #[tokio::test]
 async fn unix_socket() {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
     let dir = std::env::temp_dir().join(format!("nbd-test-{}-{nanos}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("nbd.sock");
     let listener = UnixListener::bind(&path).unwrap();
     let (stop, stopped) = oneshot::channel::<()>();
-    let server = tokio::spawn(nbd::serve_unix(
-        listener,
-        registry(),
-        Arc::new(ServerConfig::default()),
-        async move {
-            let _ = stopped.await;
-        },
-    ));
+    let server = tokio::spawn(nbd::serve_unix(listener, registry(), Arc::new(ServerConfig::default()), async move {
+        let _ = stopped.await;
+    }));
 
     let mut a = UnixStream::connect(&path).await.unwrap();
     let mut b = UnixStream::connect(&path).await.unwrap();
     connect(&mut a, "disk", false, false).await;
     connect(&mut b, "disk", true, true).await;
     round_trip(&mut a, 4).await;
-    send_request(
-        &mut b,
-        Command::BlockStatus,
-        NBD_CMD_FLAG_REQ_ONE,
-        9,
-        0,
-        4096,
-    )
-    .await;
+    send_request(&mut b, Command::BlockStatus, NBD_CMD_FLAG_REQ_ONE, 9, 0, 4096).await;
     let chunks = structured_reply(&mut b, 9).await;
     assert_eq!(chunks[0].0.chunk_type, NBD_REPLY_TYPE_BLOCK_STATUS);
     // the write of `a` landed in block 0
@@ -118,11 +93,7 @@ async fn unix_socket() {
     expect_closed(&mut a).await;
 
     stop.send(()).unwrap();
-    tokio::time::timeout(Duration::from_secs(5), server)
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
+    tokio::time::timeout(Duration::from_secs(5), server).await.unwrap().unwrap().unwrap();
     drop(b);
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -22,9 +22,7 @@ const ENOSPC: u32 = 28;
 const ENOTSUP: u32 = 95;
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
-        .collect()
+    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
 }
 
 async fn open_with(
@@ -45,14 +43,7 @@ fn disk_registry(export: MemExport) -> Arc<MemRegistry> {
 
 async fn open(structured: bool, meta: bool) -> (DuplexStream, ServerTask, Arc<MemRegistry>) {
     let registry = disk_registry(MemExport::new(SIZE));
-    let (c, task, session) = open_with(
-        Arc::clone(&registry),
-        ServerConfig::default(),
-        "disk",
-        structured,
-        meta,
-    )
-    .await;
+    let (c, task, session) = open_with(Arc::clone(&registry), ServerConfig::default(), "disk", structured, meta).await;
     assert_eq!(session.size, SIZE);
     (c, task, registry)
 }
@@ -115,38 +106,20 @@ async fn offset_hole_chunks_for_holes() {
     send_request(&mut c, Command::Read, 0, 2, offset, len as u32).await;
     let chunks = structured_reply(&mut c, 2).await;
     let (got, types) = assemble_read(&chunks, offset, len);
-    assert_eq!(
-        types,
-        vec![
-            NBD_REPLY_TYPE_OFFSET_HOLE,
-            NBD_REPLY_TYPE_OFFSET_DATA,
-            NBD_REPLY_TYPE_OFFSET_HOLE
-        ]
-    );
+    assert_eq!(types, vec![NBD_REPLY_TYPE_OFFSET_HOLE, NBD_REPLY_TYPE_OFFSET_DATA, NBD_REPLY_TYPE_OFFSET_HOLE]);
     // only the last chunk is flagged DONE
     let flags: Vec<u16> = chunks.iter().map(|(h, _)| h.flags).collect();
     assert_eq!(flags, vec![0, 0, NBD_REPLY_FLAG_DONE]);
     let hole = &chunks[0].1;
     assert_eq!(u64::from_be_bytes(hole[..8].try_into().unwrap()), 1000);
-    assert_eq!(
-        u32::from_be_bytes(hole[8..].try_into().unwrap()),
-        (BLOCK - 1000) as u32
-    );
+    assert_eq!(u32::from_be_bytes(hole[8..].try_into().unwrap()), (BLOCK - 1000) as u32);
     let mut expected = vec![0u8; len];
     let at = (BLOCK - offset) as usize;
     expected[at..at + BLOCK as usize].copy_from_slice(&data);
     assert_eq!(got, expected);
 
     // with DF the same read is one data chunk, zeros included
-    send_request(
-        &mut c,
-        Command::Read,
-        NBD_CMD_FLAG_DF,
-        3,
-        offset,
-        len as u32,
-    )
-    .await;
+    send_request(&mut c, Command::Read, NBD_CMD_FLAG_DF, 3, offset, len as u32).await;
     let chunks = structured_reply(&mut c, 3).await;
     let (got, types) = assemble_read(&chunks, offset, len);
     assert_eq!(types, vec![NBD_REPLY_TYPE_OFFSET_DATA]);
@@ -211,14 +184,7 @@ async fn zero_length_requests_are_einval() {
 #[tokio::test]
 async fn oversized_write_is_discarded_without_allocating() {
     let registry = disk_registry(MemExport::new(SIZE));
-    let (mut c, task, session) = open_with(
-        Arc::clone(&registry),
-        ServerConfig::default(),
-        "disk",
-        false,
-        false,
-    )
-    .await;
+    let (mut c, task, session) = open_with(Arc::clone(&registry), ServerConfig::default(), "disk", false, false).await;
     let max = session.block_size.2;
     assert_eq!(max, 1 << 20);
     let big = 8 * max as usize;
@@ -234,32 +200,18 @@ async fn oversized_write_is_discarded_without_allocating() {
     send_request(&mut c, Command::Read, 0, 3, 0, 16).await;
     assert_eq!(simple_reply(&mut c, 3, 16).await, (0, vec![0; 16]));
     let export = registry.get("disk");
-    assert_eq!(
-        export.max_write_alloc.load(Ordering::SeqCst),
-        0,
-        "no buffer for the rejected write"
-    );
+    assert_eq!(export.max_write_alloc.load(Ordering::SeqCst), 0, "no buffer for the rejected write");
     // a maximum-sized write is fine
     send_write(&mut c, 0, 4, 0, &vec![1; max as usize]).await;
     assert_eq!(simple_reply(&mut c, 4, 0).await.0, 0);
-    assert_eq!(
-        export.max_write_alloc.load(Ordering::SeqCst),
-        u64::from(max)
-    );
+    assert_eq!(export.max_write_alloc.load(Ordering::SeqCst), u64::from(max));
     disconnect(c, task).await;
 }
 
 #[tokio::test]
 async fn bad_request_magic_disconnects() {
     let (mut c, task, _) = open(false, false).await;
-    let mut header = Request {
-        flags: 0,
-        command: Command::Read,
-        handle: 1,
-        offset: 0,
-        length: 512,
-    }
-    .encode();
+    let mut header = Request { flags: 0, command: Command::Read, handle: 1, offset: 0, length: 512 }.encode();
     header[0] = 0x12;
     c.write_all(&header).await.unwrap();
     expect_closed(&mut c).await;
@@ -310,10 +262,7 @@ async fn unknown_command_and_bad_flags_are_einval() {
         }
         send_request(&mut c, Command::Read, 0, 99, 0, 3).await;
         if structured {
-            assert_eq!(
-                assemble_read(&structured_reply(&mut c, 99).await, 0, 3).0,
-                vec![0; 3]
-            );
+            assert_eq!(assemble_read(&structured_reply(&mut c, 99).await, 0, 3).0, vec![0; 3]);
         } else {
             assert_eq!(simple_reply(&mut c, 99, 3).await, (0, vec![0; 3]));
         }
@@ -326,8 +275,7 @@ async fn read_only_export_refuses_writes() {
     let mut export = MemExport::new(SIZE).read_only();
     export.flags.can_trim = true;
     let registry = disk_registry(export);
-    let (mut c, task, session) =
-        open_with(registry, ServerConfig::default(), "disk", false, false).await;
+    let (mut c, task, session) = open_with(registry, ServerConfig::default(), "disk", false, false).await;
     assert_ne!(session.tflags & NBD_FLAG_READ_ONLY, 0);
     send_write(&mut c, 0, 1, 0, b"data").await;
     assert_eq!(simple_reply(&mut c, 1, 0).await.0, EPERM);
@@ -343,26 +291,11 @@ async fn read_only_export_refuses_writes() {
 #[tokio::test]
 async fn replies_come_out_of_order() {
     // later offsets complete first
-    let export = MemExport::new(SIZE)
-        .with_read_delay(|offset| Duration::from_millis(20 * (8 - offset / BLOCK).min(8)));
+    let export = MemExport::new(SIZE).with_read_delay(|offset| Duration::from_millis(20 * (8 - offset / BLOCK).min(8)));
     let registry = disk_registry(export);
-    let (mut c, task, _) = open_with(
-        Arc::clone(&registry),
-        ServerConfig::default(),
-        "disk",
-        false,
-        false,
-    )
-    .await;
+    let (mut c, task, _) = open_with(Arc::clone(&registry), ServerConfig::default(), "disk", false, false).await;
     for i in 0..8u64 {
-        send_write(
-            &mut c,
-            0,
-            1000 + i,
-            i * BLOCK,
-            &pattern(BLOCK as usize, i as u8),
-        )
-        .await;
+        send_write(&mut c, 0, 1000 + i, i * BLOCK, &pattern(BLOCK as usize, i as u8)).await;
         assert_eq!(simple_reply(&mut c, 1000 + i, 0).await.0, 0);
     }
     let mut lens = HashMap::new();
@@ -373,11 +306,7 @@ async fn replies_come_out_of_order() {
     let mut order = Vec::new();
     for _ in 0..8 {
         match read_msg(&mut c, &lens).await {
-            Msg::Simple {
-                handle,
-                error,
-                data,
-            } => {
+            Msg::Simple { handle, error, data } => {
                 assert_eq!(error, 0);
                 assert_eq!(data, pattern(BLOCK as usize, handle as u8));
                 order.push(handle);
@@ -397,11 +326,7 @@ async fn replies_come_out_of_order() {
 async fn backpressure_still_answers_everything() {
     let export = MemExport::new(SIZE).with_read_delay(|offset| Duration::from_millis(offset % 3));
     let registry = disk_registry(export);
-    let config = ServerConfig {
-        max_in_flight_requests: 2,
-        max_in_flight_bytes: 4096,
-        ..Default::default()
-    };
+    let config = ServerConfig { max_in_flight_requests: 2, max_in_flight_bytes: 4096, ..Default::default() };
     let (mut c, task, _) = open_with(registry, config, "disk", false, false).await;
     let n = 40u64;
     let mut lens = HashMap::new();
@@ -467,12 +392,7 @@ fn descriptors(payload: &[u8]) -> (u32, Vec<(u32, u32)>) {
     let id = u32::from_be_bytes(payload[..4].try_into().unwrap());
     let d = payload[4..]
         .chunks(8)
-        .map(|c| {
-            (
-                u32::from_be_bytes(c[..4].try_into().unwrap()),
-                u32::from_be_bytes(c[4..].try_into().unwrap()),
-            )
-        })
+        .map(|c| (u32::from_be_bytes(c[..4].try_into().unwrap()), u32::from_be_bytes(c[4..].try_into().unwrap())))
         .collect();
     (id, d)
 }
@@ -480,14 +400,7 @@ fn descriptors(payload: &[u8]) -> (u32, Vec<(u32, u32)>) {
 #[tokio::test]
 async fn block_status() {
     let registry = disk_registry(MemExport::new(SIZE));
-    let (mut c, task, session) = open_with(
-        Arc::clone(&registry),
-        ServerConfig::default(),
-        "disk",
-        true,
-        true,
-    )
-    .await;
+    let (mut c, task, session) = open_with(Arc::clone(&registry), ServerConfig::default(), "disk", true, true).await;
     let id = session.context_id.expect("base:allocation negotiated");
     send_write(&mut c, 0, 1, 2 * BLOCK, &pattern(BLOCK as usize, 0)).await;
     simple_reply(&mut c, 1, 0).await;
@@ -500,32 +413,13 @@ async fn block_status() {
     assert_eq!(chunks.len(), 1);
     assert_eq!(chunks[0].0.chunk_type, NBD_REPLY_TYPE_BLOCK_STATUS);
     assert_eq!(chunks[0].0.flags, NBD_REPLY_FLAG_DONE);
-    assert_eq!(
-        descriptors(&chunks[0].1),
-        (id, vec![(2 * b, hole), (b, 0), (b, hole)])
-    );
+    assert_eq!(descriptors(&chunks[0].1), (id, vec![(2 * b, hole), (b, 0), (b, hole)]));
 
     // REQ_ONE: exactly one descriptor, not longer than the request
-    send_request(
-        &mut c,
-        Command::BlockStatus,
-        NBD_CMD_FLAG_REQ_ONE,
-        3,
-        0,
-        4 * b,
-    )
-    .await;
+    send_request(&mut c, Command::BlockStatus, NBD_CMD_FLAG_REQ_ONE, 3, 0, 4 * b).await;
     let chunks = structured_reply(&mut c, 3).await;
     assert_eq!(descriptors(&chunks[0].1), (id, vec![(2 * b, hole)]));
-    send_request(
-        &mut c,
-        Command::BlockStatus,
-        NBD_CMD_FLAG_REQ_ONE,
-        4,
-        2 * BLOCK + 100,
-        200,
-    )
-    .await;
+    send_request(&mut c, Command::BlockStatus, NBD_CMD_FLAG_REQ_ONE, 4, 2 * BLOCK + 100, 200).await;
     let chunks = structured_reply(&mut c, 4).await;
     assert_eq!(descriptors(&chunks[0].1), (id, vec![(200, 0)]));
 
@@ -542,35 +436,16 @@ async fn block_status() {
     let chunks = structured_reply(&mut c, 8).await;
     assert_eq!(descriptors(&chunks[0].1), (id, vec![(b, 0), (3 * b, hole)]));
     let export = registry.get("disk");
-    assert_eq!(
-        export.snapshot(2 * BLOCK as usize..3 * BLOCK as usize),
-        vec![0; BLOCK as usize]
-    );
+    assert_eq!(export.snapshot(2 * BLOCK as usize..3 * BLOCK as usize), vec![0; BLOCK as usize]);
     disconnect(c, task).await;
 }
 
 #[tokio::test]
 async fn fast_zero_failure_is_reported() {
     let (mut c, task, _) = open(true, false).await;
-    send_request(
-        &mut c,
-        Command::WriteZeroes,
-        NBD_CMD_FLAG_FAST_ZERO | NBD_CMD_FLAG_NO_HOLE,
-        1,
-        0,
-        4096,
-    )
-    .await;
+    send_request(&mut c, Command::WriteZeroes, NBD_CMD_FLAG_FAST_ZERO | NBD_CMD_FLAG_NO_HOLE, 1, 0, 4096).await;
     assert_eq!(chunk_error(&structured_reply(&mut c, 1).await).0, ENOTSUP);
-    send_request(
-        &mut c,
-        Command::WriteZeroes,
-        NBD_CMD_FLAG_FAST_ZERO,
-        2,
-        0,
-        4096,
-    )
-    .await;
+    send_request(&mut c, Command::WriteZeroes, NBD_CMD_FLAG_FAST_ZERO, 2, 0, 4096).await;
     assert_eq!(simple_reply(&mut c, 2, 0).await.0, 0);
     disconnect(c, task).await;
 }
@@ -581,8 +456,7 @@ async fn export_errors_become_error_replies() {
         let mut export = MemExport::new(SIZE);
         export.poison = Some(4096..8192);
         let registry = disk_registry(export);
-        let (mut c, task, _) =
-            open_with(registry, ServerConfig::default(), "disk", structured, false).await;
+        let (mut c, task, _) = open_with(registry, ServerConfig::default(), "disk", structured, false).await;
         send_request(&mut c, Command::Read, 0, 1, 4000, 200).await;
         if structured {
             let (errno, message) = chunk_error(&structured_reply(&mut c, 1).await);
@@ -593,10 +467,7 @@ async fn export_errors_become_error_replies() {
         }
         send_request(&mut c, Command::Read, 0, 2, 0, 8).await;
         if structured {
-            assert_eq!(
-                assemble_read(&structured_reply(&mut c, 2).await, 0, 8).0,
-                vec![0; 8]
-            );
+            assert_eq!(assemble_read(&structured_reply(&mut c, 2).await, 0, 8).0, vec![0; 8]);
         } else {
             assert_eq!(simple_reply(&mut c, 2, 8).await, (0, vec![0; 8]));
         }
@@ -609,8 +480,7 @@ async fn alignment_to_minimum_block_size() {
     let mut export = MemExport::new(SIZE);
     export.sizes.minimum = 512;
     let registry = disk_registry(export);
-    let (mut c, task, session) =
-        open_with(registry, ServerConfig::default(), "disk", false, false).await;
+    let (mut c, task, session) = open_with(registry, ServerConfig::default(), "disk", false, false).await;
     assert_eq!(session.block_size.0, 512);
     send_request(&mut c, Command::Read, 0, 1, 100, 512).await;
     assert_eq!(simple_reply(&mut c, 1, 0).await.0, EINVAL);

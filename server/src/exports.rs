@@ -74,7 +74,14 @@ impl Export for VolumeExport {
         self.vol.trim(offset, len, fua).await.map_err(|e| log_err("trim", e))
     }
 
-    async fn write_zeroes(&self, offset: u64, len: u64, may_unmap: bool, fast_only: bool, fua: bool) -> Result<(), Errno> {
+    async fn write_zeroes(
+        &self,
+        offset: u64,
+        len: u64,
+        may_unmap: bool,
+        fast_only: bool,
+        fua: bool,
+    ) -> Result<(), Errno> {
         // Zeroing by unmapping is a metadata change (fast); NO_HOLE writes real zeros.
         if fast_only && !may_unmap {
             return Err(Errno::Enotsup);

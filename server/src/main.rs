@@ -233,7 +233,11 @@ async fn snapshot_cmd(socket: &Path, cmd: SnapshotCmd) -> anyhow::Result<()> {
     use mgmt::pb;
     match cmd {
         SnapshotCmd::Create { volume, snapshot } => {
-            let v = c.create_snapshot(pb::CreateSnapshotRequest { volume, snapshot }).await.map_err(status_err)?.into_inner();
+            let v = c
+                .create_snapshot(pb::CreateSnapshotRequest { volume, snapshot })
+                .await
+                .map_err(status_err)?
+                .into_inner();
             println!("created snapshot {}", v.name);
         }
         SnapshotCmd::List { volume, json } => {
@@ -246,13 +250,17 @@ async fn snapshot_cmd(socket: &Path, cmd: SnapshotCmd) -> anyhow::Result<()> {
             }
         }
         SnapshotCmd::Delete { volume, snapshot } => {
-            c.delete_snapshot(pb::DeleteSnapshotRequest { volume: volume.clone(), snapshot: snapshot.clone() }).await.map_err(status_err)?;
+            c.delete_snapshot(pb::DeleteSnapshotRequest { volume: volume.clone(), snapshot: snapshot.clone() })
+                .await
+                .map_err(status_err)?;
             println!("deleted snapshot {volume}@{snapshot}");
         }
         SnapshotCmd::Diff { from, to, json } => {
-            let ranges = c.diff_snapshots(pb::DiffSnapshotsRequest { from, to }).await.map_err(status_err)?.into_inner().ranges;
+            let ranges =
+                c.diff_snapshots(pb::DiffSnapshotsRequest { from, to }).await.map_err(status_err)?.into_inner().ranges;
             if json {
-                let r: Vec<_> = ranges.iter().map(|r| serde_json::json!({"offset": r.offset, "length": r.length})).collect();
+                let r: Vec<_> =
+                    ranges.iter().map(|r| serde_json::json!({"offset": r.offset, "length": r.length})).collect();
                 println!("{}", serde_json::Value::Array(r));
             } else {
                 for r in &ranges {
@@ -271,7 +279,11 @@ async fn volume_cmd(socket: &Path, cmd: VolumeCmd) -> anyhow::Result<()> {
     use mgmt::pb;
     match cmd {
         VolumeCmd::Create { name, size } => {
-            let v = c.create_volume(pb::CreateVolumeRequest { name, size_bytes: size }).await.map_err(status_err)?.into_inner();
+            let v = c
+                .create_volume(pb::CreateVolumeRequest { name, size_bytes: size })
+                .await
+                .map_err(status_err)?
+                .into_inner();
             println!("created volume {} ({} bytes, {})", v.name, v.size_bytes, human(v.size_bytes));
         }
         VolumeCmd::List { json } => {
@@ -287,7 +299,16 @@ async fn volume_cmd(socket: &Path, cmd: VolumeCmd) -> anyhow::Result<()> {
             if json {
                 println!("{}", volume_json(&v));
             } else {
-                println!("name: {}\nid: {}\nsize: {} ({})\nallocated: {} ({})\nexport: {}", v.name, v.id, v.size_bytes, human(v.size_bytes), v.allocated_bytes, human(v.allocated_bytes), v.export_name);
+                println!(
+                    "name: {}\nid: {}\nsize: {} ({})\nallocated: {} ({})\nexport: {}",
+                    v.name,
+                    v.id,
+                    v.size_bytes,
+                    human(v.size_bytes),
+                    v.allocated_bytes,
+                    human(v.allocated_bytes),
+                    v.export_name
+                );
             }
         }
         VolumeCmd::Delete { name } => {
@@ -295,11 +316,19 @@ async fn volume_cmd(socket: &Path, cmd: VolumeCmd) -> anyhow::Result<()> {
             println!("deleted volume {name}");
         }
         VolumeCmd::Clone { from, name } => {
-            let v = c.clone_volume(pb::CloneVolumeRequest { source: from.clone(), name }).await.map_err(status_err)?.into_inner();
+            let v = c
+                .clone_volume(pb::CloneVolumeRequest { source: from.clone(), name })
+                .await
+                .map_err(status_err)?
+                .into_inner();
             println!("created volume {} from {from}", v.name);
         }
         VolumeCmd::Resize { name, size } => {
-            let v = c.resize_volume(pb::ResizeVolumeRequest { name, size_bytes: size }).await.map_err(status_err)?.into_inner();
+            let v = c
+                .resize_volume(pb::ResizeVolumeRequest { name, size_bytes: size })
+                .await
+                .map_err(status_err)?
+                .into_inner();
             println!("resized volume {} to {} bytes ({})", v.name, v.size_bytes, human(v.size_bytes));
         }
     }
@@ -320,8 +349,20 @@ async fn pool_status(socket: &Path, json: bool) -> anyhow::Result<()> {
         );
     } else {
         println!("pool {} at {}", s.uuid, s.path);
-        println!("capacity {}  used {}  metadata {}  free {}", human(s.capacity_bytes), human(s.used_bytes), human(s.metadata_bytes), human(s.free_bytes));
-        println!("unit size {}  volumes {}  O_DIRECT {}  failed {}", human(u64::from(s.unit_size_bytes)), s.volume_count, s.direct_io, s.failed);
+        println!(
+            "capacity {}  used {}  metadata {}  free {}",
+            human(s.capacity_bytes),
+            human(s.used_bytes),
+            human(s.metadata_bytes),
+            human(s.free_bytes)
+        );
+        println!(
+            "unit size {}  volumes {}  O_DIRECT {}  failed {}",
+            human(u64::from(s.unit_size_bytes)),
+            s.volume_count,
+            s.direct_io,
+            s.failed
+        );
         for e in s.nbd_endpoints {
             println!("nbd: {e}");
         }
@@ -345,14 +386,16 @@ async fn serve(data_dir: &Path, mgmt_socket: &Path, args: ServeArgs) -> anyhow::
     let pool_path = args.pool.clone().unwrap_or_else(|| data_dir.join("pool.img"));
     let opts = PoolOptions {
         size: args.pool_size,
-        unit_size: u32::try_from(args.unit_size).map_err(|_| anyhow::anyhow!("unit size {} is too large", args.unit_size))?,
+        unit_size: u32::try_from(args.unit_size)
+            .map_err(|_| anyhow::anyhow!("unit size {} is too large", args.unit_size))?,
     };
     let p = pool_path.clone();
     let pool = tokio::task::spawn_blocking(move || Pool::open_or_create(&p, &opts))
         .await?
         .with_context(|| format!("pool {}", pool_path.display()))?;
     let nbd_sock = args.nbd_socket.clone().unwrap_or_else(|| data_dir.join("nbd.sock"));
-    let tcp = tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("bind NBD on {}", args.listen))?;
+    let tcp =
+        tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("bind NBD on {}", args.listen))?;
     let unix = bind_unix(&nbd_sock)?;
     let mgmt_listener = bind_unix(mgmt_socket)?;
     let endpoints = vec![format!("nbd://{}", tcp.local_addr()?), format!("nbd+unix:///?socket={}", nbd_sock.display())];
@@ -369,7 +412,10 @@ async fn serve(data_dir: &Path, mgmt_socket: &Path, args: ServeArgs) -> anyhow::
     let mgmt_task = tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(mgmt::ManagementService::new(pool.clone(), endpoints))
-            .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(mgmt_listener), stopped(stop_rx.clone())),
+            .serve_with_incoming_shutdown(
+                tokio_stream::wrappers::UnixListenerStream::new(mgmt_listener),
+                stopped(stop_rx.clone()),
+            ),
     );
 
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;

@@ -56,7 +56,10 @@ impl Management for ManagementService {
         Ok(Response::new(volume(v)))
     }
 
-    async fn delete_volume(&self, req: Request<pb::DeleteVolumeRequest>) -> Result<Response<pb::DeleteVolumeResponse>, Status> {
+    async fn delete_volume(
+        &self,
+        req: Request<pb::DeleteVolumeRequest>,
+    ) -> Result<Response<pb::DeleteVolumeResponse>, Status> {
         self.pool.delete_volume(&req.into_inner().name).await.map_err(|e| grpc_status(&e))?;
         Ok(Response::new(pb::DeleteVolumeResponse {}))
     }
@@ -72,7 +75,10 @@ impl Management for ManagementService {
         Ok(Response::new(volume(v)))
     }
 
-    async fn list_volumes(&self, _req: Request<pb::ListVolumesRequest>) -> Result<Response<pb::ListVolumesResponse>, Status> {
+    async fn list_volumes(
+        &self,
+        _req: Request<pb::ListVolumesRequest>,
+    ) -> Result<Response<pb::ListVolumesResponse>, Status> {
         let volumes = self.pool.list_volumes().into_iter().map(volume).collect();
         Ok(Response::new(pb::ListVolumesResponse { volumes }))
     }
@@ -83,13 +89,19 @@ impl Management for ManagementService {
         Ok(Response::new(volume(v)))
     }
 
-    async fn delete_snapshot(&self, req: Request<pb::DeleteSnapshotRequest>) -> Result<Response<pb::DeleteSnapshotResponse>, Status> {
+    async fn delete_snapshot(
+        &self,
+        req: Request<pb::DeleteSnapshotRequest>,
+    ) -> Result<Response<pb::DeleteSnapshotResponse>, Status> {
         let r = req.into_inner();
         self.pool.delete_snapshot(&r.volume, &r.snapshot).await.map_err(|e| grpc_status(&e))?;
         Ok(Response::new(pb::DeleteSnapshotResponse {}))
     }
 
-    async fn list_snapshots(&self, req: Request<pb::ListSnapshotsRequest>) -> Result<Response<pb::ListSnapshotsResponse>, Status> {
+    async fn list_snapshots(
+        &self,
+        req: Request<pb::ListSnapshotsRequest>,
+    ) -> Result<Response<pb::ListSnapshotsResponse>, Status> {
         let r = req.into_inner();
         let vol = (!r.volume.is_empty()).then_some(r.volume.as_str());
         let snapshots = self.pool.list_snapshots(vol).into_iter().map(volume).collect();
@@ -102,14 +114,20 @@ impl Management for ManagementService {
         Ok(Response::new(volume(v)))
     }
 
-    async fn diff_snapshots(&self, req: Request<pb::DiffSnapshotsRequest>) -> Result<Response<pb::DiffSnapshotsResponse>, Status> {
+    async fn diff_snapshots(
+        &self,
+        req: Request<pb::DiffSnapshotsRequest>,
+    ) -> Result<Response<pb::DiffSnapshotsResponse>, Status> {
         let r = req.into_inner();
         let ranges = self.pool.diff(&r.from, &r.to).map_err(|e| grpc_status(&e))?;
         let ranges = ranges.into_iter().map(|(offset, length)| pb::ByteRange { offset, length }).collect();
         Ok(Response::new(pb::DiffSnapshotsResponse { ranges }))
     }
 
-    async fn get_pool_status(&self, _req: Request<pb::GetPoolStatusRequest>) -> Result<Response<pb::PoolStatus>, Status> {
+    async fn get_pool_status(
+        &self,
+        _req: Request<pb::GetPoolStatusRequest>,
+    ) -> Result<Response<pb::PoolStatus>, Status> {
         let s = self.pool.status();
         Ok(Response::new(pb::PoolStatus {
             uuid: s.uuid,

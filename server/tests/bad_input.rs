@@ -79,7 +79,8 @@ for name, fn in [("read-past-end", lambda: h.pread(4096, sz)),
 print(" ".join("%s=%s" % kv for kv in res.items()))
 "#;
     let out = python_ok(code, &[&s.uri("edge")]);
-    let got: std::collections::HashMap<&str, &str> = out.split_whitespace().filter_map(|kv| kv.split_once('=')).collect();
+    let got: std::collections::HashMap<&str, &str> =
+        out.split_whitespace().filter_map(|kv| kv.split_once('=')).collect();
     for k in ["read-past-end", "read-straddling-end", "read-far-past-end", "trim-past-end"] {
         assert_eq!(got.get(k).copied(), Some("EINVAL"), "{k}: {out}");
     }
@@ -109,7 +110,9 @@ fn disconnected_within(c: &mut TcpStream, within: Duration) -> bool {
         match c.read(&mut buf) {
             Ok(0) => return true,
             Ok(_) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock || e.kind() == std::io::ErrorKind::TimedOut => return false,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock || e.kind() == std::io::ErrorKind::TimedOut => {
+                return false
+            }
             Err(_) => return true, // reset
         }
         if t.elapsed() > within {
@@ -174,7 +177,10 @@ fn garbage_disconnects_only_that_client() {
     c1.write_all(&1u32.to_be_bytes()).unwrap();
     let _ = c1.write_all(b"GARBAGE!\x00\x00\x00\x07\x00\x00\x00\x00 and more junk");
     still_serves(&s, "g", 0x51);
-    assert!(disconnected_within(&mut c1, Duration::from_secs(10)), "client sending a bad option magic was not disconnected");
+    assert!(
+        disconnected_within(&mut c1, Duration::from_secs(10)),
+        "client sending a bad option magic was not disconnected"
+    );
 
     // 2. unknown client flags
     let mut c2 = TcpStream::connect(addr).unwrap();
@@ -192,7 +198,10 @@ fn garbage_disconnects_only_that_client() {
     raw_export_name(&mut c4, "g");
     let _ = c4.write_all(&request(0xdead_beef, 0, 1, 0, 4096));
     still_serves(&s, "g", 0x52);
-    assert!(disconnected_within(&mut c4, Duration::from_secs(10)), "client sending a bad request magic was not disconnected");
+    assert!(
+        disconnected_within(&mut c4, Duration::from_secs(10)),
+        "client sending a bad request magic was not disconnected"
+    );
 
     // 5. a huge option length is refused without the server trying to read it all
     let mut c5 = TcpStream::connect(addr).unwrap();
@@ -204,7 +213,10 @@ fn garbage_disconnects_only_that_client() {
     let _ = c5.write_all(&opt);
     still_serves(&s, "g", 0x53);
     // (either an error reply then close, or close; it must not wait for 4 GiB)
-    assert!(disconnected_within(&mut c5, Duration::from_secs(10)), "client announcing a 4 GiB option was not disconnected");
+    assert!(
+        disconnected_within(&mut c5, Duration::from_secs(10)),
+        "client announcing a 4 GiB option was not disconnected"
+    );
 
     // the well-behaved raw client from before is still served
     ok.write_all(&request(0x2560_9513, 0, 8, 0, 512)).unwrap();
@@ -243,7 +255,11 @@ fn idle_clients_do_not_block_others() {
     assert!(o.status.success(), "nbdinfo --list with idle clients: {}", text(&o));
     s.cli_ok(&["volume", "create", "j", "--size", "4MiB"]);
     qemu_io_ok(&s.uri("j"), &["write -P 0x4a 0 4M", "read -P 0x4a 0 4M"]);
-    assert!(t.elapsed() < Duration::from_secs(20), "other clients took {:?} while idle clients were connected", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_secs(20),
+        "other clients took {:?} while idle clients were connected",
+        t.elapsed()
+    );
     drop(idle_tcp);
     drop(idle_unix);
     drop(after_hs);
@@ -351,9 +367,11 @@ fn damaged_old_superblock_slot_is_tolerated() {
 #[test]
 fn foreign_file_is_refused_and_left_unchanged() {
     // A foreign file at DIR/pool.img (random, text, empty) is refused clearly and left byte-for-byte unchanged.
-    for (what, bytes) in
-        [("random 64 MiB", random_bytes(64 * MIB as usize)), ("text", b"hello, this is not a pool\n".to_vec()), ("empty", Vec::new())]
-    {
+    for (what, bytes) in [
+        ("random 64 MiB", random_bytes(64 * MIB as usize)),
+        ("text", b"hello, this is not a pool\n".to_vec()),
+        ("empty", Vec::new()),
+    ] {
         let td = TestDir::new();
         std::fs::create_dir_all(td.data()).unwrap();
         let pool = td.data().join("pool.img");
@@ -435,8 +453,12 @@ fn cli_rejects_bad_arguments() {
     s.create_volume(&"n".repeat(128), "4KiB");
     // nothing else was created or changed
     let vols = s.volumes();
-    let mut names: Vec<(String, u64)> =
-        vols.as_array().unwrap().iter().map(|v| (v["name"].as_str().unwrap().to_owned(), v["size_bytes"].as_u64().unwrap())).collect();
+    let mut names: Vec<(String, u64)> = vols
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| (v["name"].as_str().unwrap().to_owned(), v["size_bytes"].as_u64().unwrap()))
+        .collect();
     names.sort();
     assert_eq!(names, vec![("dup".to_owned(), GIB), ("n".repeat(128), 4096)], "volumes after the bad commands");
 }
@@ -484,7 +506,10 @@ fn second_server_on_same_pool_fails() {
 
     assert!(s.is_running(), "first server died");
     assert_eq!(std::fs::metadata(&pool).unwrap().len(), pool_before, "pool size changed");
-    assert!(UnixStream::connect(td.data().join("ferrovol.sock")).is_ok(), "first server's management socket was taken over");
+    assert!(
+        UnixStream::connect(td.data().join("ferrovol.sock")).is_ok(),
+        "first server's management socket was taken over"
+    );
     assert!(UnixStream::connect(s.nbd_socket()).is_ok(), "first server's NBD socket was taken over");
     qemu_io_ok(&s.uri("one"), &["read -P 0x61 0 1M", "write -P 0x62 1M 1M"]);
     qemu_io_ok(&s.unix_uri("one"), &["read -P 0x62 1M 1M"]);

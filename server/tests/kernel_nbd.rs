@@ -25,7 +25,15 @@ fn free_port() -> u16 {
 
 fn start(dir: &Path, port: u16) -> Child {
     let child = Command::new(BIN)
-        .args(["--data-dir", dir.to_str().unwrap(), "serve", "--pool-size", "4GiB", "--listen", &format!("127.0.0.1:{port}")])
+        .args([
+            "--data-dir",
+            dir.to_str().unwrap(),
+            "serve",
+            "--pool-size",
+            "4GiB",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+        ])
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
         .spawn()
@@ -115,7 +123,9 @@ fn kernel_client_mounts_a_snapshot_read_only() {
     let port = free_port();
     let mut server = start(&dir, port);
     cli(&dir, &["volume", "create", "kvol", "--size", "256MiB"]);
-    let env = |phase: &str| vec![format!("PORT={port}"), "EXPORT=kvol".into(), "SNAPSHOT=kvol@snap".into(), format!("PHASE={phase}")];
+    let env = |phase: &str| {
+        vec![format!("PORT={port}"), "EXPORT=kvol".into(), "SNAPSHOT=kvol@snap".into(), format!("PHASE={phase}")]
+    };
     run_guest_env("guest-snapshot.sh", &share, &env("write"));
     cli(&dir, &["snapshot", "create", "kvol", "snap"]);
     run_guest_env("guest-snapshot.sh", &share, &env("change"));

@@ -116,7 +116,8 @@ fn nbdinfo_lists_volumes() {
     s.cli_ok(&["volume", "delete", "beta.2"]);
     let o = output(peer("nbdinfo").args(["--list", "--json", &s.base_uri()]));
     let j = json(&String::from_utf8_lossy(&o.stdout));
-    let names: Vec<&str> = j["exports"].as_array().unwrap().iter().map(|e| e["export-name"].as_str().unwrap()).collect();
+    let names: Vec<&str> =
+        j["exports"].as_array().unwrap().iter().map(|e| e["export-name"].as_str().unwrap()).collect();
     assert!(!names.contains(&"beta.2") && names.len() == 2, "after delete: {names:?}");
 }
 
@@ -166,12 +167,25 @@ fn qemu_img_map(uri: &str) -> Vec<(u64, u64, bool, bool)> {
     j.as_array()
         .expect("extent array")
         .iter()
-        .map(|e| (e["start"].as_u64().unwrap(), e["length"].as_u64().unwrap(), e["data"].as_bool().unwrap(), e["zero"].as_bool().unwrap()))
+        .map(|e| {
+            (
+                e["start"].as_u64().unwrap(),
+                e["length"].as_u64().unwrap(),
+                e["data"].as_bool().unwrap(),
+                e["zero"].as_bool().unwrap(),
+            )
+        })
         .collect()
 }
 
 /// The single value `f` takes over all extents overlapping [lo, hi), or None if mixed.
-fn uniform<T: Copy + PartialEq, E>(ext: &[E], span: impl Fn(&E) -> (u64, u64), f: impl Fn(&E) -> T, lo: u64, hi: u64) -> Option<T> {
+fn uniform<T: Copy + PartialEq, E>(
+    ext: &[E],
+    span: impl Fn(&E) -> (u64, u64),
+    f: impl Fn(&E) -> T,
+    lo: u64,
+    hi: u64,
+) -> Option<T> {
     let vals: Vec<T> = ext
         .iter()
         .filter(|e| {

@@ -14,7 +14,10 @@ fn data_survives_clean_restart() {
     let mut s = Server::start(&td.data());
     s.create_volume("p", "256MiB");
     // no explicit flush: a clean shutdown must flush on its own
-    qemu_io_ok(&s.uri("p"), &["write -P 0x21 0 1M", "write -P 0x22 1000 70000", "write -P 0x23 100M 8M", "write -P 0x24 255M 1M"]);
+    qemu_io_ok(
+        &s.uri("p"),
+        &["write -P 0x21 0 1M", "write -P 0x22 1000 70000", "write -P 0x23 100M 8M", "write -P 0x24 255M 1M"],
+    );
     s.stop();
     check_clean(&td.data());
     s.restart();
@@ -45,7 +48,10 @@ fn flushed_data_survives_kill9() {
     qemu_io_ok(&s.uri("k"), &["write -P 0x5b 5000 12345", "write -P 0x5c 64M 3M", "flush"]);
     qemu_io_ok(&s.uri("k"), &["write -f -P 0x6b 2M 1M", "write -f -P 0x6c 100M 4097"]); // FUA, no flush
                                                                                         // trims and zeroes are durable after a flush too
-    qemu_io_ok(&s.uri("k"), &["write -P 0x6d 110M 4M", "flush", "discard 110M 1M", "write -z 111M 1M", "write -z -u 112M 1M", "flush"]);
+    qemu_io_ok(
+        &s.uri("k"),
+        &["write -P 0x6d 110M 4M", "flush", "discard 110M 1M", "write -z 111M 1M", "write -z -u 112M 1M", "flush"],
+    );
     s.kill9();
     check_clean(&td.data());
     s.restart();
@@ -137,8 +143,13 @@ struct Round {
 
 impl Round {
     fn verify(&self, s: &Server) -> String {
-        let args =
-            [&s.uri(&self.volume), self.tag.as_str(), &self.stride.to_string(), &self.blen.to_string(), self.acked.to_str().unwrap()];
+        let args = [
+            &s.uri(&self.volume),
+            self.tag.as_str(),
+            &self.stride.to_string(),
+            &self.blen.to_string(),
+            self.acked.to_str().unwrap(),
+        ];
         let o = python(CRASH_VERIFIER, &args);
         assert!(o.status.success(), "round {}: acknowledged data lost after kill -9:\n{}", self.volume, text(&o));
         text(&o)
@@ -154,8 +165,13 @@ fn acknowledged_writes_survive_kill9_during_write_loop() {
     // (mode, block length, stride): unit-unaligned 64 KiB blocks with gaps, small
     // adjacent unaligned blocks sharing units, multi-unit aligned blocks, FUA writes,
     // and writes on one connection made durable by a flush on another (multi-conn)
-    let plans: [(&str, u64, u64); 5] =
-        [("flush", 65536, 69632), ("flush", 5096, 5096), ("flush", 262144, 262144), ("fua", 12288, 12800), ("multiconn", 32768, 40960)];
+    let plans: [(&str, u64, u64); 5] = [
+        ("flush", 65536, 69632),
+        ("flush", 5096, 5096),
+        ("flush", 262144, 262144),
+        ("fua", 12288, 12800),
+        ("multiconn", 32768, 40960),
+    ];
     let mut rounds: Vec<Round> = Vec::new();
     for (r, (mode, blen, stride)) in plans.into_iter().enumerate() {
         let volume = format!("crash{r}");
@@ -193,7 +209,10 @@ fn acknowledged_writes_survive_kill9_during_write_loop() {
         let t = Instant::now();
         while std::fs::metadata(&round.acked).unwrap().len() == 0 {
             if let Some(st) = writer.try_wait().unwrap() {
-                panic!("writer exited ({st}) before its first flush: {}", std::fs::read_to_string(&err_path).unwrap_or_default());
+                panic!(
+                    "writer exited ({st}) before its first flush: {}",
+                    std::fs::read_to_string(&err_path).unwrap_or_default()
+                );
             }
             assert!(t.elapsed() < Duration::from_secs(20), "no block acknowledged within 20 s");
             std::thread::sleep(Duration::from_millis(5));
@@ -279,7 +298,10 @@ fn volume_metadata_survives_restart() {
         }
     }
     let used = s.pool_status()["used_bytes"].as_u64().unwrap();
-    assert!(used < used_with_gone - 15 * MIB, "space of the deleted volume not free after restart: used {used}, was {used_with_gone}");
+    assert!(
+        used < used_with_gone - 15 * MIB,
+        "space of the deleted volume not free after restart: used {used}, was {used_with_gone}"
+    );
     let e = s.cli_err(&["volume", "info", "gone"]);
     assert!(e.contains("not found"), "info on a deleted volume: {e}");
     let o = output(peer("nbdinfo").arg(s.uri("gone")));
@@ -313,7 +335,19 @@ fn restart_right_after_kill9() {
     let mut refused = Vec::new();
     for round in 0..20 {
         let mut writer = Command::new("timeout")
-            .args(["-k", "5", "60", PYTHON, "-c", CRASH_WRITER, &s.uri("busy"), &format!("busy{round}"), "69632", "65536", "flush"])
+            .args([
+                "-k",
+                "5",
+                "60",
+                PYTHON,
+                "-c",
+                CRASH_WRITER,
+                &s.uri("busy"),
+                &format!("busy{round}"),
+                "69632",
+                "65536",
+                "flush",
+            ])
             .env("PATH", peer_path())
             .stdin(Stdio::null())
             .stdout(Stdio::null())

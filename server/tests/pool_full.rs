@@ -61,12 +61,17 @@ fn enospc_then_overwrites_work_and_nothing_is_lost() {
     for i in 0..(capacity / MIB + 8) {
         let o = qemu_io(&uri, &[&format!("write -P {} {} 1M", pat(i), i * MIB)]);
         if !qemu_io_succeeded(&o) {
-            assert!(text(&o).contains("No space left on device"), "write {i} failed, but not with ENOSPC:\n{}", text(&o));
+            assert!(
+                text(&o).contains("No space left on device"),
+                "write {i} failed, but not with ENOSPC:\n{}",
+                text(&o)
+            );
             full_at = Some(i);
             break;
         }
     }
-    let k = full_at.unwrap_or_else(|| panic!("{} MiB written to a pool of {capacity} bytes without ENOSPC", capacity / MIB + 8));
+    let k = full_at
+        .unwrap_or_else(|| panic!("{} MiB written to a pool of {capacity} bytes without ENOSPC", capacity / MIB + 8));
     assert!(k * MIB <= capacity, "wrote {k} MiB into a pool of {capacity} bytes");
     assert!(k * MIB + 8 * MIB >= capacity, "ENOSPC after only {k} MiB of a {capacity} byte pool");
     assert!(s.is_running(), "server died at ENOSPC");
@@ -78,13 +83,20 @@ fn enospc_then_overwrites_work_and_nothing_is_lost() {
         assert!(units < MIB / unit, "chunk {k} filled completely after a 1 MiB write into it failed");
         let o = qemu_io(&uri, &[&format!("write -P {} {} {unit}", pat(k), k * MIB + units * unit)]);
         if !qemu_io_succeeded(&o) {
-            assert!(text(&o).contains("No space left on device"), "unit write failed, but not with ENOSPC:\n{}", text(&o));
+            assert!(
+                text(&o).contains("No space left on device"),
+                "unit write failed, but not with ENOSPC:\n{}",
+                text(&o)
+            );
             break;
         }
         units += 1;
     }
     let used = status_u64(&s, "used_bytes");
-    assert!(used <= capacity && used >= k * MIB + units * unit, "used {used} after writing {k} MiB + {units} units (capacity {capacity})");
+    assert!(
+        used <= capacity && used >= k * MIB + units * unit,
+        "used {used} after writing {k} MiB + {units} units (capacity {capacity})"
+    );
 
     // more allocating writes fail the same way: small, unaligned, far away, zero-with-no-unmap
     for cmd in [
@@ -123,7 +135,10 @@ fn enospc_then_overwrites_work_and_nothing_is_lost() {
     qemu_io_ok(&uri, &[&format!("discard {} 4M", 4 * MIB), "flush", &format!("read -P 0 {} 4M", 4 * MIB)]);
     let free_after = status_u64(&s, "free_bytes");
     assert!(free_after >= free_before + 4 * MIB, "free bytes after trimming 4 MiB: {free_before} -> {free_after}");
-    qemu_io_ok(&uri, &[&format!("write -P 0x99 {} 2M", (k + 1) * MIB), &format!("read -P 0x99 {} 2M", (k + 1) * MIB), "flush"]);
+    qemu_io_ok(
+        &uri,
+        &[&format!("write -P 0x99 {} 2M", (k + 1) * MIB), &format!("read -P 0x99 {} 2M", (k + 1) * MIB), "flush"],
+    );
 
     // the pool is consistent, and the data survives a restart
     s.stop();
@@ -153,8 +168,12 @@ fn concurrent_writers_hit_enospc_and_pool_stays_consistent() {
     std::fs::write(&src, random_bytes(96 * MIB as usize)).unwrap();
     let mut copy = peer("nbdcopy");
     copy.args(["--connections=4", "--requests=16"]).arg(&src).arg(s.uri("a"));
-    let copy =
-        copy.stdin(std::process::Stdio::null()).stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let copy = copy
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
     let fio_uri = format!("--uri={}", s.uri("b"));
     let fio = output(peer("fio").current_dir(td.path()).args([
         "--name=f",

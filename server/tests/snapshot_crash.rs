@@ -95,8 +95,12 @@ fn snapshots_stay_consistent_across_kill9_under_load() {
     check_clean(&td.data());
     s.restart();
 
-    let listed: Vec<String> =
-        json(&s.cli_ok(&["snapshot", "list", "v", "--json"])).as_array().unwrap().iter().map(|v| v["name"].as_str().unwrap().to_owned()).collect();
+    let listed: Vec<String> = json(&s.cli_ok(&["snapshot", "list", "v", "--json"]))
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v["name"].as_str().unwrap().to_owned())
+        .collect();
     for c in &created {
         let name = format!("v@s{c}");
         if deleted.contains(c) {
@@ -110,9 +114,15 @@ fn snapshots_stay_consistent_across_kill9_under_load() {
         let o = python(PREFIX, &[&s.uri(name), &stride.to_string(), &blen.to_string(), &last.to_string(), "0"]);
         assert!(o.status.success(), "snapshot {name}: {}", text(&o));
     }
-    let o = python(PREFIX, &[&s.uri("v"), &stride.to_string(), &blen.to_string(), &last.to_string(), &flushed.to_string()]);
+    let o =
+        python(PREFIX, &[&s.uri("v"), &stride.to_string(), &blen.to_string(), &last.to_string(), &flushed.to_string()]);
     assert!(o.status.success(), "volume after kill -9: {}", text(&o));
-    eprintln!("{flushed} blocks flushed, {} snapshots created, {} deleted, {} listed", created.len(), deleted.len(), listed.len());
+    eprintln!(
+        "{flushed} blocks flushed, {} snapshots created, {} deleted, {} listed",
+        created.len(),
+        deleted.len(),
+        listed.len()
+    );
     s.stop();
     check_clean(&td.data());
 }

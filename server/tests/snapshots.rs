@@ -32,13 +32,18 @@ fn snapshot_export_is_read_only_point_in_time() {
     assert_eq!(e["is_read_only"], true, "{info}");
     assert_eq!(e["export-size"], 256 * MIB);
     qemu_io_ro_ok(&s.uri("v@before"), &["read -P 0x11 0 4M", "read -P 0x22 8M 1M", "read -P 0 100M 4k"]);
-    qemu_io_ok(&s.uri("v"), &["read -P 0x11 0 1M", "read -P 0x33 1M 64k", "read -P 0x11 1088k 2M", "read -P 0x44 100M 4k"]);
+    qemu_io_ok(
+        &s.uri("v"),
+        &["read -P 0x11 0 1M", "read -P 0x33 1M 64k", "read -P 0x11 1088k 2M", "read -P 0x44 100M 4k"],
+    );
     // Sent to the server (libnbd's strict mode off): the server itself answers EPERM.
-    let code = "h.set_strict_mode(0)\ntry:\n    h.pwrite(b'x' * 4096, 0)\nexcept nbd.Error as e:\n    print('errno', e.errno)";
+    let code =
+        "h.set_strict_mode(0)\ntry:\n    h.pwrite(b'x' * 4096, 0)\nexcept nbd.Error as e:\n    print('errno', e.errno)";
     let o = output(peer("nbdsh").args(["-u", &s.uri("v@before"), "-c", code]));
     assert!(text(&o).contains("errno EPERM"), "write to a snapshot: {}", text(&o));
     let list = json(&text(&output(peer("nbdinfo").args(["--list", "--json", &s.base_uri()]))));
-    let names: Vec<_> = list["exports"].as_array().unwrap().iter().map(|e| e["export-name"].as_str().unwrap().to_owned()).collect();
+    let names: Vec<_> =
+        list["exports"].as_array().unwrap().iter().map(|e| e["export-name"].as_str().unwrap().to_owned()).collect();
     assert!(names.contains(&"v@before".to_string()), "{names:?}");
 
     // Accounting: 5 MiB written before; the snapshot shares all but the overwritten unit.
@@ -49,7 +54,12 @@ fn snapshot_export_is_read_only_point_in_time() {
     assert_eq!(sn["exclusive_bytes"], 64 * KIB, "only the overwritten unit is the snapshot's alone");
     // Diff: exactly the overwritten 64 KiB and the new 4 KiB (from metadata; a copied unit counts whole).
     let diff = json(&s.cli_ok(&["snapshot", "diff", "v@before", "v", "--json"]));
-    let ranges: Vec<(u64, u64)> = diff.as_array().unwrap().iter().map(|r| (r["offset"].as_u64().unwrap(), r["length"].as_u64().unwrap())).collect();
+    let ranges: Vec<(u64, u64)> = diff
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| (r["offset"].as_u64().unwrap(), r["length"].as_u64().unwrap()))
+        .collect();
     assert_eq!(ranges, vec![(MIB, 64 * KIB), (100 * MIB, 4 * KIB)]);
 
     // A clone of the snapshot is writable and independent of both.

@@ -110,7 +110,11 @@ impl AsMut<[u8]> for AlignedBuf {
 
 impl std::fmt::Debug for AlignedBuf {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AlignedBuf").field("cap", &self.cap).field("start", &self.start).field("len", &self.len).finish()
+        f.debug_struct("AlignedBuf")
+            .field("cap", &self.cap)
+            .field("start", &self.start)
+            .field("len", &self.len)
+            .finish()
     }
 }
 

@@ -136,8 +136,8 @@ impl Record {
 pub(crate) fn split_records(mut payload: &[u8]) -> Result<Vec<(u8, &[u8])>> {
     let mut out = Vec::new();
     while !payload.is_empty() {
-        let (h, rest) = RecordHeader::read_from_prefix(payload)
-            .map_err(|_| Error::corrupt("truncated record header"))?;
+        let (h, rest) =
+            RecordHeader::read_from_prefix(payload).map_err(|_| Error::corrupt("truncated record header"))?;
         let len = h.len.get() as usize;
         if rest.len() < len {
             return Err(Error::corrupt("record runs past its batch or chunk"));
@@ -174,7 +174,10 @@ impl State {
 
     fn check_unit(&self, punit: u32) -> Result<()> {
         if u64::from(punit) >= self.alloc.unit_count() {
-            return Err(Error::corrupt(format!("mapping names data unit {punit} past the pool's {} units", self.alloc.unit_count())));
+            return Err(Error::corrupt(format!(
+                "mapping names data unit {punit} past the pool's {} units",
+                self.alloc.unit_count()
+            )));
         }
         if self.alloc.refcount(punit) == META {
             return Err(Error::corrupt(format!("mapping names data unit {punit}, which holds checkpoint metadata")));
@@ -187,9 +190,14 @@ impl State {
         match rec {
             Record::Map { volume, lunit, punit, bitmap } => {
                 self.check_unit(punit)?;
-                let vol = self.volumes.get_mut(&volume).ok_or_else(|| Error::corrupt(format!("log maps unit of unknown volume {volume}")))?;
+                let vol = self
+                    .volumes
+                    .get_mut(&volume)
+                    .ok_or_else(|| Error::corrupt(format!("log maps unit of unknown volume {volume}")))?;
                 if lunit >= vol.size.div_ceil(self.unit_size) {
-                    return Err(Error::corrupt(format!("log maps logical unit {lunit} past the end of volume {volume}")));
+                    return Err(Error::corrupt(format!(
+                        "log maps logical unit {lunit} past the end of volume {volume}"
+                    )));
                 }
                 let alloc = &mut self.alloc;
                 let old = vol.map.set(lunit, Entry { punit, bitmap }, &mut |u| alloc.incref(u));
@@ -201,7 +209,10 @@ impl State {
                 }
             }
             Record::Unmap { volume, lunit } => {
-                let vol = self.volumes.get_mut(&volume).ok_or_else(|| Error::corrupt(format!("log unmaps unit of unknown volume {volume}")))?;
+                let vol = self
+                    .volumes
+                    .get_mut(&volume)
+                    .ok_or_else(|| Error::corrupt(format!("log unmaps unit of unknown volume {volume}")))?;
                 if lunit < vol.size.div_ceil(self.unit_size) {
                     let alloc = &mut self.alloc;
                     let old = vol.map.set(lunit, Entry::EMPTY, &mut |u| alloc.incref(u));
@@ -222,9 +233,14 @@ impl State {
                 if self.volumes.contains_key(&target) {
                     return Err(Error::corrupt(format!("volume id {target} created twice")));
                 }
-                let src = self.volumes.get(&source).ok_or_else(|| Error::corrupt(format!("log shares unknown volume {source}")))?;
+                let src = self
+                    .volumes
+                    .get(&source)
+                    .ok_or_else(|| Error::corrupt(format!("log shares unknown volume {source}")))?;
                 if size != src.size || (snapshot && src.snapshot) {
-                    return Err(Error::corrupt(format!("log shares volume {source} with a different size or as a snapshot of a snapshot")));
+                    return Err(Error::corrupt(format!(
+                        "log shares volume {source} with a different size or as a snapshot of a snapshot"
+                    )));
                 }
                 let mut map = src.map.share();
                 map.grow(size.div_ceil(self.unit_size));
@@ -232,13 +248,19 @@ impl State {
                 self.next_volume = self.next_volume.max(target + 1);
             }
             Record::VolumeDelete { volume } => {
-                let mut vol = self.volumes.remove(&volume).ok_or_else(|| Error::corrupt(format!("log deletes unknown volume {volume}")))?;
+                let mut vol = self
+                    .volumes
+                    .remove(&volume)
+                    .ok_or_else(|| Error::corrupt(format!("log deletes unknown volume {volume}")))?;
                 for u in vol.map.release_all() {
                     self.alloc.decref(u);
                 }
             }
             Record::VolumeResize { volume, size } => {
-                let vol = self.volumes.get_mut(&volume).ok_or_else(|| Error::corrupt(format!("log resizes unknown volume {volume}")))?;
+                let vol = self
+                    .volumes
+                    .get_mut(&volume)
+                    .ok_or_else(|| Error::corrupt(format!("log resizes unknown volume {volume}")))?;
                 if size < vol.size {
                     return Err(Error::corrupt(format!("log shrinks volume {volume}")));
                 }
@@ -280,7 +302,11 @@ impl State {
                 let mut body = Vec::with_capacity(page.mapped as usize * 16);
                 for (i, e) in page.entries.iter().enumerate() {
                     if e.is_mapped() {
-                        let pe = PageEntry { index: (i as u32).into(), bitmap: e.bitmap.into(), punit: u64::from(e.punit).into() };
+                        let pe = PageEntry {
+                            index: (i as u32).into(),
+                            bitmap: e.bitmap.into(),
+                            punit: u64::from(e.punit).into(),
+                        };
                         body.extend_from_slice(pe.as_bytes());
                     }
                 }
@@ -299,9 +325,13 @@ impl State {
         for (u, &r) in self.alloc.refcounts().iter().enumerate() {
             let r = if self.alloc.cow_inflight.contains(&(u as u32)) { 0 } else { r };
             if r != 0 && r != META {
-                body.extend_from_slice(RefcountEntry { unit: (u as u64).into(), refcount: r.into(), pad: 0.into() }.as_bytes());
+                body.extend_from_slice(
+                    RefcountEntry { unit: (u as u64).into(), refcount: r.into(), pad: 0.into() }.as_bytes(),
+                );
                 refcounts += 1;
-                if body.len() + 2 * size_of::<RefcountEntry>() + size_of::<RecordHeader>() > w.limit.min(u16::MAX as usize) {
+                if body.len() + 2 * size_of::<RefcountEntry>() + size_of::<RecordHeader>()
+                    > w.limit.min(u16::MAX as usize)
+                {
                     w.push(REC_REFCOUNTS, &[&body]);
                     body.clear();
                 }
@@ -402,17 +432,23 @@ pub(crate) fn validate_superblock(sb: &Superblock, size: u64) -> Result<Geometry
         && (MIN_UNIT_SIZE..=MAX_UNIT_SIZE).contains(&unit_size)
         && g.log_offset == LOG_OFFSET
         && g.log_size >= 4 * MAX_BATCH_BYTES as u64
-        && g.log_size % BLOCK_SIZE == 0
+        && g.log_size.is_multiple_of(BLOCK_SIZE)
         && g.data_offset >= g.log_offset + g.log_size
-        && g.data_offset % g.unit_size == 0
+        && g.data_offset.is_multiple_of(g.unit_size)
         && g.unit_count > 0
         && g.unit_count < u64::from(u32::MAX)
-        && g.unit_count.checked_mul(g.unit_size).and_then(|b| b.checked_add(g.data_offset)).is_some_and(|end| end <= g.pool_size);
+        && g.unit_count
+            .checked_mul(g.unit_size)
+            .and_then(|b| b.checked_add(g.data_offset))
+            .is_some_and(|end| end <= g.pool_size);
     if !sane {
         return Err(Error::corrupt("superblock geometry is inconsistent"));
     }
     if g.pool_size > size {
-        return Err(Error::corrupt(format!("pool was created with {} bytes but the file or device has only {size}", g.pool_size)));
+        return Err(Error::corrupt(format!(
+            "pool was created with {} bytes but the file or device has only {size}",
+            g.pool_size
+        )));
     }
     Ok(g)
 }
@@ -480,14 +516,17 @@ pub(crate) fn load(read: &mut ReadAt<'_>, size: u64) -> Result<Loaded> {
         let mut expected_chunks = sb.checkpoint_chunks.get();
         while unit != NO_UNIT {
             if unit >= geo.unit_count || index >= expected_chunks {
-                return Err(Error::corrupt(format!("checkpoint chunk {index} points at unit {unit}, outside the checkpoint")));
+                return Err(Error::corrupt(format!(
+                    "checkpoint chunk {index} points at unit {unit}, outside the checkpoint"
+                )));
             }
             if refcount[unit as usize] == META {
                 return Err(Error::corrupt(format!("checkpoint chunk list loops at unit {unit}")));
             }
             refcount[unit as usize] = META;
             checkpoint_units.push(unit as u32);
-            let bytes = read(geo.unit_offset(unit), geo.unit_size as usize).map_err(|e| Error::io("read checkpoint", e))?;
+            let bytes =
+                read(geo.unit_offset(unit), geo.unit_size as usize).map_err(|e| Error::io("read checkpoint", e))?;
             let (h, rest) = ChunkHeader::read_from_prefix(&bytes).expect("unit holds a header");
             let plen = h.payload_len.get() as usize;
             let mut hz = h.clone();
@@ -507,9 +546,13 @@ pub(crate) fn load(read: &mut ReadAt<'_>, size: u64) -> Result<Loaded> {
             for (kind, body) in split_records(&rest[..plen])? {
                 let bad = |what: &str| Error::corrupt(format!("checkpoint chunk {index}: malformed {what} record"));
                 match kind {
-                    REC_POOL => next_volume = PoolRec::read_from_bytes(body).map_err(|_| bad("pool"))?.next_volume.get(),
+                    REC_POOL => {
+                        next_volume = PoolRec::read_from_bytes(body).map_err(|_| bad("pool"))?.next_volume.get()
+                    }
                     REC_VOLUME => {
-                        let Record::Volume { volume, size, created, name } = Record::decode(kind, body)? else { unreachable!() };
+                        let Record::Volume { volume, size, created, name } = Record::decode(kind, body)? else {
+                            unreachable!()
+                        };
                         let flags = VolumeRec::read_from_prefix(body).map_err(|_| bad("volume"))?.0.flags.get();
                         if flags & !VOLUME_FLAG_SNAPSHOT != 0 {
                             return Err(bad("volume (unknown flags)"));
@@ -566,7 +609,12 @@ pub(crate) fn load(read: &mut ReadAt<'_>, size: u64) -> Result<Loaded> {
         let Some(end) = ended else {
             return Err(Error::corrupt("checkpoint has no end record (incomplete)"));
         };
-        if end.chunks.get() != index || sb.checkpoint_chunks.get() != index || end.volumes.get() != volumes.len() as u64 || end.pages.get() != pages.len() as u64 || end.refcounts.get() != stored_refcounts.len() as u64 {
+        if end.chunks.get() != index
+            || sb.checkpoint_chunks.get() != index
+            || end.volumes.get() != volumes.len() as u64
+            || end.pages.get() != pages.len() as u64
+            || end.refcounts.get() != stored_refcounts.len() as u64
+        {
             return Err(Error::corrupt("checkpoint totals do not match its contents"));
         }
     }
@@ -605,7 +653,8 @@ pub(crate) fn load(read: &mut ReadAt<'_>, size: u64) -> Result<Loaded> {
     }
     drop(stored);
     drop(derived);
-    let mut state = State { volumes, next_volume, alloc: Allocator::from_refcounts(refcount), unit_size: geo.unit_size };
+    let mut state =
+        State { volumes, next_volume, alloc: Allocator::from_refcounts(refcount), unit_size: geo.unit_size };
     // Replay the log.
     let mut log = LogCursor { head: sb.log_head.get(), pos: sb.log_head.get(), seq: sb.checkpoint_seq.get() };
     let mut batches = 0;
@@ -613,7 +662,7 @@ pub(crate) fn load(read: &mut ReadAt<'_>, size: u64) -> Result<Loaded> {
         let found = read_batch(read, &geo, log.pos, log.seq + 1)?.map(|b| (log.pos, b));
         let found = match found {
             Some(f) => Some(f),
-            None if log.pos % geo.log_size != 0 => {
+            None if !log.pos.is_multiple_of(geo.log_size) => {
                 let next_lap = log.pos + (geo.log_size - log.pos % geo.log_size);
                 read_batch(read, &geo, next_lap, log.seq + 1)?.map(|b| (next_lap, b))
             }
@@ -661,7 +710,11 @@ fn read_batch(read: &mut ReadAt<'_>, geo: &Geometry, pos: u64, seq: u64) -> Resu
     {
         return Ok(None);
     }
-    let all = if blocks == 1 { first } else { read(geo.log_offset + rel, (blocks * BLOCK_SIZE) as usize).map_err(|e| Error::io("read log", e))? };
+    let all = if blocks == 1 {
+        first
+    } else {
+        read(geo.log_offset + rel, (blocks * BLOCK_SIZE) as usize).map_err(|e| Error::io("read log", e))?
+    };
     let payload = &all[size_of::<BatchHeader>()..size_of::<BatchHeader>() + plen];
     let mut hz = h.clone();
     hz.crc = 0.into();
@@ -682,7 +735,8 @@ pub(crate) fn encode_batches(records: &[u8], first_seq: u64, pool_tag: u64) -> R
         // Cut at a record boundary.
         let mut cut = 0;
         while cut < rest.len() {
-            let (h, _) = RecordHeader::read_from_prefix(&rest[cut..]).map_err(|_| Error::corrupt("bad pending record"))?;
+            let (h, _) =
+                RecordHeader::read_from_prefix(&rest[cut..]).map_err(|_| Error::corrupt("bad pending record"))?;
             let next = cut + size_of::<RecordHeader>() + h.len.get() as usize;
             if next > max_payload {
                 break;
@@ -729,7 +783,8 @@ mod tests {
         for r in &recs {
             r.encode(&mut buf);
         }
-        let back: Vec<Record> = split_records(&buf).unwrap().into_iter().map(|(k, b)| Record::decode(k, b).unwrap()).collect();
+        let back: Vec<Record> =
+            split_records(&buf).unwrap().into_iter().map(|(k, b)| Record::decode(k, b).unwrap()).collect();
         assert_eq!(back, recs);
     }
 

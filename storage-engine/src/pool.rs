@@ -238,7 +238,7 @@ pub fn validate_name(name: &str) -> Result<()> {
 }
 
 fn validate_size(size: u64) -> Result<()> {
-    if size == 0 || size % BLOCK_SIZE != 0 || size > MAX_VOLUME_SIZE {
+    if size == 0 || !size.is_multiple_of(BLOCK_SIZE) || size > MAX_VOLUME_SIZE {
         return Err(Error::new(
             ErrorKind::InvalidArgument,
             format!("volume size {size} must be a non-zero multiple of 4096 bytes and at most 1 PiB"),
@@ -265,7 +265,10 @@ fn lock(file: &File, exclusive: bool, path: &Path) -> Result<()> {
             Ok(()) => return Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 if std::time::Instant::now() >= deadline {
-                    return Err(Error::new(ErrorKind::InUse, format!("{} is in use by another process (a running server?)", path.display())));
+                    return Err(Error::new(
+                        ErrorKind::InUse,
+                        format!("{} is in use by another process (a running server?)", path.display()),
+                    ));
                 }
                 std::thread::sleep(std::time::Duration::from_millis(20));
             }
@@ -297,7 +300,8 @@ pub fn check(path: &Path) -> Result<CheckReport> {
     let loaded = journal::load(&mut read, size)?;
     let mut problems = Vec::new();
     for (u, stored, derived) in &loaded.refcount_mismatches {
-        problems.push(format!("checkpoint refcount of data unit {u} is {stored} but {derived} mapping pages reference it"));
+        problems
+            .push(format!("checkpoint refcount of data unit {u} is {stored} but {derived} mapping pages reference it"));
     }
     let st = &loaded.state;
     let bpu = loaded.geo.blocks_per_unit();
@@ -321,7 +325,10 @@ pub fn check(path: &Path) -> Result<CheckReport> {
                 problems.push(format!("volume '{}' maps logical unit {lunit} past its end", v.name));
             }
             if bpu < 32 && e.bitmap >> bpu != 0 {
-                problems.push(format!("volume '{}' logical unit {lunit} has bitmap bits past the unit's {bpu} blocks", v.name));
+                problems.push(format!(
+                    "volume '{}' logical unit {lunit} has bitmap bits past the unit's {bpu} blocks",
+                    v.name
+                ));
             }
         }
         // A data unit's refcount counts the distinct pages that map it.
@@ -346,7 +353,11 @@ pub fn check(path: &Path) -> Result<CheckReport> {
         }
     }
     if meta != loaded.checkpoint_units.len() as u64 {
-        problems.push(format!("{} units marked as metadata but the checkpoint has {}", meta, loaded.checkpoint_units.len()));
+        problems.push(format!(
+            "{} units marked as metadata but the checkpoint has {}",
+            meta,
+            loaded.checkpoint_units.len()
+        ));
     }
     if used + meta + free != loaded.geo.unit_count || a.free_count() != free {
         problems.push(format!(
@@ -387,7 +398,10 @@ impl Pool {
     pub fn create(path: &Path, opts: &PoolOptions) -> Result<Pool> {
         let unit = opts.unit_size;
         if !unit.is_power_of_two() || !(MIN_UNIT_SIZE..=MAX_UNIT_SIZE).contains(&unit) {
-            return Err(Error::new(ErrorKind::InvalidArgument, format!("unit size {unit} must be a power of two from 16 KiB to 128 KiB")));
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                format!("unit size {unit} must be a power of two from 16 KiB to 128 KiB"),
+            ));
         }
         let is_dev = std::fs::metadata(path).map(|m| {
             use std::os::unix::fs::FileTypeExt;
@@ -395,10 +409,16 @@ impl Pool {
         });
         let is_dev = match is_dev {
             Ok(true) => true,
-            Ok(false) => return Err(Error::new(ErrorKind::AlreadyExists, format!("{} exists; refusing to overwrite it", path.display()))),
+            Ok(false) => {
+                return Err(Error::new(
+                    ErrorKind::AlreadyExists,
+                    format!("{} exists; refusing to overwrite it", path.display()),
+                ))
+            }
             Err(_) => false,
         };
-        let (file, _direct) = io::open_pool_file(path, !is_dev).map_err(|e| Error::io(format!("create {}", path.display()), e))?;
+        let (file, _direct) =
+            io::open_pool_file(path, !is_dev).map_err(|e| Error::io(format!("create {}", path.display()), e))?;
         lock(&file, true, path)?;
         let size = if is_dev {
             io::device_size(&file).map_err(|e| Error::io("size of device", e))?
@@ -414,7 +434,10 @@ impl Pool {
             if !is_dev {
                 let _ = std::fs::remove_file(path);
             }
-            return Err(Error::new(ErrorKind::InvalidArgument, format!("pool size {size} bytes gives {unit_count} data units; need 64 to 2^32-2")));
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                format!("pool size {size} bytes gives {unit_count} data units; need 64 to 2^32-2"),
+            ));
         }
         let mut sb = Superblock {
             magic: SUPERBLOCK_MAGIC,
@@ -462,7 +485,8 @@ impl Pool {
     /// mismatch with its location, unsupported version, inconsistent refcounts);
     /// [`ErrorKind::Io`].
     pub fn open(path: &Path) -> Result<Pool> {
-        let (file, direct) = io::open_pool_file(path, false).map_err(|e| Error::io(format!("open {}", path.display()), e))?;
+        let (file, direct) =
+            io::open_pool_file(path, false).map_err(|e| Error::io(format!("open {}", path.display()), e))?;
         lock(&file, true, path)?;
         let size = io::device_size(&file).map_err(|e| Error::io("size of pool", e))?;
         let loaded = {
@@ -561,7 +585,9 @@ impl Pool {
     /// [`Pool::delete_snapshot`]), [`ErrorKind::Failed`]/[`ErrorKind::Io`].
     pub async fn delete_volume(&self, name: &str) -> Result<()> {
         if name.contains('@') {
-            return Err(Error::new(ErrorKind::NotFound, "no such volume (a snapshot is deleted with snapshot delete)").op("delete volume").volume(name));
+            return Err(Error::new(ErrorKind::NotFound, "no such volume (a snapshot is deleted with snapshot delete)")
+                .op("delete volume")
+                .volume(name));
         }
         self.delete_any(name, "delete volume").await
     }
@@ -578,7 +604,8 @@ impl Pool {
         self.inner.check_writable().map_err(err)?;
         {
             let mut vols = self.inner.volumes.write();
-            let vs = vols.remove(name).ok_or_else(|| err(Error::new(ErrorKind::NotFound, "no such volume or snapshot")))?;
+            let vs =
+                vols.remove(name).ok_or_else(|| err(Error::new(ErrorKind::NotFound, "no such volume or snapshot")))?;
             let mut map = vs.map.write();
             vs.deleted.store(true, Ordering::SeqCst);
             self.inner.log_record(&Record::VolumeDelete { volume: vs.id });
@@ -622,7 +649,13 @@ impl Pool {
 
     async fn share(&self, source: &str, target: &str, snapshot: bool) -> Result<VolumeInfo> {
         self.inner.check_writable()?;
-        let src = self.inner.volumes.read().get(source).cloned().ok_or_else(|| Error::new(ErrorKind::NotFound, format!("no volume or snapshot '{source}'")))?;
+        let src = self
+            .inner
+            .volumes
+            .read()
+            .get(source)
+            .cloned()
+            .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("no volume or snapshot '{source}'")))?;
         if snapshot && src.snapshot {
             return Err(Error::new(ErrorKind::InvalidArgument, "snapshots are taken of volumes, not of snapshots"));
         }
@@ -641,8 +674,18 @@ impl Pool {
             let created = now();
             let size = src.size.load(Ordering::SeqCst);
             let shared = map.share();
-            self.inner.log_record(&Record::Share { source: src.id, target: id, size, created, snapshot, name: target.to_owned() });
-            vols.insert(target.to_owned(), Arc::new(VolState::new(id, target.to_owned(), snapshot, created, size, shared)));
+            self.inner.log_record(&Record::Share {
+                source: src.id,
+                target: id,
+                size,
+                created,
+                snapshot,
+                name: target.to_owned(),
+            });
+            vols.insert(
+                target.to_owned(),
+                Arc::new(VolState::new(id, target.to_owned(), snapshot, created, size, shared)),
+            );
         }
         drop(_quiet);
         self.inner.commit().await?;
@@ -671,7 +714,14 @@ impl Pool {
     ///
     /// Errors: [`ErrorKind::NotFound`].
     pub fn diff(&self, a: &str, b: &str) -> Result<Vec<(u64, u64)>> {
-        let get = |n: &str| self.inner.volumes.read().get(n).cloned().ok_or_else(|| Error::new(ErrorKind::NotFound, "no such volume or snapshot").op("diff").volume(n));
+        let get = |n: &str| {
+            self.inner
+                .volumes
+                .read()
+                .get(n)
+                .cloned()
+                .ok_or_else(|| Error::new(ErrorKind::NotFound, "no such volume or snapshot").op("diff").volume(n))
+        };
         let (va, vb) = (get(a)?, get(b)?);
         let (ma, mb) = (va.map.read().clone(), vb.map.read().clone());
         let bpu = self.inner.geo.blocks_per_unit();
@@ -716,11 +766,17 @@ impl Pool {
         self.inner.check_writable().map_err(err)?;
         {
             let vols = self.inner.volumes.read();
-            let vs = vols.get(name).filter(|v| !v.snapshot).ok_or_else(|| err(Error::new(ErrorKind::NotFound, "no such volume (snapshots cannot be resized)")))?;
+            let vs = vols
+                .get(name)
+                .filter(|v| !v.snapshot)
+                .ok_or_else(|| err(Error::new(ErrorKind::NotFound, "no such volume (snapshots cannot be resized)")))?;
             let mut map = vs.map.write();
             let old = vs.size.load(Ordering::SeqCst);
             if size < old {
-                return Err(err(Error::new(ErrorKind::InvalidArgument, format!("shrinking from {old} to {size} bytes is not supported"))));
+                return Err(err(Error::new(
+                    ErrorKind::InvalidArgument,
+                    format!("shrinking from {old} to {size} bytes is not supported"),
+                )));
             }
             if size != old {
                 map.grow(size.div_ceil(self.inner.geo.unit_size));
@@ -815,7 +871,8 @@ impl PoolInner {
         for page in v.map.read().pages().iter().flatten() {
             mapped += u64::from(page.mapped);
             if !page.is_shared() {
-                exclusive += page.units().filter(|&u| self.refcounts[u as usize].load(Ordering::Relaxed) == 1).count() as u64;
+                exclusive +=
+                    page.units().filter(|&u| self.refcounts[u as usize].load(Ordering::Relaxed) == 1).count() as u64;
             }
         }
         VolumeInfo {
@@ -1061,7 +1118,9 @@ impl PoolInner {
 
 /// Synchronous write of `data` (padded to whole blocks) at byte `offset` through the ring.
 fn write_blocks(ring: &IoRing, offset: u64, data: &[u8]) -> Result<()> {
-    let (_, r) = write_blocks_async(ring, offset, data).blocking_recv().map_err(|_| Error::new(ErrorKind::Failed, "I/O worker stopped"))?;
+    let (_, r) = write_blocks_async(ring, offset, data)
+        .blocking_recv()
+        .map_err(|_| Error::new(ErrorKind::Failed, "I/O worker stopped"))?;
     r.map_err(|e| Error::io(format!("write at byte {offset}"), e))
 }
 
@@ -1073,7 +1132,10 @@ fn write_blocks_async(ring: &IoRing, offset: u64, data: &[u8]) -> oneshot::Recei
 }
 
 fn sync(ring: &IoRing) -> Result<()> {
-    ring.fdatasync().blocking_recv().map_err(|_| Error::new(ErrorKind::Failed, "I/O worker stopped"))?.map_err(|e| Error::io("fdatasync pool", e))
+    ring.fdatasync()
+        .blocking_recv()
+        .map_err(|_| Error::new(ErrorKind::Failed, "I/O worker stopped"))?
+        .map_err(|e| Error::io("fdatasync pool", e))
 }
 
 /// The committer thread: serves commit requests in groups; checkpoints when half the
@@ -1098,7 +1160,11 @@ fn committer(pool: std::sync::Weak<PoolInner>, commits: Arc<Commits>) {
             Err(ErrorKind::Failed)
         } else {
             let pending = inner.journal.lock().bytes.len() as u64;
-            let r = if inner.log_used() + pending * 2 > inner.geo.log_size / 2 { inner.checkpoint(0) } else { inner.commit_cycle() };
+            let r = if inner.log_used() + pending * 2 > inner.geo.log_size / 2 {
+                inner.checkpoint(0)
+            } else {
+                inner.commit_cycle()
+            };
             r.map_err(|e| {
                 inner.fail(&e);
                 ErrorKind::Failed

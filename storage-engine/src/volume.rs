@@ -146,7 +146,11 @@ impl Volume {
         }
         let size = self.size();
         if offset.checked_add(len).is_none_or(|end| end > size) {
-            return Err(self.err(Error::new(ErrorKind::OutOfRange, format!("{len} bytes at {offset} exceed the volume size {size}")), op, offset));
+            return Err(self.err(
+                Error::new(ErrorKind::OutOfRange, format!("{len} bytes at {offset} exceed the volume size {size}")),
+                op,
+                offset,
+            ));
         }
         Ok(())
     }
@@ -213,7 +217,8 @@ impl Volume {
             }
         }
         if !segs.is_empty() {
-            let (back, r) = self.pool.ring.rw(Dir::Read, buf, segs).await.map_err(|_| self.err(worker_gone(), "read", offset))?;
+            let (back, r) =
+                self.pool.ring.rw(Dir::Read, buf, segs).await.map_err(|_| self.err(worker_gone(), "read", offset))?;
             buf = back;
             r.map_err(|e| self.err(Error::io("pool read failed", e), "read", offset))?;
         }
@@ -261,15 +266,19 @@ impl Volume {
         self.check_range("write", offset, len)?;
         self.pool.check_writable().map_err(|e| self.err(e, "write", offset))?;
         if len > MAX_IO_BYTES || buf.view_start() as u64 != offset % BLOCK_SIZE {
-            return Err(self.err(Error::new(ErrorKind::InvalidArgument, "write buffer does not fit the request"), "write", offset));
+            return Err(self.err(
+                Error::new(ErrorKind::InvalidArgument, "write buffer does not fit the request"),
+                "write",
+                offset,
+            ));
         }
         if len == 0 {
             return Ok(());
         }
         let b0 = offset / BLOCK_SIZE;
         let b1 = (offset + len).div_ceil(BLOCK_SIZE);
-        let head_partial = offset % BLOCK_SIZE != 0;
-        let tail_partial = (offset + len) % BLOCK_SIZE != 0;
+        let head_partial = !offset.is_multiple_of(BLOCK_SIZE);
+        let tail_partial = !(offset + len).is_multiple_of(BLOCK_SIZE);
         // Partial blocks are read, merged and rewritten under a stripe lock so that two
         // writers sharing a block never lose each other's bytes.
         let mut stripe_ids = Vec::new();
@@ -310,11 +319,12 @@ impl Volume {
         let old = self.read_block(blk).await?;
         let (vs, vl) = (buf.view_start(), buf.as_ref().len());
         let full = buf.full_mut();
-        for i in 0..bs {
-            let p = buf_at + i;
-            if p < vs || p >= vs + vl {
-                full[p] = old[i];
-            }
+        let end = buf_at + bs;
+        // The bytes of the block before the view, and after it.
+        let head = buf_at..vs.clamp(buf_at, end);
+        let tail = (vs + vl).clamp(buf_at, end)..end;
+        for r in [head, tail] {
+            full[r.clone()].copy_from_slice(&old[r.start - buf_at..r.end - buf_at]);
         }
         Ok(())
     }
@@ -372,7 +382,11 @@ impl Volume {
                 break;
             }
             if attempt == 1 || !frees_pending {
-                return Err(self.err(Error::new(ErrorKind::NoSpace, "no free data unit for an allocating write"), "write", offset));
+                return Err(self.err(
+                    Error::new(ErrorKind::NoSpace, "no free data unit for an allocating write"),
+                    "write",
+                    offset,
+                ));
             }
             self.pool.commit().await.map_err(|e| self.err(e, "write", offset))?;
         }
@@ -419,7 +433,12 @@ impl Volume {
             return Box::pin(self.write_blocks(b0, b1, buf, fua, offset)).await;
         }
         let dsync = fua && new_bits.is_empty() && private.is_empty();
-        let (buf, r) = self.pool.ring.rw(Dir::Write { dsync }, buf, segs).await.map_err(|_| self.err(worker_gone(), "write", offset))?;
+        let (buf, r) = self
+            .pool
+            .ring
+            .rw(Dir::Write { dsync }, buf, segs)
+            .await
+            .map_err(|_| self.err(worker_gone(), "write", offset))?;
         drop(pins);
         if let Err(e) = r {
             // Undo allocations that never received data (nothing was logged for them).
@@ -509,7 +528,9 @@ impl Volume {
             match got {
                 Ok(p) => p,
                 Err(frees_pending) => {
-                    let no_space = || self.err(Error::new(ErrorKind::NoSpace, "no free data unit for copy-on-write"), "write", offset);
+                    let no_space = || {
+                        self.err(Error::new(ErrorKind::NoSpace, "no free data unit for copy-on-write"), "write", offset)
+                    };
                     if !frees_pending {
                         return Err(no_space());
                     }
@@ -539,12 +560,30 @@ impl Volume {
 
     /// Writes blocks `[s, e)` of an exclusive unit in place and records them.
     #[allow(clippy::too_many_arguments)]
-    async fn write_in_place(&self, lunit: u64, s: u64, e: u64, old: Entry, buf: AlignedBuf, pins: Pins<'_>, offset: u64) -> Result<bool> {
+    async fn write_in_place(
+        &self,
+        lunit: u64,
+        s: u64,
+        e: u64,
+        old: Entry,
+        buf: AlignedBuf,
+        pins: Pins<'_>,
+        offset: u64,
+    ) -> Result<bool> {
         let g = &self.pool.geo;
         let bs = BLOCK_SIZE as usize;
         let m = mask(s, e);
-        let segs = merge((s..e).map(|b| Segment { file_offset: g.unit_offset(u64::from(old.punit)) + b * BLOCK_SIZE, buf_offset: b as usize * bs, len: bs }));
-        let (_, r) = self.pool.ring.rw(Dir::Write { dsync: false }, buf, segs).await.map_err(|_| self.err(worker_gone(), "write", offset))?;
+        let segs = merge((s..e).map(|b| Segment {
+            file_offset: g.unit_offset(u64::from(old.punit)) + b * BLOCK_SIZE,
+            buf_offset: b as usize * bs,
+            len: bs,
+        }));
+        let (_, r) = self
+            .pool
+            .ring
+            .rw(Dir::Write { dsync: false }, buf, segs)
+            .await
+            .map_err(|_| self.err(worker_gone(), "write", offset))?;
         drop(pins);
         r.map_err(|e| self.err(Error::io("pool write failed", e), "write", offset))?;
         let mut map = self.vol.map.write();
@@ -562,7 +601,16 @@ impl Volume {
     /// `[s, e)` are copied with the new data (`buf`, a whole unit) in one write, then
     /// `target` replaces the old unit in this volume's mapping.
     #[allow(clippy::too_many_arguments)]
-    async fn finish_private(&self, lunit: u64, s: u64, e: u64, old: Entry, target: u32, mut buf: AlignedBuf, offset: u64) -> Result<bool> {
+    async fn finish_private(
+        &self,
+        lunit: u64,
+        s: u64,
+        e: u64,
+        old: Entry,
+        target: u32,
+        mut buf: AlignedBuf,
+        offset: u64,
+    ) -> Result<bool> {
         let g = &self.pool.geo;
         let bs = BLOCK_SIZE as usize;
         let m = mask(s, e);
@@ -573,13 +621,21 @@ impl Volume {
         let result: Result<()> = async {
             if copy != 0 {
                 pins.add(old.punit);
-                let segs = blocks(copy).map(|b| Segment { file_offset: g.unit_offset(u64::from(old.punit)) + b * BLOCK_SIZE, buf_offset: b as usize * bs, len: bs });
+                let segs = blocks(copy).map(|b| Segment {
+                    file_offset: g.unit_offset(u64::from(old.punit)) + b * BLOCK_SIZE,
+                    buf_offset: b as usize * bs,
+                    len: bs,
+                });
                 let segs = merge(segs);
                 let (b2, r) = self.pool.ring.rw(Dir::Read, buf, segs).await.map_err(|_| worker_gone())?;
                 buf = b2;
                 r.map_err(|e| Error::io("copy-on-write read failed", e))?;
             }
-            let segs = merge(blocks(copy | m).map(|b| Segment { file_offset: g.unit_offset(u64::from(target)) + b * BLOCK_SIZE, buf_offset: b as usize * bs, len: bs }));
+            let segs = merge(blocks(copy | m).map(|b| Segment {
+                file_offset: g.unit_offset(u64::from(target)) + b * BLOCK_SIZE,
+                buf_offset: b as usize * bs,
+                len: bs,
+            }));
             let (_, r) = self.pool.ring.rw(Dir::Write { dsync: false }, buf, segs).await.map_err(|_| worker_gone())?;
             r.map_err(|e| Error::io("pool write failed", e))
         }
@@ -647,10 +703,10 @@ impl Volume {
         if fb0 > fb1 {
             edges.push((offset, len)); // inside one block
         } else {
-            if offset % BLOCK_SIZE != 0 {
+            if !offset.is_multiple_of(BLOCK_SIZE) {
                 edges.push((offset, fb0 * BLOCK_SIZE - offset));
             }
-            if end % BLOCK_SIZE != 0 {
+            if !end.is_multiple_of(BLOCK_SIZE) {
                 edges.push((fb1 * BLOCK_SIZE, end - fb1 * BLOCK_SIZE));
             }
         }

@@ -11,13 +11,30 @@ const VOL: u64 = 3 * MIB + 12 * 1024; // not a multiple of the unit size
 
 #[derive(Debug, Clone)]
 enum Op {
-    Write { off: u64, len: u64, seed: u8, fua: bool },
-    Trim { off: u64, len: u64 },
-    Zero { off: u64, len: u64, may_unmap: bool },
-    Read { off: u64, len: u64 },
+    Write {
+        off: u64,
+        len: u64,
+        seed: u8,
+        fua: bool,
+    },
+    Trim {
+        off: u64,
+        len: u64,
+    },
+    Zero {
+        off: u64,
+        len: u64,
+        may_unmap: bool,
+    },
+    Read {
+        off: u64,
+        len: u64,
+    },
     Flush,
     /// Flush, then close cleanly (checkpoint) or drop (replay the log), and reopen.
-    Reopen { clean: bool },
+    Reopen {
+        clean: bool,
+    },
 }
 
 fn range() -> impl Strategy<Value = (u64, u64)> {
@@ -78,7 +95,10 @@ fn run(ops: Vec<Op>) {
                 let mut p = off;
                 for e in &r.extents {
                     if !e.allocated {
-                        assert!(model[p as usize..(p + e.length) as usize].iter().all(|&b| b == 0), "hole at {p} is not zero in the model");
+                        assert!(
+                            model[p as usize..(p + e.length) as usize].iter().all(|&b| b == 0),
+                            "hole at {p} is not zero in the model"
+                        );
                     }
                     p += e.length;
                 }

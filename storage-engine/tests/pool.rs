@@ -81,7 +81,10 @@ fn small_units_with_many_mappings_checkpoint_and_reopen() {
         let pool = Pool::open(&pool_path(dir.path())).unwrap();
         let v = pool.volume("v").unwrap();
         for mib in [0u64, 17, 63] {
-            assert!(rt.block_on(read(&v, mib << 20, 1 << 20)).iter().all(|&b| b == mib as u8 + 1), "unit {unit}: MiB {mib}");
+            assert!(
+                rt.block_on(read(&v, mib << 20, 1 << 20)).iter().all(|&b| b == mib as u8 + 1),
+                "unit {unit}: MiB {mib}"
+            );
         }
         assert_eq!(pool.volume_info("v").unwrap().allocated, 64 * MIB);
     }

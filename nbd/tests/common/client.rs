@@ -28,10 +28,7 @@ pub fn start(registry: Arc<MemRegistry>, config: ServerConfig) -> (DuplexStream,
 
 /// Waits for the server task and returns its result.
 pub async fn finish(task: ServerTask) -> Result<(), nbd::Error> {
-    tokio::time::timeout(Duration::from_secs(10), task)
-        .await
-        .expect("server ended")
-        .expect("no panic")
+    tokio::time::timeout(Duration::from_secs(10), task).await.expect("server ended").expect("no panic")
 }
 
 /// Reads and checks the greeting, then sends `client_flags`.
@@ -40,18 +37,12 @@ pub async fn greet<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S, client_flags: u
     s.read_exact(&mut g).await.unwrap();
     assert_eq!(&g[..8], b"NBDMAGIC");
     assert_eq!(&g[8..16], b"IHAVEOPT");
-    assert_eq!(
-        u16::from_be_bytes([g[16], g[17]]),
-        NBD_FLAG_FIXED_NEWSTYLE | NBD_FLAG_NO_ZEROES
-    );
+    assert_eq!(u16::from_be_bytes([g[16], g[17]]), NBD_FLAG_FIXED_NEWSTYLE | NBD_FLAG_NO_ZEROES);
     s.write_all(&client_flags.to_be_bytes()).await.unwrap();
 }
 
 pub async fn send_option<S: AsyncWrite + Unpin>(s: &mut S, option: u32, data: &[u8]) {
-    let h = OptionHeader {
-        option,
-        length: data.len() as u32,
-    };
+    let h = OptionHeader { option, length: data.len() as u32 };
     s.write_all(&h.encode()).await.unwrap();
     s.write_all(data).await.unwrap();
 }
@@ -66,9 +57,7 @@ pub async fn read_option_reply<S: AsyncRead + Unpin>(s: &mut S) -> (OptionReplyH
 }
 
 /// Reads option replies until a final one (ACK or an error); returns all of them.
-pub async fn read_option_replies<S: AsyncRead + Unpin>(
-    s: &mut S,
-) -> Vec<(OptionReplyHeader, Vec<u8>)> {
+pub async fn read_option_replies<S: AsyncRead + Unpin>(s: &mut S) -> Vec<(OptionReplyHeader, Vec<u8>)> {
     let mut out = Vec::new();
     loop {
         let r = read_option_reply(s).await;
@@ -104,10 +93,7 @@ pub async fn connect<S: AsyncRead + AsyncWrite + Unpin>(
     }
     let mut context_id = None;
     if meta {
-        let q = MetaContextRequest {
-            export_name: name.into(),
-            queries: vec![BASE_ALLOCATION.into()],
-        };
+        let q = MetaContextRequest { export_name: name.into(), queries: vec![BASE_ALLOCATION.into()] };
         send_option(s, NBD_OPT_SET_META_CONTEXT, &q.encode()).await;
         for (h, data) in read_option_replies(s).await {
             if h.reply_type == NBD_REP_META_CONTEXT {
@@ -118,10 +104,7 @@ pub async fn connect<S: AsyncRead + AsyncWrite + Unpin>(
             }
         }
     }
-    let go = InfoRequest {
-        name: name.into(),
-        requests: vec![NBD_INFO_BLOCK_SIZE],
-    };
+    let go = InfoRequest { name: name.into(), requests: vec![NBD_INFO_BLOCK_SIZE] };
     send_option(s, NBD_OPT_GO, &go.encode()).await;
     let mut size = None;
     let mut tflags = 0;
@@ -144,12 +127,7 @@ pub async fn connect<S: AsyncRead + AsyncWrite + Unpin>(
             other => panic!("GO failed with reply type {other:#x}"),
         }
     }
-    Session {
-        size: size.expect("NBD_INFO_EXPORT"),
-        tflags,
-        block_size,
-        context_id,
-    }
+    Session { size: size.expect("NBD_INFO_EXPORT"), tflags, block_size, context_id }
 }
 
 pub async fn send_request<S: AsyncWrite + Unpin>(
@@ -160,23 +138,11 @@ pub async fn send_request<S: AsyncWrite + Unpin>(
     offset: u64,
     length: u32,
 ) {
-    let r = Request {
-        flags,
-        command,
-        handle,
-        offset,
-        length,
-    };
+    let r = Request { flags, command, handle, offset, length };
     s.write_all(&r.encode()).await.unwrap();
 }
 
-pub async fn send_write<S: AsyncWrite + Unpin>(
-    s: &mut S,
-    flags: u16,
-    handle: u64,
-    offset: u64,
-    data: &[u8],
-) {
+pub async fn send_write<S: AsyncWrite + Unpin>(s: &mut S, flags: u16, handle: u64, offset: u64, data: &[u8]) {
     send_request(s, Command::Write, flags, handle, offset, data.len() as u32).await;
     s.write_all(data).await.unwrap();
 }
@@ -184,15 +150,8 @@ pub async fn send_write<S: AsyncWrite + Unpin>(
 /// One message from the server in the transmission phase.
 #[derive(Debug)]
 pub enum Msg {
-    Simple {
-        handle: u64,
-        error: u32,
-        data: Vec<u8>,
-    },
-    Chunk {
-        header: ChunkHeader,
-        payload: Vec<u8>,
-    },
+    Simple { handle: u64, error: u32, data: Vec<u8> },
+    Chunk { header: ChunkHeader, payload: Vec<u8> },
 }
 
 impl Msg {
@@ -222,11 +181,7 @@ pub async fn read_msg<S: AsyncRead + Unpin>(s: &mut S, read_lens: &HashMap<u64, 
                     s.read_exact(&mut data).await.unwrap();
                 }
             }
-            Msg::Simple {
-                handle: r.handle,
-                error: r.error,
-                data,
-            }
+            Msg::Simple { handle: r.handle, error: r.error, data }
         }
         NBD_STRUCTURED_REPLY_MAGIC => {
             let mut b = [0u8; CHUNK_HEADER_LEN];
@@ -242,18 +197,10 @@ pub async fn read_msg<S: AsyncRead + Unpin>(s: &mut S, read_lens: &HashMap<u64, 
 }
 
 /// Reads a simple reply to a non-READ request (or a READ of `read_len` bytes).
-pub async fn simple_reply<S: AsyncRead + Unpin>(
-    s: &mut S,
-    handle: u64,
-    read_len: usize,
-) -> (u32, Vec<u8>) {
+pub async fn simple_reply<S: AsyncRead + Unpin>(s: &mut S, handle: u64, read_len: usize) -> (u32, Vec<u8>) {
     let lens = HashMap::from([(handle, read_len)]);
     match read_msg(s, &lens).await {
-        Msg::Simple {
-            handle: h,
-            error,
-            data,
-        } => {
+        Msg::Simple { handle: h, error, data } => {
             assert_eq!(h, handle);
             (error, data)
         }
@@ -262,10 +209,7 @@ pub async fn simple_reply<S: AsyncRead + Unpin>(
 }
 
 /// Reads the chunks of one structured reply up to the one flagged DONE.
-pub async fn structured_reply<S: AsyncRead + Unpin>(
-    s: &mut S,
-    handle: u64,
-) -> Vec<(ChunkHeader, Vec<u8>)> {
+pub async fn structured_reply<S: AsyncRead + Unpin>(s: &mut S, handle: u64) -> Vec<(ChunkHeader, Vec<u8>)> {
     let mut out = Vec::new();
     loop {
         match read_msg(s, &HashMap::new()).await {
@@ -296,11 +240,7 @@ pub fn chunk_error(chunks: &[(ChunkHeader, Vec<u8>)]) -> (u32, String) {
 
 /// Reassembles the data of a structured READ reply of `len` bytes at `offset`;
 /// returns the data and the chunk types in order.
-pub fn assemble_read(
-    chunks: &[(ChunkHeader, Vec<u8>)],
-    offset: u64,
-    len: usize,
-) -> (Vec<u8>, Vec<u16>) {
+pub fn assemble_read(chunks: &[(ChunkHeader, Vec<u8>)], offset: u64, len: usize) -> (Vec<u8>, Vec<u16>) {
     let mut data = vec![0xEEu8; len];
     let mut covered = 0usize;
     let mut types = Vec::new();
@@ -324,10 +264,7 @@ pub fn assemble_read(
             other => panic!("unexpected chunk type {other:#x}"),
         }
     }
-    assert_eq!(
-        covered, len,
-        "content chunks must cover the request exactly"
-    );
+    assert_eq!(covered, len, "content chunks must cover the request exactly");
     (data, types)
 }
 

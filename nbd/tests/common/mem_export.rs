@@ -46,10 +46,7 @@ impl MemExport {
     pub fn new(size: u64) -> Self {
         let blocks = size.div_ceil(BLOCK) as usize;
         Self {
-            state: Mutex::new(State {
-                data: vec![0; size as usize],
-                allocated: vec![false; blocks],
-            }),
+            state: Mutex::new(State { data: vec![0; size as usize], allocated: vec![false; blocks] }),
             flags: ExportFlags {
                 read_only: false,
                 can_trim: true,
@@ -57,11 +54,7 @@ impl MemExport {
                 can_fast_zero: true,
                 can_multi_conn: true,
             },
-            sizes: BlockSizes {
-                minimum: 1,
-                preferred: 4096,
-                maximum: 1 << 20,
-            },
+            sizes: BlockSizes { minimum: 1, preferred: 4096, maximum: 1 << 20 },
             description: "in-memory test export".to_string(),
             read_delay: None,
             poison: None,
@@ -96,11 +89,7 @@ impl MemExport {
             let length = block_end - at;
             match out.last_mut() {
                 Some(last) if last.hole == hole => last.length += length,
-                _ => out.push(Extent {
-                    length,
-                    hole,
-                    zero: hole,
-                }),
+                _ => out.push(Extent { length, hole, zero: hole }),
             }
             at = block_end;
         }
@@ -144,8 +133,7 @@ impl Export for MemExport {
     }
 
     fn alloc_write_buf(&self, _offset: u64, len: u32) -> Vec<u8> {
-        self.max_write_alloc
-            .fetch_max(u64::from(len), Ordering::SeqCst);
+        self.max_write_alloc.fetch_max(u64::from(len), Ordering::SeqCst);
         vec![0; len as usize]
     }
 
@@ -233,16 +221,10 @@ impl ExportRegistry for MemRegistry {
     type Export = MemExport;
 
     fn lookup(&self, name: &str) -> Option<Arc<MemExport>> {
-        self.exports
-            .iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, e)| Arc::clone(e))
+        self.exports.iter().find(|(n, _)| n == name).map(|(_, e)| Arc::clone(e))
     }
 
     fn list(&self) -> Vec<(String, String)> {
-        self.exports
-            .iter()
-            .map(|(n, e)| (n.clone(), e.description.clone()))
-            .collect()
+        self.exports.iter().map(|(n, e)| (n.clone(), e.description.clone())).collect()
     }
 }

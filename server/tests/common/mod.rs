@@ -113,7 +113,11 @@ pub fn cli_err(dir: &Path, args: &[&str]) -> String {
 pub fn check_clean(dir: &Path) {
     let o = cli(dir, &["check"]);
     let t = text(&o);
-    assert!(o.status.success() && t.lines().any(|l| l.trim() == "clean"), "ferrovol check is not clean ({}):\n{t}", o.status);
+    assert!(
+        o.status.success() && t.lines().any(|l| l.trim() == "clean"),
+        "ferrovol check is not clean ({}):\n{t}",
+        o.status
+    );
 }
 
 pub fn json(s: &str) -> serde_json::Value {
@@ -130,7 +134,11 @@ pub fn pool_unlocked(pool: &Path) -> bool {
 pub fn wait_pool_unlocked(pool: &Path) {
     let t = Instant::now();
     while !pool_unlocked(pool) {
-        assert!(t.elapsed() < Duration::from_secs(10), "{} still locked 10 s after the server was killed", pool.display());
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "{} still locked 10 s after the server was killed",
+            pool.display()
+        );
         std::thread::sleep(Duration::from_millis(10));
     }
 }
@@ -214,7 +222,9 @@ impl Server {
                     }
                     return Err(format!("(exit {st})\n{l}"));
                 }
-                if UnixStream::connect(self.dir.join("ferrovol.sock")).is_ok() && TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                if UnixStream::connect(self.dir.join("ferrovol.sock")).is_ok()
+                    && TcpStream::connect(("127.0.0.1", port)).is_ok()
+                {
                     self.child = Some(child);
                     self.port = port;
                     self.log = log;
@@ -223,7 +233,10 @@ impl Server {
                 if t.elapsed() > Duration::from_secs(30) {
                     let _ = child.kill();
                     let _ = child.wait();
-                    panic!("ferrovol serve not ready after 30 s:\n{}", std::fs::read_to_string(&log).unwrap_or_default());
+                    panic!(
+                        "ferrovol serve not ready after 30 s:\n{}",
+                        std::fs::read_to_string(&log).unwrap_or_default()
+                    );
                 }
                 std::thread::sleep(Duration::from_millis(20));
             }
