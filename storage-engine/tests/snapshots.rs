@@ -267,3 +267,36 @@ fn a_thousand_snapshots_survive_a_crash() {
     pool.close().unwrap();
     assert_clean(dir.path());
 }
+
+/// A full pool with a snapshot present: copy-on-write writes get NoSpace and change
+/// nothing, everything acknowledged still reads back, the snapshot delete commits, and
+/// after it the same writes succeed in place.
+#[test]
+fn pool_full_with_snapshot_refuses_copy_on_write_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let rt = rt();
+    let pool = create(dir.path(), 16 * MIB);
+    rt.block_on(pool.create_volume("v", 64 * MIB)).unwrap();
+    let v = pool.volume("v").unwrap();
+    let mut units = 0u64;
+    while rt.block_on(write(&v, units * 65536, &[units as u8 | 1; 65536], false)).is_ok() {
+        units += 1;
+    }
+    assert!(units > 50, "{units} units fit");
+    rt.block_on(pool.create_snapshot("v", "s")).unwrap();
+    let e = rt.block_on(write(&v, 0, &[0xee; 4096], false)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NoSpace, "{e}");
+    let snap = pool.volume("v@s").unwrap();
+    for u in [0, units / 2, units - 1] {
+        let want = vec![u as u8 | 1; 65536];
+        assert_eq!(rt.block_on(read(&v, u * 65536, 65536)), want, "volume unit {u}");
+        assert_eq!(rt.block_on(read(&snap, u * 65536, 65536)), want, "snapshot unit {u}");
+    }
+    drop(snap);
+    rt.block_on(pool.delete_snapshot("v", "s")).unwrap();
+    rt.block_on(write(&v, 0, &[0xee; 4096], false)).unwrap();
+    assert_eq!(rt.block_on(read(&v, 0, 4096)), vec![0xee; 4096]);
+    drop(v);
+    pool.close().unwrap();
+    assert_clean(dir.path());
+}
