@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# bench/delete-latency.sh [reps] — 4 KiB random read p99 on volume A (QD32, fio's nbd
+# engine, 20 s) without and with a snapshot delete on volume B, in one run against one
+# server. B has 4 GiB written, a snapshot, then the same 4 GiB overwritten, so the
+# snapshot holds 4 GiB exclusively; in the second pass it is deleted 5 s into the read
+# job. Prints the p99 (µs) of both passes and their ratio. Env: WORK, PORT.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+REPS=${1:-3}
+WORK=${WORK:-$HOME/.cache/ferrovol-bench}
+PORT=${PORT:-10859}
+cargo build --release --bin ferrovol
+BIN=$PWD/target/release/ferrovol
+F() { "$BIN" --data-dir "$WORK/del" "$@" >/dev/null; }
+p99() { # p99 read latency in µs from fio's JSON
+  sed -n '/^{/,$p' | /usr/bin/python3 -c 'import json,sys; j=json.load(sys.stdin)["jobs"][0]["read"]["clat_ns"]["percentile"]; print(int(j["99.000000"]/1000))'
+}
+readjob() { fio --name=a --ioengine=nbd --uri=nbd://127.0.0.1:$PORT/a --bs=4k --iodepth=32 --rw=randread --size=1g --runtime=20 --time_based --output-format=json; }
+prepare_b() {
+  F volume create b --size 8GiB
+  fio --name=w --ioengine=nbd --uri=nbd://127.0.0.1:$PORT/b --bs=1m --iodepth=8 --rw=write --size=4g >/dev/null
+  F snapshot create b s
+  fio --name=w --ioengine=nbd --uri=nbd://127.0.0.1:$PORT/b --bs=1m --iodepth=8 --rw=write --size=4g >/dev/null
+}
+for rep in $(seq "$REPS"); do
+  rm -rf "$WORK/del"; mkdir -p "$WORK/del"
+  "$BIN" --data-dir "$WORK/del" serve --pool-size 24GiB --listen 127.0.0.1:$PORT >/dev/null 2>"$WORK/del/server.log" &
+  PID=$!
+  for _ in $(seq 100); do [ -S "$WORK/del/ferrovol.sock" ] && break; sleep 0.1; done
+  F volume create a --size 2GiB
+  fio --name=w --ioengine=nbd --uri=nbd://127.0.0.1:$PORT/a --bs=1m --iodepth=8 --rw=write --size=1g >/dev/null
+  prepare_b
+  base=$(readjob | p99)
+  F snapshot delete b s
+  F volume delete b
+  prepare_b
+  (sleep 5; t0=$(date +%s%N); F snapshot delete b s; echo "delete took $(( ($(date +%s%N) - t0) / 1000000 )) ms (CLI round trip)" >&2) &
+  during=$(readjob | p99)
+  wait
+  kill $PID; wait $PID 2>/dev/null || true
+  /usr/bin/python3 -c "import sys; b,d=map(int,sys.argv[1:]); print(f'rep $rep: p99 without delete {b} us, with delete {d} us, ratio {d/b:.2f}')" "$base" "$during"
+done
