@@ -9,7 +9,9 @@ pub fn nbd_errno(e: &Error) -> nbd::Errno {
         ErrorKind::NoSpace => nbd::Errno::Enospc,
         ErrorKind::ReadOnly => nbd::Errno::Eperm,
         ErrorKind::OutOfRange | ErrorKind::InvalidArgument => nbd::Errno::Einval,
-        ErrorKind::NotFound | ErrorKind::AlreadyExists => nbd::Errno::Einval,
+        // The volume was deleted under a connected client.
+        ErrorKind::NotFound => nbd::Errno::Eio,
+        ErrorKind::AlreadyExists => nbd::Errno::Einval,
         ErrorKind::Io | ErrorKind::Corrupt | ErrorKind::Failed | ErrorKind::InUse => nbd::Errno::Eio,
     }
 }

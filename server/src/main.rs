@@ -45,7 +45,8 @@ enum Cmd {
     #[command(subcommand)]
     Pool(PoolCmd),
     /// Verify a stopped pool: checksums, mappings against refcounts, free space.
-    /// Exits 1 naming each problem found.
+    /// Exits 1 naming each problem found, 2 if the pool cannot be checked (in use,
+    /// missing, unreadable).
     Check {
         /// Pool file or block device (default: <data-dir>/pool.img).
         #[arg(long)]
@@ -70,6 +71,10 @@ struct ServeArgs {
     /// Unix socket for NBD (default: <data-dir>/nbd.sock).
     #[arg(long)]
     nbd_socket: Option<PathBuf>,
+    /// With --pool on a block device: if the device holds no ferrovol pool, format it
+    /// as a new one (destroys its contents).
+    #[arg(long)]
+    format: bool,
 }
 
 #[derive(Subcommand)]
@@ -171,7 +176,18 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Cmd::Pool(PoolCmd::Status { json }) => pool_status(&socket, json).await.map(|()| ExitCode::SUCCESS),
         Cmd::Check { pool } => {
             let path = pool.unwrap_or_else(|| cli.data_dir.join("pool.img"));
-            let report = tokio::task::spawn_blocking(move || storage_engine::check(&path)).await??;
+            let report = match tokio::task::spawn_blocking(move || storage_engine::check(&path)).await? {
+                Ok(r) => r,
+                Err(e) if e.kind() == storage_engine::ErrorKind::Corrupt => {
+                    // Not even loadable: an inconsistency too.
+                    println!("PROBLEM: {e}");
+                    return Ok(ExitCode::FAILURE);
+                }
+                Err(e) => {
+                    eprintln!("ferrovol: {e}");
+                    return Ok(ExitCode::from(2));
+                }
+            };
             println!("{}", report.summary);
             if report.problems.is_empty() {
                 println!("clean");
@@ -389,15 +405,32 @@ async fn serve(data_dir: &Path, mgmt_socket: &Path, args: ServeArgs) -> anyhow::
         unit_size: u32::try_from(args.unit_size)
             .map_err(|_| anyhow::anyhow!("unit size {} is too large", args.unit_size))?,
     };
-    let p = pool_path.clone();
-    let pool = tokio::task::spawn_blocking(move || Pool::open_or_create(&p, &opts))
-        .await?
-        .with_context(|| format!("pool {}", pool_path.display()))?;
+    // Listen first, so a busy port or socket leaves no new pool file behind.
     let nbd_sock = args.nbd_socket.clone().unwrap_or_else(|| data_dir.join("nbd.sock"));
     let tcp =
         tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("bind NBD on {}", args.listen))?;
     let unix = bind_unix(&nbd_sock)?;
     let mgmt_listener = bind_unix(mgmt_socket)?;
+    let p = pool_path.clone();
+    let format = args.format;
+    let pool = tokio::task::spawn_blocking(move || {
+        use std::os::unix::fs::FileTypeExt;
+        let is_dev = std::fs::metadata(&p).map(|m| m.file_type().is_block_device()).unwrap_or(false);
+        if is_dev && format {
+            Pool::open_or_format_device(&p, &opts)
+        } else {
+            Pool::open_or_create(&p, &opts)
+        }
+    })
+    .await?;
+    let pool = match pool {
+        Ok(pool) => pool,
+        Err(e) => {
+            let _ = std::fs::remove_file(&nbd_sock);
+            let _ = std::fs::remove_file(mgmt_socket);
+            return Err(anyhow::anyhow!("pool {}: {e}", pool_path.display()));
+        }
+    };
     let endpoints = vec![format!("nbd://{}", tcp.local_addr()?), format!("nbd+unix:///?socket={}", nbd_sock.display())];
     tracing::info!(nbd_tcp = %tcp.local_addr()?, nbd_unix = %nbd_sock.display(), management = %mgmt_socket.display(), "serving");
 

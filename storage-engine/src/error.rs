@@ -116,17 +116,12 @@ impl Error {
 
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if let Some(op) = self.op {
-            write!(f, "{op}")?;
-            if let Some(v) = &self.volume {
-                write!(f, " on volume '{v}'")?;
-            }
-            if let Some(o) = self.offset {
-                write!(f, " at offset {o}")?;
-            }
-            write!(f, ": ")?;
-        } else if let Some(v) = &self.volume {
-            write!(f, "volume '{v}': ")?;
+        match (self.op, &self.volume, self.offset) {
+            (Some(op), Some(v), Some(o)) => write!(f, "{op} on '{v}' at offset {o}: ")?,
+            (Some(op), Some(v), None) => write!(f, "{op} '{v}': ")?,
+            (Some(op), None, _) => write!(f, "{op}: ")?,
+            (None, Some(v), _) => write!(f, "'{v}': ")?,
+            (None, None, _) => {}
         }
         write!(f, "{}: {}", self.kind.describe(), self.message)?;
         if let Some(s) = &self.source {
@@ -136,8 +131,13 @@ impl fmt::Display for Error {
     }
 }
 
-impl std::error::Error for Error {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        self.source.as_deref().map(|e| e as &(dyn std::error::Error + 'static))
+/// The cause is part of `Display` (so logs show it); `source()` is therefore `None`,
+/// which keeps error reports that walk the chain from printing it twice.
+impl std::error::Error for Error {}
+
+impl Error {
+    /// The underlying cause, if any (also shown by `Display`).
+    pub fn cause(&self) -> Option<&(dyn std::error::Error + Send + Sync + 'static)> {
+        self.source.as_deref()
     }
 }

@@ -48,6 +48,8 @@ pub const DEFAULT_UNIT_SIZE: u32 = 64 * 1024;
 pub const MAX_VOLUME_SIZE: u64 = 1 << 50;
 /// Longest volume name, in bytes.
 pub const MAX_NAME_LEN: usize = 128;
+/// Seconds after which the committer commits completed writes nobody flushed.
+const COMMIT_INTERVAL_SECS: u64 = 5;
 /// Pending log bytes that make the committer write them without a flush request.
 const BACKGROUND_COMMIT_BYTES: usize = 256 * 1024;
 
@@ -220,6 +222,19 @@ fn meta_reserve(used: u64, volumes: u64, unit_size: u64) -> u64 {
     2 * est.div_ceil(payload) + 4
 }
 
+/// Refuses a new volume `name` while snapshots of a deleted volume of that name remain
+/// (they would otherwise appear to belong to the new one).
+fn check_no_orphan_snapshots(vols: &BTreeMap<String, Arc<VolState>>, name: &str) -> Result<()> {
+    let prefix = format!("{name}@");
+    match vols.range(prefix.clone()..).next() {
+        Some((k, _)) if k.starts_with(&prefix) => Err(Error::new(
+            ErrorKind::AlreadyExists,
+            format!("snapshots of an earlier volume '{name}' remain (e.g. {k}); delete them or choose another name"),
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// Checks a volume name: 1..=128 bytes of `[A-Za-z0-9._-]`, not starting with `.` or `-`.
 pub fn validate_name(name: &str) -> Result<()> {
     let ok = !name.is_empty()
@@ -386,6 +401,24 @@ impl Pool {
             Pool::open(path)
         } else {
             Pool::create(path, opts)
+        }
+    }
+
+    /// Opens the pool on block device `path`, or, if neither superblock slot carries
+    /// the pool magic, formats the whole device as a new pool (destroying what it
+    /// held). A device with a damaged ferrovol superblock is refused, never formatted.
+    ///
+    /// Errors: as [`Pool::open`] and [`Pool::create`].
+    pub fn open_or_format_device(path: &Path, opts: &PoolOptions) -> Result<Pool> {
+        match Pool::open(path) {
+            Err(e)
+                if e.kind() == ErrorKind::Corrupt
+                    && e.message().matches("superblock magic is missing").count() == 2 =>
+            {
+                tracing::warn!(path = %path.display(), "no ferrovol pool on the device; formatting it");
+                Pool::create(path, opts)
+            }
+            r => r,
         }
     }
 
@@ -564,6 +597,7 @@ impl Pool {
             if vols.contains_key(name) {
                 return Err(err(Error::new(ErrorKind::AlreadyExists, "a volume of that name exists")));
             }
+            check_no_orphan_snapshots(&vols, name).map_err(err)?;
             let id = self.inner.next_volume.fetch_add(1, Ordering::SeqCst);
             let created = now();
             let units = size.div_ceil(self.inner.geo.unit_size);
@@ -665,6 +699,9 @@ impl Pool {
             let mut vols = self.inner.volumes.write();
             if vols.contains_key(target) {
                 return Err(Error::new(ErrorKind::AlreadyExists, "a volume or snapshot of that name exists"));
+            }
+            if !snapshot {
+                check_no_orphan_snapshots(&vols, target)?;
             }
             if src.deleted.load(Ordering::SeqCst) {
                 return Err(Error::new(ErrorKind::NotFound, format!("'{source}' was deleted")));
@@ -1145,7 +1182,11 @@ fn committer(pool: std::sync::Weak<PoolInner>, commits: Arc<Commits>) {
         let (waiters, shutdown) = {
             let mut q = commits.queue.lock();
             while q.waiters.is_empty() && !q.background && !q.shutdown {
-                commits.cv.wait(&mut q);
+                // Like a file system's commit interval: writes nobody flushed are
+                // committed within a few seconds anyway.
+                if commits.cv.wait_for(&mut q, std::time::Duration::from_secs(COMMIT_INTERVAL_SECS)).timed_out() {
+                    q.background = true;
+                }
             }
             q.background = false;
             (std::mem::take(&mut q.waiters), q.shutdown)

@@ -300,3 +300,22 @@ fn pool_full_with_snapshot_refuses_copy_on_write_only() {
     pool.close().unwrap();
     assert_clean(dir.path());
 }
+
+/// A new volume cannot take the name of a deleted volume whose snapshots remain (they
+/// would look like its own); once they are deleted, the name is free.
+#[test]
+fn a_name_with_orphan_snapshots_is_not_reused() {
+    let dir = tempfile::tempdir().unwrap();
+    let rt = rt();
+    let pool = create(dir.path(), 32 * MIB);
+    rt.block_on(pool.create_volume("v", MIB)).unwrap();
+    rt.block_on(pool.create_snapshot("v", "s")).unwrap();
+    rt.block_on(pool.delete_volume("v")).unwrap();
+    let e = rt.block_on(pool.create_volume("v", MIB)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::AlreadyExists);
+    assert!(e.to_string().contains("v@s"), "{e}");
+    assert_eq!(rt.block_on(pool.clone_volume("v@s", "v")).unwrap_err().kind(), ErrorKind::AlreadyExists);
+    rt.block_on(pool.clone_volume("v@s", "w")).unwrap();
+    rt.block_on(pool.delete_snapshot("v", "s")).unwrap();
+    rt.block_on(pool.create_volume("v", MIB)).unwrap();
+}
