@@ -58,13 +58,7 @@ fn allocated(dir: &Path) -> u64 {
 }
 
 fn run_guest(script: &str, port: u16, share: &Path) {
-    let status = Command::new("bash")
-        .arg(nbd_vm())
-        .args(["-t", "900", "-s", share.to_str().unwrap(), "-e", &format!("PORT={port}"), "-e", "EXPORT=kvol"])
-        .arg(guest(script))
-        .status()
-        .unwrap();
-    assert!(status.success(), "guest script {script} failed with {status} (see the console output above)");
+    run_guest_env(script, share, &[format!("PORT={port}"), "EXPORT=kvol".into()]);
 }
 
 #[test]
