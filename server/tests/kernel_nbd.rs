@@ -57,12 +57,17 @@ fn allocated(dir: &Path) -> u64 {
     v["allocated_bytes"].as_u64().unwrap()
 }
 
-fn run_guest(script: &str, port: u16, share: &Path) {
-    run_guest_env(script, share, &[format!("PORT={port}"), "EXPORT=kvol".into()]);
+/// A running server on a fresh data dir with volume `kvol` of `size`, and the folder
+/// shared with the guest. Drop order keeps the temp dir until the end of the test.
+struct Setup {
+    dir: PathBuf,
+    share: PathBuf,
+    port: u16,
+    server: Child,
+    _tmp: tempfile::TempDir,
 }
 
-#[test]
-fn kernel_client_ext4_survives_sigkill_and_trims() {
+fn setup(size: &str) -> Setup {
     assert!(
         nbd_vm().exists(),
         "{} is missing: the tests need the shared nbd-vm tool (and `bash ../shared/tools/nbd-vm/setup.sh`)",
@@ -73,8 +78,18 @@ fn kernel_client_ext4_survives_sigkill_and_trims() {
     let share = tmp.path().join("share");
     std::fs::create_dir_all(&share).unwrap();
     let port = free_port();
-    let mut server = start(&dir, port);
-    cli(&dir, &["volume", "create", "kvol", "--size", "512MiB"]);
+    let server = start(&dir, port);
+    cli(&dir, &["volume", "create", "kvol", "--size", size]);
+    Setup { dir, share, port, server, _tmp: tmp }
+}
+
+fn run_guest(script: &str, port: u16, share: &Path) {
+    run_guest_env(script, share, &[format!("PORT={port}"), "EXPORT=kvol".into()]);
+}
+
+#[test]
+fn kernel_client_ext4_survives_sigkill_and_trims() {
+    let Setup { dir, share, port, mut server, _tmp } = setup("512MiB");
     run_guest("guest-write.sh", port, &share);
     let written = allocated(&dir);
     assert!(written >= 24 << 20, "24 MiB file written but only {written} bytes allocated");
@@ -109,14 +124,7 @@ fn run_guest_env(script: &str, share: &Path, env: &[String]) {
 /// and the kernel cannot write to it.
 #[test]
 fn kernel_client_mounts_a_snapshot_read_only() {
-    assert!(nbd_vm().exists(), "{} is missing: the tests need the shared nbd-vm tool", nbd_vm().display());
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("data");
-    let share = tmp.path().join("share");
-    std::fs::create_dir_all(&share).unwrap();
-    let port = free_port();
-    let mut server = start(&dir, port);
-    cli(&dir, &["volume", "create", "kvol", "--size", "256MiB"]);
+    let Setup { dir, share, port, mut server, _tmp } = setup("256MiB");
     let env = |phase: &str| {
         vec![format!("PORT={port}"), "EXPORT=kvol".into(), "SNAPSHOT=kvol@snap".into(), format!("PHASE={phase}")]
     };

@@ -308,8 +308,20 @@ impl Volume {
     }
 
     fn stripe(&self, block: u64) -> usize {
-        let h = (self.vol.id.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ block).wrapping_mul(0xff51_afd7_ed55_8ccd);
-        (h >> 56) as usize % self.pool.stripes.len()
+        stripe_of(self.vol.id, block, self.pool.stripes.len())
+    }
+
+    /// Marks blocks `m` of `lunit` written, if the unit still maps `punit` (otherwise a
+    /// trim or copy on write came in between and counts as the later operation), and
+    /// logs the new entry. Call with the volume's map locked for writing.
+    fn mark_written(&self, map: &mut MapTable, lunit: u64, punit: u32, m: u32) {
+        let cur = map.get(lunit);
+        if cur.punit == punit && cur.bitmap | m != cur.bitmap {
+            let bitmap = cur.bitmap | m;
+            let copied = set_entry(map, lunit, Entry { punit, bitmap });
+            incref_all(&mut self.pool.alloc.lock(), copied);
+            self.pool.log_record(&Record::Map { volume: self.vol.id, lunit, punit, bitmap });
+        }
     }
 
     /// Fills the bytes of block `blk` outside the write's view, at `buf_at` in the
@@ -462,14 +474,7 @@ impl Volume {
             let mut map = self.vol.map.write();
             if !self.vol.deleted.load(Ordering::Acquire) {
                 for (u, p, m) in new_bits {
-                    let cur = map.get(u);
-                    // If a trim unmapped or remapped the unit meanwhile, the trim came later.
-                    if cur.punit == p && cur.bitmap | m != cur.bitmap {
-                        let bitmap = cur.bitmap | m;
-                        let copied = set_entry(&mut map, u, Entry { punit: p, bitmap });
-                        incref_all(&mut self.pool.alloc.lock(), copied);
-                        self.pool.log_record(&Record::Map { volume: self.vol.id, lunit: u, punit: p, bitmap });
-                    }
+                    self.mark_written(&mut map, u, p, m);
                 }
             }
         }
@@ -501,8 +506,7 @@ impl Volume {
         let g = &self.pool.geo;
         let us = g.unit_size as usize;
         let bs = BLOCK_SIZE as usize;
-        let h = (self.vol.id.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ lunit).wrapping_mul(0xff51_afd7_ed55_8ccd);
-        let _unit_lock = self.pool.cow_stripes[(h >> 56) as usize % self.pool.cow_stripes.len()].lock().await;
+        let _unit_lock = self.pool.cow_stripes[stripe_of(self.vol.id, lunit, self.pool.cow_stripes.len())].lock().await;
         let old = self.vol.map.read().get(lunit);
         let exclusive = old.is_mapped()
             && !self.vol.map.read().page_shared(lunit)
@@ -587,12 +591,8 @@ impl Volume {
         drop(pins);
         r.map_err(|e| self.err(Error::io("pool write failed", e), "write", offset))?;
         let mut map = self.vol.map.write();
-        let cur = map.get(lunit);
-        if cur.punit == old.punit && !self.vol.deleted.load(Ordering::Acquire) && cur.bitmap | m != cur.bitmap {
-            let bitmap = cur.bitmap | m;
-            let copied = set_entry(&mut map, lunit, Entry { punit: old.punit, bitmap });
-            incref_all(&mut self.pool.alloc.lock(), copied);
-            self.pool.log_record(&Record::Map { volume: self.vol.id, lunit, punit: old.punit, bitmap });
+        if !self.vol.deleted.load(Ordering::Acquire) {
+            self.mark_written(&mut map, lunit, old.punit, m);
         }
         Ok(true)
     }
@@ -849,6 +849,12 @@ impl Volume {
         }
         Ok(ext)
     }
+}
+
+/// Index of the lock stripe for (`volume`, `key`) among `n` stripes.
+fn stripe_of(volume: u64, key: u64, n: usize) -> usize {
+    let h = (volume.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ key).wrapping_mul(0xff51_afd7_ed55_8ccd);
+    (h >> 56) as usize % n
 }
 
 /// Sets an entry; returns the data units of a shared page that had to be copied
