@@ -398,6 +398,13 @@ fn bind_unix(path: &Path) -> anyhow::Result<tokio::net::UnixListener> {
 }
 
 async fn serve(data_dir: &Path, mgmt_socket: &Path, args: ServeArgs) -> anyhow::Result<()> {
+    // Catch SIGTERM and SIGINT before anything can connect: the listening sockets accept
+    // connections (into their backlog) as soon as they are bound, so a supervisor may see the
+    // server as up and stop it while the pool is still opening. The stop is then taken after
+    // the open, and the pool is closed cleanly.
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate())?;
+    let mut interrupt = signal(SignalKind::interrupt())?;
     std::fs::create_dir_all(data_dir).with_context(|| format!("create data dir {}", data_dir.display()))?;
     let pool_path = args.pool.clone().unwrap_or_else(|| data_dir.join("pool.img"));
     let opts = PoolOptions {
@@ -451,9 +458,8 @@ async fn serve(data_dir: &Path, mgmt_socket: &Path, args: ServeArgs) -> anyhow::
             ),
     );
 
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
+        _ = interrupt.recv() => {}
         _ = term.recv() => {}
     }
     tracing::info!("shutting down: flushing and checkpointing the pool");
