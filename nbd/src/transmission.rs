@@ -19,7 +19,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 
@@ -383,7 +383,9 @@ where
     E: Export,
     S: AsyncRead + AsyncWrite + Unpin + Send,
 {
-    let (mut reader, writer) = tokio::io::split(stream);
+    let (reader, writer) = tokio::io::split(stream);
+    // Requests arrive back to back at high queue depth: one receive takes many headers.
+    let mut reader = BufReader::with_capacity(64 * 1024, reader);
     let capacity = config.max_in_flight_requests.clamp(1, Semaphore::MAX_PERMITS);
     let (tx, rx) = mpsc::channel(capacity);
     let (read_result, write_result) =

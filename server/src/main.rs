@@ -156,7 +156,7 @@ fn main() -> ExitCode {
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("FERROVOL_LOG").unwrap_or_else(|_| "info".into()))
         .with_writer(std::io::stderr)
         .init();
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("tokio runtime");
     let r = rt.block_on(run(cli));
     match r {
         Ok(code) => code,
@@ -407,29 +407,42 @@ async fn serve(data_dir: &Path, mgmt_socket: &Path, args: ServeArgs) -> anyhow::
     let mut interrupt = signal(SignalKind::interrupt())?;
     std::fs::create_dir_all(data_dir).with_context(|| format!("create data dir {}", data_dir.display()))?;
     let pool_path = args.pool.clone().unwrap_or_else(|| data_dir.join("pool.img"));
+    let dataplane = DataPlane::start().context("start the NBD data-plane thread")?;
     let opts = PoolOptions {
         size: args.pool_size,
         unit_size: u32::try_from(args.unit_size)
             .map_err(|_| anyhow::anyhow!("unit size {} is too large", args.unit_size))?,
+        reaper: storage_engine::Reaper::Runtime(dataplane.handle.clone()),
     };
-    // Listen first, so a busy port or socket leaves no new pool file behind.
+    // Listen first, so a busy port or socket leaves no new pool file behind. The NBD
+    // listeners belong to the data-plane runtime, the management socket to this one.
     let nbd_sock = args.nbd_socket.clone().unwrap_or_else(|| data_dir.join("nbd.sock"));
-    let tcp =
-        tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("bind NBD on {}", args.listen))?;
-    let unix = bind_unix(&nbd_sock)?;
+    let tcp = std::net::TcpListener::bind(args.listen)
+        .and_then(|l| {
+            l.set_nonblocking(true)?;
+            let _rt = dataplane.handle.enter();
+            tokio::net::TcpListener::from_std(l)
+        })
+        .with_context(|| format!("bind NBD on {}", args.listen))?;
+    let unix = {
+        let _rt = dataplane.handle.enter();
+        bind_unix(&nbd_sock)?
+    };
     let mgmt_listener = bind_unix(mgmt_socket)?;
     let p = pool_path.clone();
     let format = args.format;
-    let pool = tokio::task::spawn_blocking(move || {
-        use std::os::unix::fs::FileTypeExt;
-        let is_dev = std::fs::metadata(&p).map(|m| m.file_type().is_block_device()).unwrap_or(false);
-        if is_dev && format {
-            Pool::open_or_format_device(&p, &opts)
-        } else {
-            Pool::open_or_create(&p, &opts)
-        }
-    })
-    .await?;
+    let pool = dataplane
+        .handle
+        .spawn_blocking(move || {
+            use std::os::unix::fs::FileTypeExt;
+            let is_dev = std::fs::metadata(&p).map(|m| m.file_type().is_block_device()).unwrap_or(false);
+            if is_dev && format {
+                Pool::open_or_format_device(&p, &opts)
+            } else {
+                Pool::open_or_create(&p, &opts)
+            }
+        })
+        .await?;
     let pool = match pool {
         Ok(pool) => pool,
         Err(e) => {
@@ -447,8 +460,9 @@ async fn serve(data_dir: &Path, mgmt_socket: &Path, args: ServeArgs) -> anyhow::
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
     };
-    let tcp_task = tokio::spawn(nbd::serve_tcp(tcp, registry.clone(), config.clone(), stopped(stop_rx.clone())));
-    let unix_task = tokio::spawn(nbd::serve_unix(unix, registry.clone(), config.clone(), stopped(stop_rx.clone())));
+    let dp = &dataplane.handle;
+    let tcp_task = dp.spawn(nbd::serve_tcp(tcp, registry.clone(), config.clone(), stopped(stop_rx.clone())));
+    let unix_task = dp.spawn(nbd::serve_unix(unix, registry.clone(), config.clone(), stopped(stop_rx.clone())));
     let mgmt_task = tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(mgmt::ManagementService::new(pool.clone(), endpoints))
@@ -473,6 +487,37 @@ async fn serve(data_dir: &Path, mgmt_socket: &Path, args: ServeArgs) -> anyhow::
         tracing::error!(error = %e, "final flush failed");
     }
     tokio::task::spawn_blocking(move || pool.close()).await??;
+    dataplane.stop();
     tracing::info!("pool closed cleanly");
     Ok(())
+}
+
+/// The NBD data plane: one thread driving a current-thread tokio runtime that owns the
+/// NBD listeners and connections and reaps the pool's io_uring completions, so that a
+/// request is received, submitted, completed and answered on one thread with no
+/// hand-off. Management requests run on the main runtime.
+struct DataPlane {
+    handle: tokio::runtime::Handle,
+    stop: tokio::sync::oneshot::Sender<()>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl DataPlane {
+    fn start() -> std::io::Result<DataPlane> {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        let handle = rt.handle().clone();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::Builder::new().name("ferrovol-nbd".into()).spawn(move || {
+            rt.block_on(async {
+                let _ = stopped.await;
+            });
+        })?;
+        Ok(DataPlane { handle, stop, thread })
+    }
+
+    /// Stops the runtime (dropping whatever tasks are left) once the pool is closed.
+    fn stop(self) {
+        let _ = self.stop.send(());
+        let _ = self.thread.join();
+    }
 }

@@ -76,8 +76,11 @@ fn data_path(c: &mut Criterion) {
     let base = if std::path::Path::new("/dev/shm").is_dir() { "/dev/shm" } else { "/tmp" };
     let dir = tempfile::tempdir_in(base).unwrap();
     let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
-    let pool =
-        Pool::create(&dir.path().join("pool.img"), &PoolOptions { size: 2 << 30, unit_size: 64 * 1024 }).unwrap();
+    let pool = Pool::create(
+        &dir.path().join("pool.img"),
+        &PoolOptions { size: 2 << 30, unit_size: 64 * 1024, ..Default::default() },
+    )
+    .unwrap();
     let vol_size = 1u64 << 30;
     rt.block_on(pool.create_volume("b", vol_size)).unwrap();
     let v = pool.volume("b").unwrap();

@@ -23,8 +23,11 @@ fn snapshots(c: &mut Criterion) {
     let base = std::env::var("FERROVOL_BENCH_DIR").unwrap_or_else(|_| "/var/tmp".into());
     let dir = tempfile::tempdir_in(base).unwrap();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    let pool =
-        Pool::create(&dir.path().join("pool.img"), &PoolOptions { size: 13 << 30, unit_size: 64 * 1024 }).unwrap();
+    let pool = Pool::create(
+        &dir.path().join("pool.img"),
+        &PoolOptions { size: 13 << 30, unit_size: 64 * 1024, ..Default::default() },
+    )
+    .unwrap();
     rt.block_on(pool.create_volume("small", 1 << 30)).unwrap();
     rt.block_on(pool.create_volume("large", 1 << 40)).unwrap();
     fill(&rt, &pool, "small", 1 << 30);

@@ -1,16 +1,18 @@
 //! Storage I/O on io_uring, and the aligned buffers it reads into and writes from.
 //!
 //! Lives here: [`AlignedBuf`] (a 4 KiB-aligned heap buffer with a byte *view*), and
-//! [`IoRing`], a worker thread that owns one io_uring and executes reads, writes and
-//! `fdatasync` on the pool file. This is the only module of the engine with `unsafe`.
+//! [`IoRing`], one io_uring that executes reads, writes and `fdatasync` on the pool
+//! file, submitted from the caller's thread and reaped on the tokio runtime (or a
+//! thread of its own). This is the only module of the engine with `unsafe`.
 //! Not here: what the I/O means (mappings, logs, checkpoints live in the other modules).
 //!
 //! # Buffer ownership
-//! A buffer is *moved* into [`IoRing::rw`] and stays owned by the worker thread until
-//! every segment's completion has arrived from the kernel; only then is it handed back
-//! through the returned channel. Dropping the future that waits for the result does not
-//! free the buffer while the kernel may still write into it: the worker keeps it until
-//! the completion and then drops it. So the kernel never sees a freed buffer.
+//! A buffer is *moved* into [`IoRing::rw`] and stays owned by the ring's in-flight table
+//! until every segment's completion has arrived from the kernel; only then is it handed
+//! back through the returned channel. Dropping the future that waits for the result
+//! does not free the buffer while the kernel may still write into it: the table keeps
+//! it until the completion and then drops it, and dropping the `IoRing` waits for every
+//! entry still in the kernel. So the kernel never sees a freed buffer.
 
 use std::alloc::{self, Layout};
 use std::collections::VecDeque;
@@ -18,11 +20,11 @@ use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::ptr::NonNull;
-use std::sync::mpsc;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use io_uring::{opcode, types, IoUring};
+use parking_lot::Mutex;
 use tokio::sync::oneshot;
 
 /// Alignment of every [`AlignedBuf`], in bytes: enough for O_DIRECT on 4Kn devices.
@@ -146,49 +148,97 @@ pub enum Dir {
 /// The result of [`IoRing::rw`]: the buffer back, and the first error if any segment failed.
 pub type RwResult = (AlignedBuf, io::Result<()>);
 
-enum Request {
-    Rw { dir: Dir, buf: AlignedBuf, segs: Vec<Segment>, done: oneshot::Sender<RwResult> },
-    Fsync { done: oneshot::Sender<io::Result<()>> },
+/// Where an [`IoRing`]'s completions are reaped.
+#[derive(Debug, Clone, Default)]
+pub enum Reaper {
+    /// On the tokio runtime current at creation if it is multi-threaded (and has I/O
+    /// enabled), else on a thread of the ring's own.
+    #[default]
+    Auto,
+    /// On this runtime (which must have I/O enabled), whatever its flavour. For a
+    /// current-thread runtime the caller promises that the runtime keeps being driven
+    /// (a thread sits in `block_on`) for as long as the ring has I/O in flight, and
+    /// that nothing blocks that thread waiting for the ring.
+    Runtime(tokio::runtime::Handle),
 }
 
-/// An io_uring owned by a worker thread, executing requests on one file.
+/// An io_uring on one file, shared by every thread of the process.
 ///
-/// Requests go in through a channel and an eventfd that the worker keeps a read armed
-/// on, so one `io_uring_enter` both submits new work and waits for completions.
+/// # Who submits, who reaps
+/// The caller's thread pushes the submission queue entries and enters the kernel itself
+/// (under a short lock), so a request costs no hand-off to another thread on the way
+/// in. Completions raise an eventfd registered with the ring; a *reaper* waits on it,
+/// takes the completions, and resolves the callers' channels:
+/// - with [`Reaper::Runtime`], or when the ring is created inside a multi-threaded
+///   tokio runtime (with I/O enabled: `enable_io`/`enable_all`), the reaper is a
+///   task on that runtime, so a completion wakes the runtime's own thread and the
+///   request task it resolves runs there without a further thread switch. Never block
+///   a worker thread of that runtime waiting for this ring (tokio already forbids
+///   `blocking_recv` there); if the runtime shuts down first, a thread takes over;
+/// - otherwise (no runtime, or a current-thread one, which a blocking wait would stall)
+///   the reaper is a thread of its own.
+///
+/// Callers may wait for results from anywhere: `.await` in a task, or `blocking_recv`
+/// on a plain thread (the committer does).
 pub struct IoRing {
-    tx: Option<mpsc::Sender<Request>>,
-    wake: Arc<OwnedFd>,
-    worker: Option<JoinHandle<()>>,
+    shared: Arc<Shared>,
+    reaper_thread: Option<JoinHandle<()>>,
 }
 
 impl IoRing {
-    /// Starts a worker with a ring of `entries` submission slots on `file`.
+    /// Sets up a ring of `entries` submission slots on `file` and its reaper (see
+    /// [`Reaper`]).
     ///
     /// Errors: the kernel refused io_uring (e.g. `ENOSYS`, `EPERM` under a seccomp
-    /// profile) or an eventfd could not be made.
-    pub fn new(file: Arc<File>, entries: u32) -> io::Result<IoRing> {
-        let ring = IoUring::new(entries)?;
+    /// profile), or an eventfd or the reaper thread could not be made.
+    pub fn new(file: Arc<File>, entries: u32, reaper: &Reaper) -> io::Result<IoRing> {
+        let mut ring = IoUring::new(entries)?;
         // SAFETY: eventfd returns a new fd we own, or -1 (checked).
-        let raw = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+        let raw = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
         if raw < 0 {
             return Err(io::Error::last_os_error());
         }
         // SAFETY: raw is a fresh, valid fd owned by nobody else.
-        let wake = Arc::new(unsafe { OwnedFd::from_raw_fd(raw) });
-        let (tx, rx) = mpsc::channel();
-        let worker_wake = wake.clone();
-        let worker = std::thread::Builder::new()
-            .name("ferrovol-io".into())
-            .spawn(move || Worker::new(ring, file, worker_wake, rx).run())?;
-        Ok(IoRing { tx: Some(tx), wake, worker: Some(worker) })
-    }
-
-    fn send(&self, req: Request) {
-        if let Some(tx) = &self.tx {
-            if tx.send(req).is_ok() {
-                kick(self.wake.as_raw_fd());
+        let efd = unsafe { OwnedFd::from_raw_fd(raw) };
+        ring.submitter().register_eventfd(efd.as_raw_fd())?;
+        let cq_room = ring.completion().capacity();
+        let shared = Arc::new(Shared {
+            efd,
+            ring,
+            state: Mutex::new(State {
+                file: Some(file),
+                slots: Vec::new(),
+                free_slots: Vec::new(),
+                queued: VecDeque::new(),
+                in_kernel: 0,
+                cq_room,
+                closing: false,
+            }),
+        });
+        let runtime = match reaper {
+            Reaper::Runtime(h) => Some(h.clone()),
+            Reaper::Auto => tokio::runtime::Handle::try_current()
+                .ok()
+                .filter(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread),
+        };
+        let reaper_thread = match runtime {
+            Some(h) => {
+                let _enter = h.enter();
+                // SAFETY: EventFd holds an Arc<Shared>, which owns the eventfd, so the fd
+                // stays open and the same for as long as the AsyncFd exists.
+                let afd = unsafe {
+                    tokio::io::unix::AsyncFd::register_with_interest(
+                        EventFd(shared.clone()),
+                        tokio::io::Interest::READABLE,
+                    )
+                }
+                .map_err(io::Error::from)?;
+                h.spawn(reap_task(shared.clone(), afd));
+                None
             }
-        }
+            None => Some(spawn_reaper_thread(shared.clone())?),
+        };
+        Ok(IoRing { shared, reaper_thread })
     }
 
     /// Reads or writes `segs` between the pool and `buf`; resolves with the buffer and
@@ -202,7 +252,9 @@ impl IoRing {
         if segs.is_empty() {
             let _ = done.send((buf, Ok(())));
         } else {
-            self.send(Request::Rw { dir, buf, segs, done });
+            let n = segs.len();
+            let f = InFlight { dir, buf: Some(buf), segs, outstanding: n, error: None, done: Some(RwDone::Rw(done)) };
+            self.shared.start(f, (0..n).map(|i| i as u32));
         }
         rx
     }
@@ -210,28 +262,41 @@ impl IoRing {
     /// `fdatasync` of the pool file through the ring.
     pub fn fdatasync(&self) -> oneshot::Receiver<io::Result<()>> {
         let (done, rx) = oneshot::channel();
-        self.send(Request::Fsync { done });
+        let f = InFlight {
+            dir: Dir::Read,
+            buf: None,
+            segs: Vec::new(),
+            outstanding: 1,
+            error: None,
+            done: Some(RwDone::Fsync(done)),
+        };
+        self.shared.start(f, std::iter::once(FSYNC_SEG));
         rx
     }
 }
 
 impl Drop for IoRing {
+    /// Waits for every request still in the kernel (their buffers must outlive them),
+    /// closes this ring's handle on the file, and stops the reaper.
     fn drop(&mut self) {
-        self.tx.take();
-        kick(self.wake.as_raw_fd());
-        if let Some(w) = self.worker.take() {
-            let _ = w.join();
+        self.shared.state.lock().closing = true;
+        loop {
+            if self.shared.reap() {
+                break;
+            }
+            // The reaper may consume the wake-up: poll with a timeout.
+            wait_readable(self.shared.efd.as_raw_fd(), 10);
+        }
+        self.shared.state.lock().file = None;
+        kick(self.shared.efd.as_raw_fd());
+        if let Some(t) = self.reaper_thread.take() {
+            let _ = t.join();
         }
     }
 }
 
-fn kick(fd: RawFd) {
-    let one: u64 = 1;
-    // SAFETY: writes 8 bytes from a live u64 to an eventfd we keep open (Arc<OwnedFd>).
-    unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
-}
-
-const WAKE_TOKEN: u64 = u64::MAX;
+/// Segment index that marks an fdatasync entry.
+const FSYNC_SEG: u32 = u32::MAX;
 
 struct InFlight {
     dir: Dir,
@@ -247,126 +312,134 @@ enum RwDone {
     Fsync(oneshot::Sender<io::Result<()>>),
 }
 
-struct Worker {
+impl RwDone {
+    fn send(self, buf: Option<AlignedBuf>, result: io::Result<()>) {
+        match (self, buf) {
+            (RwDone::Rw(tx), Some(buf)) => {
+                let _ = tx.send((buf, result));
+            }
+            (RwDone::Fsync(tx), _) => {
+                let _ = tx.send(result);
+            }
+            (RwDone::Rw(_), None) => unreachable!("rw slot has a buffer"),
+        }
+    }
+}
+
+struct Shared {
+    /// Registered with the ring: the kernel adds to it for every completion.
+    efd: OwnedFd,
+    /// Its submission and completion queues are touched only under `state`'s lock;
+    /// entering the kernel needs no lock.
     ring: IoUring,
-    file: Arc<File>,
-    wake: Arc<OwnedFd>,
-    rx: mpsc::Receiver<Request>,
+    state: Mutex<State>,
+}
+
+struct State {
+    /// `None` once the ring is closing and idle.
+    file: Option<Arc<File>>,
     slots: Vec<Option<InFlight>>,
     free_slots: Vec<usize>,
-    /// (slot, segment index) waiting for room in the submission queue.
-    queued: VecDeque<(usize, usize)>,
-    wake_buf: Box<u64>,
-    wake_armed: bool,
+    /// (slot, segment index) waiting for room in the submission or completion queue.
+    queued: VecDeque<(usize, u32)>,
+    /// Entries pushed and not yet completed.
     in_kernel: usize,
+    /// Completion queue size: never more than this many entries in the kernel.
+    cq_room: usize,
     closing: bool,
 }
 
-impl Worker {
-    fn new(ring: IoUring, file: Arc<File>, wake: Arc<OwnedFd>, rx: mpsc::Receiver<Request>) -> Worker {
-        Worker {
-            ring,
-            file,
-            wake,
-            rx,
-            slots: Vec::new(),
-            free_slots: Vec::new(),
-            queued: VecDeque::new(),
-            wake_buf: Box::new(0),
-            wake_armed: false,
-            in_kernel: 0,
-            closing: false,
-        }
-    }
-
-    fn run(mut self) {
-        loop {
-            self.drain_channel();
-            if self.closing && self.in_kernel == 0 && self.queued.is_empty() {
-                return;
-            }
-            self.push_sqes();
-            if let Err(e) = self.ring.submit_and_wait(1) {
-                if e.raw_os_error() != Some(libc::EINTR) && e.raw_os_error() != Some(libc::EBUSY) {
-                    tracing::error!(error = %e, "io_uring_enter failed");
-                    std::thread::sleep(std::time::Duration::from_millis(1));
-                }
-            }
-            self.reap();
-        }
-    }
-
-    fn drain_channel(&mut self) {
-        loop {
-            match self.rx.try_recv() {
-                Ok(Request::Rw { dir, buf, segs, done }) => {
-                    let n = segs.len();
-                    let slot = self.new_slot(InFlight {
-                        dir,
-                        buf: Some(buf),
-                        segs,
-                        outstanding: n,
-                        error: None,
-                        done: Some(RwDone::Rw(done)),
-                    });
-                    self.queued.extend((0..n).map(|i| (slot, i)));
-                }
-                Ok(Request::Fsync { done }) => {
-                    let slot = self.new_slot(InFlight {
-                        dir: Dir::Read,
-                        buf: None,
-                        segs: Vec::new(),
-                        outstanding: 1,
-                        error: None,
-                        done: Some(RwDone::Fsync(done)),
-                    });
-                    self.queued.push_back((slot, usize::MAX));
-                }
-                Err(mpsc::TryRecvError::Empty) => return,
-                Err(mpsc::TryRecvError::Disconnected) => {
-                    self.closing = true;
-                    return;
-                }
-            }
-        }
-    }
-
-    fn new_slot(&mut self, f: InFlight) -> usize {
-        match self.free_slots.pop() {
+impl Shared {
+    /// Registers `f`, queues its entries and submits what fits.
+    fn start(&self, f: InFlight, segs: impl Iterator<Item = u32>) {
+        let mut st = self.state.lock();
+        let slot = match st.free_slots.pop() {
             Some(i) => {
-                self.slots[i] = Some(f);
+                st.slots[i] = Some(f);
                 i
             }
             None => {
-                self.slots.push(Some(f));
-                self.slots.len() - 1
+                st.slots.push(Some(f));
+                st.slots.len() - 1
+            }
+        };
+        st.queued.extend(segs.map(|s| (slot, s)));
+        let enter = st.push_queued(&self.ring);
+        drop(st);
+        if enter {
+            self.enter();
+        }
+    }
+
+    /// Submits whatever the submission queue holds, without the lock: the kernel takes
+    /// what is there (another thread's entries too) under its own lock.
+    fn enter(&self) {
+        match self.ring.submit() {
+            Ok(_) => {}
+            Err(e) => {
+                if !matches!(e.raw_os_error(), Some(libc::EAGAIN | libc::EBUSY | libc::EINTR)) {
+                    tracing::error!(error = %e, "io_uring_enter failed");
+                }
+                // Entries stay in the submission queue; the reaper retries on its next
+                // round, which this wake-up starts even if nothing is in the kernel.
+                kick(self.efd.as_raw_fd());
             }
         }
     }
 
-    fn push_sqes(&mut self) {
-        let fd = types::Fd(self.file.as_raw_fd());
-        if !self.wake_armed && !self.closing {
-            let e = opcode::Read::new(types::Fd(self.wake.as_raw_fd()), (&mut *self.wake_buf as *mut u64).cast(), 8)
-                .build()
-                .user_data(WAKE_TOKEN);
-            // SAFETY: wake_buf is a Box owned by the worker that outlives the ring's use
-            // of it (the worker drains its completion before exiting), and the eventfd
-            // stays open through Arc<OwnedFd>.
-            if unsafe { self.ring.submission().push(&e) }.is_ok() {
-                self.wake_armed = true;
-                self.in_kernel += 1;
+    /// Takes every completion, submits what was waiting for room, and resolves the
+    /// finished requests (outside the lock). True when the ring is closing and idle.
+    fn reap(&self) -> bool {
+        let mut finished = Vec::new();
+        let (idle, enter) = {
+            let mut st = self.state.lock();
+            // SAFETY: the completion queue is only accessed under the state lock.
+            let cqes: Vec<(u64, i32)> =
+                unsafe { self.ring.completion_shared() }.map(|c| (c.user_data(), c.result())).collect();
+            for (ud, res) in cqes {
+                st.in_kernel -= 1;
+                if let Some(done) = st.complete(ud, res) {
+                    finished.push(done);
+                }
             }
+            let enter = st.push_queued(&self.ring);
+            (st.closing && st.in_kernel == 0 && st.queued.is_empty(), enter)
+        };
+        if enter {
+            self.enter();
         }
+        for (done, buf, result) in finished {
+            done.send(buf, result);
+        }
+        idle
+    }
+}
+
+type Finished = (RwDone, Option<AlignedBuf>, io::Result<()>);
+
+impl State {
+    /// Pushes queued entries while the queues have room. True if the submission queue
+    /// holds entries for the kernel (the caller enters after dropping the lock).
+    fn push_queued(&mut self, ring: &IoUring) -> bool {
+        let Some(file) = self.file.as_ref() else {
+            return false;
+        };
+        // SAFETY: the submission queue is only accessed under the state lock (held by
+        // the caller through `&mut self`).
+        let mut sq = unsafe { ring.submission_shared() };
+        let fd = types::Fd(file.as_raw_fd());
         while let Some(&(slot, seg)) = self.queued.front() {
+            if self.in_kernel >= self.cq_room {
+                break;
+            }
             let Some(f) = self.slots[slot].as_mut() else {
                 self.queued.pop_front();
                 continue;
             };
-            let entry = if seg == usize::MAX {
+            let entry = if seg == FSYNC_SEG {
                 opcode::Fsync::new(fd).flags(types::FsyncFlags::DATASYNC).build()
             } else {
-                let s = f.segs[seg];
+                let s = f.segs[seg as usize];
                 let buf = f.buf.as_mut().expect("rw slot has a buffer");
                 let ptr = buf.full_mut()[s.buf_offset..s.buf_offset + s.len].as_mut_ptr();
                 match f.dir {
@@ -377,67 +450,129 @@ impl Worker {
                         .build(),
                 }
             };
-            let entry = entry.user_data(((slot as u64) << 32) | (seg as u64 & 0xffff_ffff));
+            let entry = entry.user_data(((slot as u64) << 32) | u64::from(seg));
             // SAFETY: the buffer range lives in `self.slots[slot].buf`, which is not
             // dropped or moved out until this entry's completion is reaped (the heap
-            // allocation does not move when the AlignedBuf struct moves); the file stays
-            // open through Arc<File>.
-            if unsafe { self.ring.submission().push(&entry) }.is_err() {
+            // allocation does not move when the AlignedBuf struct moves), and IoRing's
+            // Drop waits for every entry in the kernel; the file stays open through the
+            // Arc<File> held in `self.file` until then.
+            if unsafe { sq.push(&entry) }.is_err() {
                 break;
             }
             self.in_kernel += 1;
             self.queued.pop_front();
         }
+        sq.sync();
+        !sq.is_empty()
     }
 
-    fn reap(&mut self) {
-        let cqes: Vec<(u64, i32)> = self.ring.completion().map(|c| (c.user_data(), c.result())).collect();
-        for (ud, res) in cqes {
-            self.in_kernel -= 1;
-            if ud == WAKE_TOKEN {
-                self.wake_armed = false;
-                continue;
+    /// Accounts one completion; returns the request if it is now finished.
+    fn complete(&mut self, ud: u64, res: i32) -> Option<Finished> {
+        let slot = (ud >> 32) as usize;
+        let seg = (ud & 0xffff_ffff) as u32;
+        let f = self.slots.get_mut(slot)?.as_mut()?;
+        if res < 0 {
+            f.error.get_or_insert(io::Error::from_raw_os_error(-res));
+        } else if seg != FSYNC_SEG {
+            let n = res as usize;
+            let s = &mut f.segs[seg as usize];
+            if n == 0 && s.len > 0 {
+                f.error.get_or_insert(io::Error::new(io::ErrorKind::UnexpectedEof, "pool ends before the segment"));
+            } else if n < s.len {
+                // Short transfer: retry the remainder.
+                s.file_offset += n as u64;
+                s.buf_offset += n;
+                s.len -= n;
+                self.queued.push_back((slot, seg));
+                return None;
             }
-            let slot = (ud >> 32) as usize;
-            let seg = (ud & 0xffff_ffff) as usize;
-            let seg = if seg == 0xffff_ffff { usize::MAX } else { seg };
-            let Some(f) = self.slots[slot].as_mut() else { continue };
-            if res < 0 {
-                f.error.get_or_insert(io::Error::from_raw_os_error(-res));
-            } else if seg != usize::MAX {
-                let n = res as usize;
-                let s = &mut f.segs[seg];
-                if n == 0 && s.len > 0 {
-                    f.error.get_or_insert(io::Error::new(io::ErrorKind::UnexpectedEof, "pool ends before the segment"));
-                } else if n < s.len {
-                    // Short transfer: retry the remainder.
-                    s.file_offset += n as u64;
-                    s.buf_offset += n;
-                    s.len -= n;
-                    self.queued.push_back((slot, seg));
-                    continue;
-                }
-            }
-            f.outstanding -= 1;
-            if f.outstanding == 0 {
-                let mut f = self.slots[slot].take().expect("slot present");
-                self.free_slots.push(slot);
-                let result = match f.error.take() {
-                    Some(e) => Err(e),
-                    None => Ok(()),
-                };
-                match f.done.take() {
-                    Some(RwDone::Rw(tx)) => {
-                        let _ = tx.send((f.buf.take().expect("rw slot has a buffer"), result));
-                    }
-                    Some(RwDone::Fsync(tx)) => {
-                        let _ = tx.send(result);
-                    }
-                    None => {}
+        }
+        f.outstanding -= 1;
+        if f.outstanding > 0 {
+            return None;
+        }
+        let mut f = self.slots[slot].take().expect("slot present");
+        self.free_slots.push(slot);
+        let result = match f.error.take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        };
+        let done = f.done.take()?;
+        Some((done, f.buf.take(), result))
+    }
+}
+
+/// The eventfd as an `AsRawFd` for tokio's `AsyncFd` (which must not close it).
+struct EventFd(Arc<Shared>);
+
+impl AsRawFd for EventFd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0.efd.as_raw_fd()
+    }
+}
+
+/// Reaper on a tokio runtime: woken through the runtime's own epoll.
+async fn reap_task(shared: Arc<Shared>, afd: tokio::io::unix::AsyncFd<EventFd>) {
+    /// Hands the reaping to a thread if the task is dropped (runtime shutdown) while
+    /// the ring still has work or may get more.
+    struct Handover(Option<Arc<Shared>>);
+    impl Drop for Handover {
+        fn drop(&mut self) {
+            if let Some(shared) = self.0.take() {
+                if let Err(e) = spawn_reaper_thread(shared) {
+                    tracing::error!(error = %e, "could not start the io_uring reaper thread");
                 }
             }
         }
     }
+    let mut handover = Handover(Some(shared.clone()));
+    loop {
+        let mut ready = match afd.readable().await {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::error!(error = %e, "waiting for io_uring completions failed");
+                return; // the handover thread carries on
+            }
+        };
+        if !drain(shared.efd.as_raw_fd()) {
+            ready.clear_ready();
+        }
+        if shared.reap() {
+            handover.0 = None;
+            return;
+        }
+    }
+}
+
+fn spawn_reaper_thread(shared: Arc<Shared>) -> io::Result<JoinHandle<()>> {
+    std::thread::Builder::new().name("ferrovol-io".into()).spawn(move || loop {
+        if shared.reap() {
+            return;
+        }
+        wait_readable(shared.efd.as_raw_fd(), -1);
+        drain(shared.efd.as_raw_fd());
+    })
+}
+
+/// Reads the eventfd's counter (resetting it). False when it was already zero.
+fn drain(fd: RawFd) -> bool {
+    let mut v: u64 = 0;
+    // SAFETY: reads 8 bytes into a live u64 from an eventfd kept open by its owner.
+    let n = unsafe { libc::read(fd, (&mut v as *mut u64).cast(), 8) };
+    n == 8
+}
+
+/// Waits until `fd` is readable or `timeout_ms` passes (-1: no timeout).
+fn wait_readable(fd: RawFd, timeout_ms: i32) {
+    let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd on the stack for the duration of the call.
+    unsafe { libc::poll(&mut p, 1, timeout_ms) };
+}
+
+fn kick(fd: RawFd) {
+    let one: u64 = 1;
+    // SAFETY: writes 8 bytes from a live u64 to an eventfd its owner keeps open.
+    unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
 }
 
 /// Opens `path` read-write with `O_DIRECT` when the file system allows it, else buffered.
@@ -484,7 +619,7 @@ mod tests {
         let p = dir.path().join("f");
         let (f, _) = open_pool_file(&p, true).unwrap();
         f.set_len(1 << 20).unwrap();
-        let ring = IoRing::new(Arc::new(f), 8).unwrap();
+        let ring = IoRing::new(Arc::new(f), 8, &Reaper::Auto).unwrap();
         let mut buf = AlignedBuf::zeroed(64 * 1024);
         for (i, b) in buf.full_mut().iter_mut().enumerate() {
             *b = (i % 251) as u8;
@@ -501,11 +636,50 @@ mod tests {
     }
 
     #[test]
+    fn reaped_on_the_runtime_then_by_a_thread_after_it_stops() {
+        // A ring made inside a multi-threaded runtime is reaped by a task there; many
+        // concurrent requests all complete with the right data; when the runtime shuts
+        // down, a thread takes over and blocking callers still get their results.
+        let dir = tempfile::tempdir().unwrap();
+        let (f, _) = open_pool_file(&dir.path().join("f"), true).unwrap();
+        f.set_len(1 << 20).unwrap();
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let ring = Arc::new(rt.block_on(async { IoRing::new(Arc::new(f), 8, &Reaper::Auto).unwrap() }));
+        assert!(ring.reaper_thread.is_none(), "reaper is a runtime task");
+        let tasks: Vec<_> = (0..64u8)
+            .map(|i| {
+                let ring = ring.clone();
+                rt.spawn(async move {
+                    let seg = Segment { file_offset: u64::from(i) * 4096, buf_offset: 0, len: 4096 };
+                    let mut buf = AlignedBuf::zeroed(4096);
+                    buf.full_mut().fill(i);
+                    let (_, r) = ring.rw(Dir::Write { dsync: false }, buf, vec![seg]).await.unwrap();
+                    r.unwrap();
+                    let (back, r) = ring.rw(Dir::Read, AlignedBuf::zeroed(4096), vec![seg]).await.unwrap();
+                    r.unwrap();
+                    assert!(back.full().iter().all(|&b| b == i), "block {i} read back wrong");
+                })
+            })
+            .collect();
+        rt.block_on(async {
+            for t in tasks {
+                t.await.unwrap();
+            }
+        });
+        drop(rt);
+        ring.fdatasync().blocking_recv().unwrap().unwrap();
+        let seg = Segment { file_offset: 7 * 4096, buf_offset: 0, len: 4096 };
+        let (back, r) = ring.rw(Dir::Read, AlignedBuf::zeroed(4096), vec![seg]).blocking_recv().unwrap();
+        r.unwrap();
+        assert!(back.full().iter().all(|&b| b == 7));
+    }
+
+    #[test]
     fn read_past_end_of_file_is_an_error() {
         let dir = tempfile::tempdir().unwrap();
         let (f, _) = open_pool_file(&dir.path().join("f"), true).unwrap();
         f.set_len(4096).unwrap();
-        let ring = IoRing::new(Arc::new(f), 4).unwrap();
+        let ring = IoRing::new(Arc::new(f), 4, &Reaper::Auto).unwrap();
         let seg = Segment { file_offset: 8192, buf_offset: 0, len: 4096 };
         let (_, r) = ring.rw(Dir::Read, AlignedBuf::zeroed(4096), vec![seg]).blocking_recv().unwrap();
         assert_eq!(r.unwrap_err().kind(), io::ErrorKind::UnexpectedEof);

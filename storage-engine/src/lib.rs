@@ -22,7 +22,7 @@ mod pool;
 mod volume;
 
 pub use error::{Error, ErrorKind, Result};
-pub use io::AlignedBuf;
+pub use io::{AlignedBuf, Reaper};
 pub use pool::{
     check, validate_name, CheckReport, Pool, PoolOptions, PoolStatus, VolumeInfo, DEFAULT_POOL_SIZE, DEFAULT_UNIT_SIZE,
     MAX_NAME_LEN, MAX_VOLUME_SIZE,

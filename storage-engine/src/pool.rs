@@ -35,7 +35,7 @@ use zerocopy::IntoBytes;
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::*;
-use crate::io::{self, AlignedBuf, Dir, IoRing, Segment};
+use crate::io::{self, AlignedBuf, Dir, IoRing, Reaper, Segment};
 use crate::journal::{self, Geometry, LogCursor, Record, State, VolumeMeta};
 use crate::meta::{Allocator, MapTable};
 use crate::volume::Volume;
@@ -53,18 +53,20 @@ const COMMIT_INTERVAL_SECS: u64 = 5;
 /// Pending log bytes that make the committer write them without a flush request.
 const BACKGROUND_COMMIT_BYTES: usize = 256 * 1024;
 
-/// How to create a pool.
+/// How to create and open a pool.
 #[derive(Debug, Clone)]
 pub struct PoolOptions {
     /// Size in bytes for a new pool file (ignored for block devices, whose size is used).
     pub size: u64,
     /// Data-unit (allocation-unit) size in bytes: a power of two from 16 KiB to 128 KiB.
     pub unit_size: u32,
+    /// Where the pool's io_uring completions are reaped (not stored in the pool).
+    pub reaper: Reaper,
 }
 
 impl Default for PoolOptions {
     fn default() -> Self {
-        PoolOptions { size: DEFAULT_POOL_SIZE, unit_size: DEFAULT_UNIT_SIZE }
+        PoolOptions { size: DEFAULT_POOL_SIZE, unit_size: DEFAULT_UNIT_SIZE, reaper: Reaper::Auto }
     }
 }
 
@@ -398,7 +400,7 @@ impl Pool {
     /// Errors: see [`Pool::open`] and [`Pool::create`].
     pub fn open_or_create(path: &Path, opts: &PoolOptions) -> Result<Pool> {
         if path.exists() {
-            Pool::open(path)
+            Pool::open_with(path, &opts.reaper)
         } else {
             Pool::create(path, opts)
         }
@@ -410,7 +412,7 @@ impl Pool {
     ///
     /// Errors: as [`Pool::open`] and [`Pool::create`].
     pub fn open_or_format_device(path: &Path, opts: &PoolOptions) -> Result<Pool> {
-        match Pool::open(path) {
+        match Pool::open_with(path, &opts.reaper) {
             Err(e)
                 if e.kind() == ErrorKind::Corrupt
                     && e.message().matches("superblock magic is missing").count() == 2 =>
@@ -495,7 +497,7 @@ impl Pool {
             pad: 0.into(),
         };
         let file = Arc::new(file);
-        let ring = IoRing::new(file.clone(), 256).map_err(|e| Error::io("set up io_uring", e))?;
+        let ring = IoRing::new(file.clone(), 256, &Reaper::Auto).map_err(|e| Error::io("set up io_uring", e))?;
         // Zero the first log block so no stale batch of a former pool can look current,
         // then write both superblock slots (generations 0 and 1).
         write_blocks(&ring, LOG_OFFSET, &[0u8; BLOCK_SIZE as usize])?;
@@ -508,7 +510,7 @@ impl Pool {
         drop(ring);
         drop(file); // releases the lock for open()
         tracing::info!(path = %path.display(), size, unit_size = unit, "created pool");
-        Pool::open(path)
+        Pool::open_with(path, &opts.reaper)
     }
 
     /// Opens an existing pool: reads the superblock and checkpoint, replays the log.
@@ -518,6 +520,13 @@ impl Pool {
     /// mismatch with its location, unsupported version, inconsistent refcounts);
     /// [`ErrorKind::Io`].
     pub fn open(path: &Path) -> Result<Pool> {
+        Pool::open_with(path, &Reaper::Auto)
+    }
+
+    /// [`Pool::open`] with its I/O completions reaped as `reaper` says.
+    ///
+    /// Errors: as [`Pool::open`].
+    pub fn open_with(path: &Path, reaper: &Reaper) -> Result<Pool> {
         let (file, direct) =
             io::open_pool_file(path, false).map_err(|e| Error::io(format!("open {}", path.display()), e))?;
         lock(&file, true, path)?;
@@ -537,7 +546,7 @@ impl Pool {
             tracing::warn!(path = %path.display(), "file system refuses O_DIRECT; using buffered I/O");
         }
         let file = Arc::new(file);
-        let ring = IoRing::new(file.clone(), 256).map_err(|e| Error::io("set up io_uring", e))?;
+        let ring = IoRing::new(file.clone(), 256, reaper).map_err(|e| Error::io("set up io_uring", e))?;
         let journal::Loaded { sb, geo, state, log, checkpoint_units, batches, .. } = loaded;
         let State { volumes, next_volume, alloc, .. } = state;
         let vols = volumes

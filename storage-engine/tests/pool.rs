@@ -65,7 +65,11 @@ fn small_units_with_many_mappings_checkpoint_and_reopen() {
     for unit in [16 * 1024u32, 32 * 1024] {
         let dir = tempfile::tempdir().unwrap();
         let rt = rt();
-        let pool = Pool::create(&pool_path(dir.path()), &PoolOptions { size: 96 * MIB, unit_size: unit }).unwrap();
+        let pool = Pool::create(
+            &pool_path(dir.path()),
+            &PoolOptions { size: 96 * MIB, unit_size: unit, ..Default::default() },
+        )
+        .unwrap();
         rt.block_on(pool.create_volume("v", 64 * MIB)).unwrap();
         let v = pool.volume("v").unwrap();
         // Every unit mapped: thousands of refcount entries, several checkpoint chunks.

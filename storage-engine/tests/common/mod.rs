@@ -16,7 +16,7 @@ pub fn pool_path(dir: &Path) -> PathBuf {
 }
 
 pub fn create(dir: &Path, size: u64) -> Pool {
-    Pool::create(&pool_path(dir), &PoolOptions { size, unit_size: 64 * 1024 }).unwrap()
+    Pool::create(&pool_path(dir), &PoolOptions { size, unit_size: 64 * 1024, ..Default::default() }).unwrap()
 }
 
 pub async fn write(v: &Volume, off: u64, data: &[u8], fua: bool) -> storage_engine::Result<()> {
