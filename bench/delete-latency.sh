@@ -30,13 +30,16 @@ for rep in $(seq "$REPS"); do
   F volume create a --size 2GiB
   fio --name=w --ioengine=nbd --uri=nbd://127.0.0.1:$PORT/a --bs=1m --iodepth=8 --rw=write --size=1g >/dev/null
   prepare_b
+  sleep 10 # let the device finish absorbing the 8 GiB just written
   base=$(readjob | p99)
   F snapshot delete b s
   F volume delete b
   prepare_b
+  sleep 10
   (sleep 5; t0=$(date +%s%N); F snapshot delete b s; echo "delete took $(( ($(date +%s%N) - t0) / 1000000 )) ms (CLI round trip)" >&2) &
+  DEL=$!
   during=$(readjob | p99)
-  wait
+  wait $DEL
   kill $PID; wait $PID 2>/dev/null || true
   /usr/bin/python3 -c "import sys; b,d=map(int,sys.argv[1:]); print(f'rep $rep: p99 without delete {b} us, with delete {d} us, ratio {d/b:.2f}')" "$base" "$during"
 done
