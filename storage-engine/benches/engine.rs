@@ -65,7 +65,7 @@ fn allocation(c: &mut Criterion) {
         b.iter(|| {
             let i = (r.next() as usize) % held.len();
             a.decref(held[i]);
-            a.release_pending(1, &pins);
+            a.release_pending(a.pending_mark(), &pins);
             held[i] = a.alloc(0).unwrap();
         })
     });

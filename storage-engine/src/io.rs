@@ -27,6 +27,8 @@ use io_uring::{opcode, types, IoUring};
 use parking_lot::Mutex;
 use tokio::sync::oneshot;
 
+use crate::testing::IoLog;
+
 /// Alignment of every [`AlignedBuf`], in bytes: enough for O_DIRECT on 4Kn devices.
 pub const ALIGN: usize = 4096;
 
@@ -162,6 +164,16 @@ pub enum Reaper {
     Runtime(tokio::runtime::Handle),
 }
 
+/// How an [`IoRing`] is set up.
+#[derive(Debug, Clone, Default)]
+pub struct IoOptions {
+    /// Where completions are reaped.
+    pub reaper: Reaper,
+    /// Records every completed write and flush, for the power-loss simulator
+    /// ([`crate::testing`]). `None` (the default) records nothing.
+    pub log: Option<Arc<IoLog>>,
+}
+
 /// An io_uring on one file, shared by every thread of the process.
 ///
 /// # Who submits, who reaps
@@ -191,7 +203,7 @@ impl IoRing {
     ///
     /// Errors: the kernel refused io_uring (e.g. `ENOSYS`, `EPERM` under a seccomp
     /// profile), or an eventfd or the reaper thread could not be made.
-    pub fn new(file: Arc<File>, entries: u32, reaper: &Reaper) -> io::Result<IoRing> {
+    pub fn new(file: Arc<File>, entries: u32, opts: &IoOptions) -> io::Result<IoRing> {
         let mut ring = IoUring::new(entries)?;
         // SAFETY: eventfd returns a new fd we own, or -1 (checked).
         let raw = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
@@ -206,6 +218,7 @@ impl IoRing {
             efd,
             ring,
             state: Mutex::new(State {
+                log: opts.log.clone(),
                 file: Some(file),
                 slots: Vec::new(),
                 free_slots: Vec::new(),
@@ -215,7 +228,7 @@ impl IoRing {
                 closing: false,
             }),
         });
-        let runtime = match reaper {
+        let runtime = match &opts.reaper {
             Reaper::Runtime(h) => Some(h.clone()),
             Reaper::Auto => tokio::runtime::Handle::try_current()
                 .ok()
@@ -253,7 +266,15 @@ impl IoRing {
             let _ = done.send((buf, Ok(())));
         } else {
             let n = segs.len();
-            let f = InFlight { dir, buf: Some(buf), segs, outstanding: n, error: None, done: Some(RwDone::Rw(done)) };
+            let f = InFlight {
+                dir,
+                buf: Some(buf),
+                segs,
+                outstanding: n,
+                error: None,
+                flush_id: 0,
+                done: Some(RwDone::Rw(done)),
+            };
             self.shared.start(f, (0..n).map(|i| i as u32));
         }
         rx
@@ -268,6 +289,7 @@ impl IoRing {
             segs: Vec::new(),
             outstanding: 1,
             error: None,
+            flush_id: 0,
             done: Some(RwDone::Fsync(done)),
         };
         self.shared.start(f, std::iter::once(FSYNC_SEG));
@@ -304,6 +326,8 @@ struct InFlight {
     segs: Vec<Segment>,
     outstanding: usize,
     error: Option<io::Error>,
+    /// For an fdatasync with an [`IoLog`]: its number there.
+    flush_id: u64,
     done: Option<RwDone>,
 }
 
@@ -336,6 +360,7 @@ struct Shared {
 }
 
 struct State {
+    log: Option<Arc<IoLog>>,
     /// `None` once the ring is closing and idle.
     file: Option<Arc<File>>,
     slots: Vec<Option<InFlight>>,
@@ -351,8 +376,11 @@ struct State {
 
 impl Shared {
     /// Registers `f`, queues its entries and submits what fits.
-    fn start(&self, f: InFlight, segs: impl Iterator<Item = u32>) {
+    fn start(&self, mut f: InFlight, segs: impl Iterator<Item = u32>) {
         let mut st = self.state.lock();
+        if let (Some(log), Some(RwDone::Fsync(_))) = (&st.log, &f.done) {
+            f.flush_id = log.flush_started();
+        }
         let slot = match st.free_slots.pop() {
             Some(i) => {
                 st.slots[i] = Some(f);
@@ -473,9 +501,16 @@ impl State {
         let f = self.slots.get_mut(slot)?.as_mut()?;
         if res < 0 {
             f.error.get_or_insert(io::Error::from_raw_os_error(-res));
-        } else if seg != FSYNC_SEG {
+        } else if seg == FSYNC_SEG {
+            if let Some(log) = &self.log {
+                log.flush_done(f.flush_id);
+            }
+        } else {
             let n = res as usize;
             let s = &mut f.segs[seg as usize];
+            if let (Some(log), Dir::Write { dsync }, Some(buf)) = (&self.log, f.dir, &f.buf) {
+                log.write_done(s.file_offset, &buf.full()[s.buf_offset..s.buf_offset + n.min(s.len)], dsync);
+            }
             if n == 0 && s.len > 0 {
                 f.error.get_or_insert(io::Error::new(io::ErrorKind::UnexpectedEof, "pool ends before the segment"));
             } else if n < s.len {
@@ -619,7 +654,7 @@ mod tests {
         let p = dir.path().join("f");
         let (f, _) = open_pool_file(&p, true).unwrap();
         f.set_len(1 << 20).unwrap();
-        let ring = IoRing::new(Arc::new(f), 8, &Reaper::Auto).unwrap();
+        let ring = IoRing::new(Arc::new(f), 8, &IoOptions::default()).unwrap();
         let mut buf = AlignedBuf::zeroed(64 * 1024);
         for (i, b) in buf.full_mut().iter_mut().enumerate() {
             *b = (i % 251) as u8;
@@ -644,7 +679,7 @@ mod tests {
         let (f, _) = open_pool_file(&dir.path().join("f"), true).unwrap();
         f.set_len(1 << 20).unwrap();
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-        let ring = Arc::new(rt.block_on(async { IoRing::new(Arc::new(f), 8, &Reaper::Auto).unwrap() }));
+        let ring = Arc::new(rt.block_on(async { IoRing::new(Arc::new(f), 8, &IoOptions::default()).unwrap() }));
         assert!(ring.reaper_thread.is_none(), "reaper is a runtime task");
         let tasks: Vec<_> = (0..64u8)
             .map(|i| {
@@ -679,7 +714,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (f, _) = open_pool_file(&dir.path().join("f"), true).unwrap();
         f.set_len(4096).unwrap();
-        let ring = IoRing::new(Arc::new(f), 4, &Reaper::Auto).unwrap();
+        let ring = IoRing::new(Arc::new(f), 4, &IoOptions::default()).unwrap();
         let seg = Segment { file_offset: 8192, buf_offset: 0, len: 4096 };
         let (_, r) = ring.rw(Dir::Read, AlignedBuf::zeroed(4096), vec![seg]).blocking_recv().unwrap();
         assert_eq!(r.unwrap_err().kind(), io::ErrorKind::UnexpectedEof);

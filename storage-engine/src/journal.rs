@@ -252,8 +252,12 @@ impl State {
                     .volumes
                     .remove(&volume)
                     .ok_or_else(|| Error::corrupt(format!("log deletes unknown volume {volume}")))?;
-                for u in vol.map.release_all() {
+                let (units, unshared) = vol.map.release_all();
+                for u in units {
                     self.alloc.decref(u);
+                }
+                for u in unshared {
+                    self.alloc.unsettle(u);
                 }
             }
             Record::VolumeResize { volume, size } => {

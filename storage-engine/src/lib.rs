@@ -19,10 +19,11 @@ pub mod io;
 mod journal;
 pub mod meta;
 mod pool;
+pub mod testing;
 mod volume;
 
 pub use error::{Error, ErrorKind, Result};
-pub use io::{AlignedBuf, Reaper};
+pub use io::{AlignedBuf, IoOptions, Reaper};
 pub use pool::{
     check, validate_name, CheckReport, Pool, PoolOptions, PoolStatus, VolumeInfo, DEFAULT_POOL_SIZE, DEFAULT_UNIT_SIZE,
     MAX_NAME_LEN, MAX_VOLUME_SIZE,

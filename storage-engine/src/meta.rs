@@ -178,16 +178,20 @@ impl MapTable {
         })
     }
 
-    /// Drops every page; returns the data units whose reference goes with them (the
-    /// units of pages this table held alone; shared pages just lose an owner).
-    pub fn release_all(&mut self) -> Vec<u32> {
+    /// Drops every page. Returns the data units whose reference goes with them (the
+    /// units of pages this table held alone), and the units of pages left with a single
+    /// other owner (which may now be exclusive to it).
+    pub fn release_all(&mut self) -> (Vec<u32>, Vec<u32>) {
         let mut units = Vec::new();
+        let mut unshared = Vec::new();
         for page in self.pages.drain(..).flatten() {
-            if page.owners.fetch_sub(1, Ordering::AcqRel) == 1 {
-                units.extend(page.units());
+            match page.owners.fetch_sub(1, Ordering::AcqRel) {
+                1 => units.extend(page.units()),
+                2 => unshared.extend(page.units()),
+                _ => {}
             }
         }
-        units
+        (units, unshared)
     }
 
     /// A new table sharing every page with this one (no data or entries copied):
@@ -207,6 +211,15 @@ impl MapTable {
     }
 }
 
+/// Lengths of [`Allocator`]'s pending lists at the start of a commit.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PendingMark {
+    /// Entries of `pending_free` covered.
+    pub free: usize,
+    /// Entries of `pending_settle` covered.
+    pub settle: usize,
+}
+
 #[inline]
 fn split(lunit: u64) -> (usize, usize) {
     ((lunit / PAGE_ENTRIES as u64) as usize, (lunit % PAGE_ENTRIES as u64) as usize)
@@ -217,6 +230,13 @@ fn split(lunit: u64) -> (usize, usize) {
 /// A unit is *free* (allocatable) only when its refcount is 0, it holds no checkpoint
 /// metadata, and the record that dropped its last reference is durable: a freed unit
 /// first waits in `pending_free` until the commit that carries its free completes.
+///
+/// Likewise a unit is *exclusive* (written in place) only when the records that made it
+/// so are durable: a unit whose refcount falls to 1, or whose mapping page loses its
+/// other owners, stays *settling* (counted in [`Allocator::settling_table`], listed in
+/// `pending_settle`) until the commit that carries those records completes. Until then
+/// writes copy it on write, because after a crash the volume or snapshot that let go of
+/// it may still map it.
 pub struct Allocator {
     /// Per-unit refcounts; changed only through `&mut self`, readable without the
     /// allocator's lock through [`Allocator::refcount_table`].
@@ -229,6 +249,10 @@ pub struct Allocator {
     cursor: usize,
     /// Units whose refcount fell to 0, in the order their records were logged.
     pub pending_free: Vec<u32>,
+    /// Units that became exclusive, in the order their records were logged.
+    pub pending_settle: Vec<u32>,
+    /// Per unit: how many entries of `pending_settle` name it (non-zero: settling).
+    settling: Arc<[AtomicU32]>,
     /// Units with refcount > 0 (data).
     pub used: u64,
     /// Units holding checkpoint metadata.
@@ -247,6 +271,8 @@ impl Allocator {
             free_count: 0,
             cursor: 0,
             pending_free: Vec::new(),
+            pending_settle: Vec::new(),
+            settling: (0..n).map(|_| AtomicU32::new(0)).collect(),
             used: 0,
             meta: 0,
         };
@@ -367,7 +393,8 @@ impl Allocator {
         self.set_rc(u, r + 1);
     }
 
-    /// One reference fewer; at zero the unit waits in `pending_free`.
+    /// One reference fewer; at zero the unit waits in `pending_free`, at one it is
+    /// settling (see the type's docs).
     pub fn decref(&mut self, u: u32) {
         let r = self.rc(u);
         debug_assert!(r > 0 && r != META);
@@ -375,13 +402,38 @@ impl Allocator {
         if r == 1 {
             self.used -= 1;
             self.pending_free.push(u);
+        } else if r == 2 {
+            self.unsettle(u);
         }
     }
 
-    /// Makes the first `n` pending frees allocatable (their frees are durable), except
-    /// units that in-flight I/O still pins, which stay pending.
-    pub fn release_pending(&mut self, n: usize, pins: &[AtomicU32]) {
-        let n = n.min(self.pending_free.len());
+    /// Marks `u` settling: it may have become exclusive by a change not yet durable.
+    pub fn unsettle(&mut self, u: u32) {
+        self.settling[u as usize].fetch_add(1, Ordering::AcqRel);
+        self.pending_settle.push(u);
+    }
+
+    /// Per-unit settling counts, for lock-free reads on the write path: a unit with a
+    /// non-zero count must be copied on write.
+    pub fn settling_table(&self) -> Arc<[AtomicU32]> {
+        self.settling.clone()
+    }
+
+    /// How far the pending lists reach now; a commit that starts here makes everything
+    /// before the mark durable, and then calls [`Allocator::release_pending`] with it.
+    pub fn pending_mark(&self) -> PendingMark {
+        PendingMark { free: self.pending_free.len(), settle: self.pending_settle.len() }
+    }
+
+    /// Makes the pending frees and settles before `mark` final (their records are
+    /// durable): the units become allocatable, except units that in-flight I/O still
+    /// pins, which stay pending; settling units may be written in place again.
+    pub fn release_pending(&mut self, mark: PendingMark, pins: &[AtomicU32]) {
+        let s = mark.settle.min(self.pending_settle.len());
+        for u in self.pending_settle.drain(..s) {
+            self.settling[u as usize].fetch_sub(1, Ordering::AcqRel);
+        }
+        let n = mark.free.min(self.pending_free.len());
         let done: Vec<u32> = self.pending_free.drain(..n).collect();
         for u in done {
             if self.rc(u) != 0 {
@@ -395,8 +447,11 @@ impl Allocator {
         }
     }
 
-    /// After replay: every pending free is durable (it came from the log).
+    /// After replay: every pending free and settle is durable (it came from the log).
     pub fn release_all(&mut self) {
+        for u in std::mem::take(&mut self.pending_settle) {
+            self.settling[u as usize].fetch_sub(1, Ordering::AcqRel);
+        }
         let pending = std::mem::take(&mut self.pending_free);
         for u in pending {
             if self.rc(u) == 0 {
@@ -429,8 +484,10 @@ mod tests {
         assert!(!t.page_shared(1501) && !shared.page_shared(1500));
         assert_eq!(shared.get(1500).punit, 7, "the sharer keeps its page");
         assert_eq!(shared.mapped().count(), 2);
-        assert_eq!(t.release_all(), vec![8]);
-        assert_eq!(shared.release_all(), vec![7, 8]);
+        assert_eq!(t.release_all(), (vec![8], vec![]));
+        let mut third = shared.share();
+        assert_eq!(shared.release_all(), (vec![], vec![7, 8]), "left to one owner: may be exclusive now");
+        assert_eq!(third.release_all(), (vec![7, 8], vec![]));
     }
 
     #[test]
@@ -442,11 +499,29 @@ mod tests {
         a.decref(u);
         assert_eq!(a.free_count(), 3, "not free until durable");
         pins[u as usize].store(1, Ordering::Release);
-        a.release_pending(1, &pins);
+        let mark = a.pending_mark();
+        a.release_pending(mark, &pins);
         assert_eq!(a.free_count(), 3, "pinned by in-flight I/O");
         pins[u as usize].store(0, Ordering::Release);
-        a.release_pending(1, &pins);
+        a.release_pending(PendingMark { free: 1, settle: 0 }, &pins);
         assert_eq!(a.free_count(), 4);
         assert_eq!(a.alloc(4), None, "the reserve is kept");
+    }
+
+    #[test]
+    fn a_unit_left_to_one_owner_settles_only_when_durable() {
+        let pins: Vec<AtomicU32> = (0..4).map(|_| AtomicU32::new(0)).collect();
+        let mut a = Allocator::from_refcounts(vec![0; 4]);
+        let u = a.alloc(0).unwrap();
+        a.incref(u);
+        let settling = a.settling_table();
+        a.decref(u);
+        assert_eq!((a.refcount(u), settling[u as usize].load(Ordering::Acquire)), (1, 1), "settling");
+        let mark = a.pending_mark();
+        a.unsettle(u); // a later change, not covered by the commit that started at `mark`
+        a.release_pending(mark, &pins);
+        assert_eq!(settling[u as usize].load(Ordering::Acquire), 1, "still settling for the later change");
+        a.release_pending(a.pending_mark(), &pins);
+        assert_eq!(settling[u as usize].load(Ordering::Acquire), 0);
     }
 }

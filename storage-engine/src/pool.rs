@@ -8,7 +8,7 @@
 //! # Commit protocol
 //! A *commit* makes every completed data write and every logged metadata change
 //! durable, in this order:
-//! 1. note how many frees are pending, and take the pending log records;
+//! 1. note how far the pending frees and settles reach, and take the pending log records;
 //! 2. `fdatasync` the pool: data written before the records were taken is durable,
 //!    so no durable mapping ever points at unwritten data;
 //! 3. write the records as log batches, `fdatasync`;
@@ -35,7 +35,7 @@ use zerocopy::IntoBytes;
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::*;
-use crate::io::{self, AlignedBuf, Dir, IoRing, Reaper, Segment};
+use crate::io::{self, AlignedBuf, Dir, IoOptions, IoRing, Segment};
 use crate::journal::{self, Geometry, LogCursor, Record, State, VolumeMeta};
 use crate::meta::{Allocator, MapTable};
 use crate::volume::Volume;
@@ -60,13 +60,13 @@ pub struct PoolOptions {
     pub size: u64,
     /// Data-unit (allocation-unit) size in bytes: a power of two from 16 KiB to 128 KiB.
     pub unit_size: u32,
-    /// Where the pool's io_uring completions are reaped (not stored in the pool).
-    pub reaper: Reaper,
+    /// How the pool's io_uring is set up (not stored in the pool).
+    pub io: IoOptions,
 }
 
 impl Default for PoolOptions {
     fn default() -> Self {
-        PoolOptions { size: DEFAULT_POOL_SIZE, unit_size: DEFAULT_UNIT_SIZE, reaper: Reaper::Auto }
+        PoolOptions { size: DEFAULT_POOL_SIZE, unit_size: DEFAULT_UNIT_SIZE, io: IoOptions::default() }
     }
 }
 
@@ -184,11 +184,18 @@ pub(crate) struct PoolInner {
     pub alloc: Mutex<Allocator>,
     /// The allocator's refcounts, for lock-free reads on the data path.
     pub refcounts: Arc<[AtomicU32]>,
+    /// The allocator's settling counts, readable without its lock: non-zero means the
+    /// unit may be exclusive only by changes not yet durable, so writes copy it.
+    pub settling: Arc<[AtomicU32]>,
     pub journal: Mutex<Journal>,
     /// In-flight I/O per data unit; a pinned unit is never made allocatable.
     pub pins: Box<[AtomicU32]>,
     /// Data writes completed since the last commit's fdatasync started.
     pub writes_since_sync: AtomicU64,
+    /// Log records appended so far (counted under the journal lock).
+    pub records_logged: AtomicU64,
+    /// Of those, how many are durable (the first N, by a completed commit or checkpoint).
+    pub records_durable: AtomicU64,
     pub failed: AtomicBool,
     /// Set by [`Pool::close`]: later writes are refused.
     closed: AtomicBool,
@@ -400,7 +407,7 @@ impl Pool {
     /// Errors: see [`Pool::open`] and [`Pool::create`].
     pub fn open_or_create(path: &Path, opts: &PoolOptions) -> Result<Pool> {
         if path.exists() {
-            Pool::open_with(path, &opts.reaper)
+            Pool::open_with(path, &opts.io)
         } else {
             Pool::create(path, opts)
         }
@@ -412,7 +419,7 @@ impl Pool {
     ///
     /// Errors: as [`Pool::open`] and [`Pool::create`].
     pub fn open_or_format_device(path: &Path, opts: &PoolOptions) -> Result<Pool> {
-        match Pool::open_with(path, &opts.reaper) {
+        match Pool::open_with(path, &opts.io) {
             Err(e)
                 if e.kind() == ErrorKind::Corrupt
                     && e.message().matches("superblock magic is missing").count() == 2 =>
@@ -497,7 +504,8 @@ impl Pool {
             pad: 0.into(),
         };
         let file = Arc::new(file);
-        let ring = IoRing::new(file.clone(), 256, &Reaper::Auto).map_err(|e| Error::io("set up io_uring", e))?;
+        let ring =
+            IoRing::new(file.clone(), 256, &IoOptions::default()).map_err(|e| Error::io("set up io_uring", e))?;
         // Zero the first log block so no stale batch of a former pool can look current,
         // then write both superblock slots (generations 0 and 1).
         write_blocks(&ring, LOG_OFFSET, &[0u8; BLOCK_SIZE as usize])?;
@@ -510,7 +518,7 @@ impl Pool {
         drop(ring);
         drop(file); // releases the lock for open()
         tracing::info!(path = %path.display(), size, unit_size = unit, "created pool");
-        Pool::open_with(path, &opts.reaper)
+        Pool::open_with(path, &opts.io)
     }
 
     /// Opens an existing pool: reads the superblock and checkpoint, replays the log.
@@ -520,13 +528,13 @@ impl Pool {
     /// mismatch with its location, unsupported version, inconsistent refcounts);
     /// [`ErrorKind::Io`].
     pub fn open(path: &Path) -> Result<Pool> {
-        Pool::open_with(path, &Reaper::Auto)
+        Pool::open_with(path, &IoOptions::default())
     }
 
-    /// [`Pool::open`] with its I/O completions reaped as `reaper` says.
+    /// [`Pool::open`] with its io_uring set up as `io` says.
     ///
     /// Errors: as [`Pool::open`].
-    pub fn open_with(path: &Path, reaper: &Reaper) -> Result<Pool> {
+    pub fn open_with(path: &Path, io: &IoOptions) -> Result<Pool> {
         let (file, direct) =
             io::open_pool_file(path, false).map_err(|e| Error::io(format!("open {}", path.display()), e))?;
         lock(&file, true, path)?;
@@ -546,7 +554,7 @@ impl Pool {
             tracing::warn!(path = %path.display(), "file system refuses O_DIRECT; using buffered I/O");
         }
         let file = Arc::new(file);
-        let ring = IoRing::new(file.clone(), 256, reaper).map_err(|e| Error::io("set up io_uring", e))?;
+        let ring = IoRing::new(file.clone(), 256, io).map_err(|e| Error::io("set up io_uring", e))?;
         let journal::Loaded { sb, geo, state, log, checkpoint_units, batches, .. } = loaded;
         let State { volumes, next_volume, alloc, .. } = state;
         let vols = volumes
@@ -566,10 +574,13 @@ impl Pool {
             volumes: RwLock::new(vols),
             next_volume: AtomicU64::new(next_volume),
             refcounts: alloc.refcount_table(),
+            settling: alloc.settling_table(),
             alloc: Mutex::new(alloc),
             journal: Mutex::new(Journal::default()),
             pins,
             writes_since_sync: AtomicU64::new(0),
+            records_logged: AtomicU64::new(0),
+            records_durable: AtomicU64::new(0),
             failed: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             stripes: (0..256).map(|_| tokio::sync::Mutex::new(())).collect(),
@@ -652,10 +663,13 @@ impl Pool {
             let mut map = vs.map.write();
             vs.deleted.store(true, Ordering::SeqCst);
             self.inner.log_record(&Record::VolumeDelete { volume: vs.id });
-            let units = map.release_all();
+            let (units, unshared) = map.release_all();
             let mut alloc = self.inner.alloc.lock();
             for u in units {
                 alloc.decref(u);
+            }
+            for u in unshared {
+                alloc.unsettle(u);
             }
         }
         self.inner.commit().await.map_err(err)?;
@@ -960,6 +974,7 @@ impl PoolInner {
     pub fn log_record(&self, r: &Record) {
         let mut j = self.journal.lock();
         r.encode(&mut j.bytes);
+        self.records_logged.fetch_add(1, Ordering::SeqCst);
         if j.bytes.len() >= BACKGROUND_COMMIT_BYTES {
             drop(j);
             let mut q = self.commits.queue.lock();
@@ -996,9 +1011,12 @@ impl PoolInner {
 
     /// One commit cycle (see the module docs).
     fn commit_cycle(&self) -> Result<()> {
-        let pending = self.alloc.lock().pending_free.len();
+        let pending = self.alloc.lock().pending_mark();
         let writes = self.writes_since_sync.swap(0, Ordering::SeqCst);
-        let records = std::mem::take(&mut self.journal.lock().bytes);
+        let (records, upto) = {
+            let mut j = self.journal.lock();
+            (std::mem::take(&mut j.bytes), self.records_logged.load(Ordering::SeqCst))
+        };
         if writes > 0 || !records.is_empty() {
             sync(&self.ring)?;
         }
@@ -1030,8 +1048,16 @@ impl PoolInner {
             log.cursor.pos = pos;
             log.cursor.seq += batches.len() as u64;
         }
+        self.records_durable.fetch_max(upto, Ordering::SeqCst);
         self.alloc.lock().release_pending(pending, &self.pins);
         Ok(())
+    }
+
+    /// True when every log record appended so far is durable: a FUA write that changes
+    /// no mapping may then rely on `RWF_DSYNC` alone (the mapping it writes through is
+    /// already on the medium).
+    pub fn metadata_settled(&self) -> bool {
+        self.records_durable.load(Ordering::SeqCst) >= self.records_logged.load(Ordering::SeqCst)
     }
 
     fn log_used(&self) -> u64 {
@@ -1043,7 +1069,7 @@ impl PoolInner {
     /// past the last log batch.
     fn checkpoint(&self, seq_jump: u64) -> Result<()> {
         // 1. A consistent snapshot: all volume maps, the allocator and the journal.
-        let (snapshot, pending) = {
+        let (snapshot, pending, upto) = {
             let vols = self.volumes.read();
             let maps: Vec<_> = vols.values().map(|v| (v.clone(), v.map.read())).collect();
             let alloc = self.alloc.lock();
@@ -1075,7 +1101,7 @@ impl PoolInner {
                 alloc: Allocator::from_refcounts(refcounts),
                 unit_size: self.geo.unit_size,
             };
-            (st, alloc.pending_free.len())
+            (st, alloc.pending_mark(), self.records_logged.load(Ordering::SeqCst))
         };
         self.writes_since_sync.store(0, Ordering::SeqCst);
         // 2. Write the chunks into freshly allocated units.
@@ -1158,6 +1184,8 @@ impl PoolInner {
             a.free_meta(u);
         }
         a.release_pending(pending, &self.pins);
+        drop(a);
+        self.records_durable.fetch_max(upto, Ordering::SeqCst);
         Ok(())
     }
 }

@@ -421,7 +421,7 @@ impl Volume {
                 }
                 let s = (u * bpu).max(b0);
                 let e_blk = ((u + 1) * bpu).min(b1);
-                if map.page_shared(u) || self.pool.refcounts[e.punit as usize].load(Ordering::Acquire) > 1 {
+                if self.must_copy(&map, u, e.punit) {
                     // Shared with a snapshot or clone: copy on write, unit by unit, below.
                     private.push((u, s, e_blk));
                     continue;
@@ -444,7 +444,9 @@ impl Volume {
             drop(pins);
             return Box::pin(self.write_blocks(b0, b1, buf, fua, offset)).await;
         }
-        let dsync = fua && new_bits.is_empty() && private.is_empty();
+        // RWF_DSYNC suffices for FUA only if this write changes no mapping and the
+        // mappings it writes through are durable already; else it waits for a commit.
+        let dsync = fua && new_bits.is_empty() && private.is_empty() && self.pool.metadata_settled();
         let (buf, r) = self
             .pool
             .ring
@@ -508,9 +510,7 @@ impl Volume {
         let bs = BLOCK_SIZE as usize;
         let _unit_lock = self.pool.cow_stripes[stripe_of(self.vol.id, lunit, self.pool.cow_stripes.len())].lock().await;
         let old = self.vol.map.read().get(lunit);
-        let exclusive = old.is_mapped()
-            && !self.vol.map.read().page_shared(lunit)
-            && self.pool.refcounts[old.punit as usize].load(Ordering::Acquire) == 1;
+        let exclusive = old.is_mapped() && !self.must_copy(&self.vol.map.read(), lunit, old.punit);
         let mut buf = AlignedBuf::zeroed(us);
         buf.full_mut()[s as usize * bs..e as usize * bs].copy_from_slice(data);
         let mut pins = Pins { pool: &self.pool, units: Vec::new() };
@@ -650,10 +650,7 @@ impl Volume {
         // deleted), another write may have gone into it in place after our copy:
         // install nothing and write in place instead. Units never become shared again
         // while a write runs (the gate), so a unit still shared now was shared all along.
-        let became_exclusive = old.is_mapped()
-            && still
-            && !map.page_shared(lunit)
-            && self.pool.refcounts[old.punit as usize].load(Ordering::Acquire) == 1;
+        let became_exclusive = old.is_mapped() && still && !self.must_copy(&map, lunit, old.punit);
         if result.is_err() || !still || became_exclusive || self.vol.deleted.load(Ordering::Acquire) {
             a.decref(target);
             let deleted = self.vol.deleted.load(Ordering::Acquire);
@@ -723,6 +720,15 @@ impl Volume {
             self.pool.commit().await.map_err(|e| self.err(e, "trim", offset))?;
         }
         Ok(())
+    }
+
+    /// True if a write to data unit `punit`, mapped at `lunit` of `map`, must copy it:
+    /// another volume or snapshot shares it, or did until a change not yet durable
+    /// (after a crash before that change is, it would still map the unit).
+    fn must_copy(&self, map: &MapTable, lunit: u64, punit: u32) -> bool {
+        map.page_shared(lunit)
+            || self.pool.refcounts[punit as usize].load(Ordering::Acquire) > 1
+            || self.pool.settling[punit as usize].load(Ordering::Acquire) > 0
     }
 
     fn block_written(&self, blk: u64) -> bool {

@@ -1,0 +1,292 @@
+//! Test utilities: an in-memory export, and the entry points of the fuzz targets.
+//!
+//! Lives here: [`MemExport`] (a `Vec<u8>` behind a mutex, with per-4-KiB-block
+//! allocation tracking so that reads and block status report holes), and
+//! [`MemRegistry`]. Test knobs: a read delay that depends on the offset, a poisoned range
+//! whose reads fail with `NBD_EIO`, and counters of flushes and of the largest write
+//! buffer ever allocated.
+//! [`fuzz_handshake`] and [`fuzz_transmission`] feed arbitrary client bytes to a
+//! server over an in-memory stream (used by `fuzz/` and by the corpus replay test).
+//! Not here: anything durable; flush only counts.
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::{BlockSizes, Errno, Export, ExportFlags, ExportRegistry, Extent, ReadData};
+
+/// Allocation granularity in bytes.
+pub const BLOCK: u64 = 4096;
+
+type DelayFn = Box<dyn Fn(u64) -> Duration + Send + Sync>;
+
+struct State {
+    data: Vec<u8>,
+    /// One entry per `BLOCK`; `false` is a hole that reads as zeros.
+    allocated: Vec<bool>,
+}
+
+/// A `size`-byte export held in memory, all holes at first.
+pub struct MemExport {
+    state: Mutex<State>,
+    pub flags: ExportFlags,
+    pub sizes: BlockSizes,
+    pub description: String,
+    /// Delay applied to each read, computed from its offset.
+    pub read_delay: Option<DelayFn>,
+    /// Reads overlapping this byte range fail with `Eio`.
+    pub poison: Option<Range<u64>>,
+    /// Largest `len` passed to `alloc_write_buf`, in bytes.
+    pub max_write_alloc: AtomicU64,
+    /// Number of `flush` calls.
+    pub flushes: AtomicU64,
+}
+
+impl MemExport {
+    pub fn new(size: u64) -> Self {
+        let blocks = size.div_ceil(BLOCK) as usize;
+        Self {
+            state: Mutex::new(State { data: vec![0; size as usize], allocated: vec![false; blocks] }),
+            flags: ExportFlags {
+                read_only: false,
+                can_trim: true,
+                can_write_zeroes: true,
+                can_fast_zero: true,
+                can_multi_conn: true,
+            },
+            sizes: BlockSizes { minimum: 1, preferred: 4096, maximum: 1 << 20 },
+            description: "in-memory test export".to_string(),
+            read_delay: None,
+            poison: None,
+            max_write_alloc: AtomicU64::new(0),
+            flushes: AtomicU64::new(0),
+        }
+    }
+
+    pub fn read_only(mut self) -> Self {
+        self.flags.read_only = true;
+        self
+    }
+
+    pub fn with_read_delay(mut self, f: impl Fn(u64) -> Duration + Send + Sync + 'static) -> Self {
+        self.read_delay = Some(Box::new(f));
+        self
+    }
+
+    /// Copies bytes out directly (for assertions).
+    pub fn snapshot(&self, range: Range<usize>) -> Vec<u8> {
+        self.state.lock().unwrap().data[range].to_vec()
+    }
+
+    fn extents(state: &State, offset: u64, len: u64) -> Vec<Extent> {
+        let mut out: Vec<Extent> = Vec::new();
+        let end = offset + len;
+        let mut at = offset;
+        while at < end {
+            let block = (at / BLOCK) as usize;
+            let block_end = ((at / BLOCK + 1) * BLOCK).min(end);
+            let hole = !state.allocated[block];
+            let length = block_end - at;
+            match out.last_mut() {
+                Some(last) if last.hole == hole => last.length += length,
+                _ => out.push(Extent { length, hole, zero: hole }),
+            }
+            at = block_end;
+        }
+        out
+    }
+
+    fn zero_range(state: &mut State, offset: u64, len: u64, unmap: bool) {
+        let (start, end) = (offset as usize, (offset + len) as usize);
+        state.data[start..end].fill(0);
+        let first_full = offset.div_ceil(BLOCK);
+        let last_full = (offset + len) / BLOCK;
+        for b in (offset / BLOCK)..(offset + len).div_ceil(BLOCK) {
+            let full = b >= first_full && b < last_full;
+            if unmap && full {
+                state.allocated[b as usize] = false;
+            } else if !unmap {
+                state.allocated[b as usize] = true;
+            }
+        }
+    }
+}
+
+impl Export for MemExport {
+    type ReadBuf = Vec<u8>;
+    type WriteBuf = Vec<u8>;
+
+    fn size(&self) -> u64 {
+        self.state.lock().unwrap().data.len() as u64
+    }
+
+    fn flags(&self) -> ExportFlags {
+        self.flags
+    }
+
+    fn block_sizes(&self) -> BlockSizes {
+        self.sizes
+    }
+
+    fn description(&self) -> String {
+        self.description.clone()
+    }
+
+    fn alloc_write_buf(&self, _offset: u64, len: u32) -> Vec<u8> {
+        self.max_write_alloc.fetch_max(u64::from(len), Ordering::SeqCst);
+        vec![0; len as usize]
+    }
+
+    async fn read(&self, offset: u64, len: u32) -> Result<ReadData<Vec<u8>>, Errno> {
+        if let Some(delay) = &self.read_delay {
+            tokio::time::sleep(delay(offset)).await;
+        }
+        let end = offset + u64::from(len);
+        if let Some(p) = &self.poison {
+            if offset < p.end && p.start < end {
+                return Err(Errno::Eio);
+            }
+        }
+        let state = self.state.lock().unwrap();
+        let data = state.data[offset as usize..end as usize].to_vec();
+        let extents = Self::extents(&state, offset, u64::from(len));
+        Ok(ReadData { data, extents })
+    }
+
+    async fn write(&self, offset: u64, buf: Vec<u8>, _fua: bool) -> Result<(), Errno> {
+        let mut state = self.state.lock().unwrap();
+        let end = offset as usize + buf.len();
+        state.data[offset as usize..end].copy_from_slice(&buf);
+        for b in (offset / BLOCK)..(end as u64).div_ceil(BLOCK) {
+            state.allocated[b as usize] = true;
+        }
+        Ok(())
+    }
+
+    async fn flush(&self) -> Result<(), Errno> {
+        self.flushes.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+
+    async fn trim(&self, offset: u64, len: u64, _fua: bool) -> Result<(), Errno> {
+        let mut state = self.state.lock().unwrap();
+        Self::zero_range(&mut state, offset, len, true);
+        Ok(())
+    }
+
+    async fn write_zeroes(
+        &self,
+        offset: u64,
+        len: u64,
+        may_unmap: bool,
+        fast_only: bool,
+        _fua: bool,
+    ) -> Result<(), Errno> {
+        if fast_only && !may_unmap {
+            return Err(Errno::Enotsup);
+        }
+        let mut state = self.state.lock().unwrap();
+        Self::zero_range(&mut state, offset, len, may_unmap);
+        Ok(())
+    }
+
+    async fn cache(&self, _offset: u64, _len: u64) -> Result<(), Errno> {
+        Ok(())
+    }
+
+    fn block_status(&self, offset: u64, len: u64) -> Result<Vec<Extent>, Errno> {
+        let state = self.state.lock().unwrap();
+        Ok(Self::extents(&state, offset, len))
+    }
+}
+
+/// A fixed set of named exports.
+#[derive(Default)]
+pub struct MemRegistry {
+    pub exports: Vec<(String, Arc<MemExport>)>,
+}
+
+impl MemRegistry {
+    pub fn with(mut self, name: &str, export: MemExport) -> Self {
+        self.exports.push((name.to_string(), Arc::new(export)));
+        self
+    }
+
+    pub fn get(&self, name: &str) -> Arc<MemExport> {
+        self.lookup(name).expect("export in fixture")
+    }
+}
+
+impl ExportRegistry for MemRegistry {
+    type Export = MemExport;
+
+    fn lookup(&self, name: &str) -> Option<Arc<MemExport>> {
+        self.exports.iter().find(|(n, _)| n == name).map(|(_, e)| Arc::clone(e))
+    }
+
+    fn list(&self) -> Vec<(String, String)> {
+        self.exports.iter().map(|(n, e)| (n.clone(), e.description.clone())).collect()
+    }
+}
+
+/// Runs a server over an in-memory stream whose client side sends `data` and then
+/// closes its write side; reads and discards everything the server sends. Returns when
+/// the server ends the connection. Never panics unless the server does.
+async fn feed(data: Vec<u8>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let registry = Arc::new(
+        MemRegistry::default()
+            .with("fuzz", MemExport::new(1 << 20))
+            .with("ro", MemExport::new(64 * 1024).read_only()),
+    );
+    let config = crate::ServerConfig {
+        handshake_timeout: Duration::from_secs(5),
+        max_in_flight_bytes: 4 << 20,
+        ..Default::default()
+    };
+    let server = crate::Server::new(registry, config);
+    let (mut client, stream) = tokio::io::duplex(256 * 1024);
+    let serving = tokio::spawn(async move {
+        let _ = server.serve_connection(stream).await;
+    });
+    let (mut rx, mut tx) = tokio::io::split(&mut client);
+    let send = async move {
+        let _ = tx.write_all(&data).await;
+        let _ = tx.shutdown().await;
+    };
+    let drain = async move {
+        let mut sink = vec![0u8; 64 * 1024];
+        while matches!(rx.read(&mut sink).await, Ok(n) if n > 0) {}
+    };
+    tokio::join!(send, drain);
+    serving.await.expect("the NBD server panicked");
+}
+
+fn block_on(f: impl std::future::Future<Output = ()>) {
+    tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime").block_on(f)
+}
+
+/// Fuzz target body: `data` is everything a client sends from the first byte on
+/// (client flags, options, and, after a successful `NBD_OPT_GO`, requests).
+pub fn fuzz_handshake(data: &[u8]) {
+    block_on(feed(data.to_vec()));
+}
+
+/// Fuzz target body: a fixed handshake (structured replies, `base:allocation`,
+/// `NBD_OPT_GO` to a 1 MiB export) followed by `data` as transmission-phase requests.
+pub fn fuzz_transmission(data: &[u8]) {
+    use crate::proto::*;
+    let mut input = Vec::new();
+    input.extend_from_slice(&(NBD_FLAG_C_FIXED_NEWSTYLE | NBD_FLAG_C_NO_ZEROES).to_be_bytes());
+    let opt = |input: &mut Vec<u8>, option: u32, body: &[u8]| {
+        input.extend_from_slice(&OptionHeader { option, length: body.len() as u32 }.encode());
+        input.extend_from_slice(body);
+    };
+    opt(&mut input, NBD_OPT_STRUCTURED_REPLY, &[]);
+    let meta = MetaContextRequest { export_name: "fuzz".into(), queries: vec![BASE_ALLOCATION.into()] };
+    opt(&mut input, NBD_OPT_SET_META_CONTEXT, &meta.encode());
+    opt(&mut input, NBD_OPT_GO, &InfoRequest { name: "fuzz".into(), requests: vec![] }.encode());
+    input.extend_from_slice(data);
+    block_on(feed(input));
+}
