@@ -3,14 +3,11 @@
 //!
 //! Usage: `cargo run -p nbd --example memserver -- [PORT] [NAME] [SIZE_MIB]`
 //! (defaults: 10809, `mem`, 64). Listens on 127.0.0.1 only; stops on Ctrl-C.
-//! The export is the test fixture in `tests/common/mem_export.rs`: data is lost on exit.
-
-#[path = "../tests/common/mem_export.rs"]
-mod mem_export;
+//! The export is `nbd::testing::MemExport`: data is lost on exit.
 
 use std::sync::Arc;
 
-use mem_export::{MemExport, MemRegistry};
+use nbd::testing::{MemExport, MemRegistry};
 use nbd::ServerConfig;
 use tokio::net::TcpListener;
 

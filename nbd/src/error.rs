@@ -32,6 +32,13 @@ pub enum Error {
     /// be sent, so the connection was closed.
     #[error("an export operation panicked")]
     HandlerPanicked,
+    /// The export already has `max_connections_per_export` clients and the client used
+    /// `NBD_OPT_EXPORT_NAME`, which cannot be refused with an error reply.
+    #[error("export {0:?} already has the maximum number of connections")]
+    TooManyConnections(String),
+    /// No request arrived for `idle_timeout` while none was in flight.
+    #[error("connection idle for {0:?}")]
+    IdleTimeout(Duration),
 }
 
 impl Error {

@@ -17,7 +17,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use crate::error::Error;
 use crate::export::{BlockSizes, Export, ExportFlags, ExportRegistry};
 use crate::proto::*;
-use crate::server::{read_full_or_eof, ServerConfig};
+use crate::server::{read_full_or_eof, ExportSlot, Live, ServerConfig};
 
 /// The metadata context id given to `base:allocation` by `NBD_OPT_SET_META_CONTEXT`.
 pub(crate) const BASE_ALLOCATION_ID: u32 = 1;
@@ -75,6 +75,8 @@ pub(crate) struct Negotiated<E> {
     pub export: Arc<E>,
     pub name: String,
     pub params: Params,
+    /// Counts this connection against the export's cap until dropped.
+    pub _slot: ExportSlot,
 }
 
 /// Transmission flags for an export (proto.md, "Transmission flags"). Flush, FUA and
@@ -155,6 +157,7 @@ pub(crate) async fn handshake<R, S>(
     stream: &mut S,
     registry: &R,
     config: &ServerConfig,
+    live: &Arc<Live>,
 ) -> Result<Option<Negotiated<R::Export>>, Error>
 where
     R: ExportRegistry,
@@ -197,11 +200,14 @@ where
                 let Some(export) = registry.lookup(&name) else {
                     return Err(Error::UnknownExport(name));
                 };
+                let Some(slot) = live.enter_export(&name, config.max_connections_per_export) else {
+                    return Err(Error::TooManyConnections(name));
+                };
                 let params = state.params(&*export, &name, config);
                 let reply = encode_export_name_reply(export.size(), params.transmission_flags, no_zeroes);
                 stream.write_all(&reply).await?;
                 stream.flush().await?;
-                return Ok(Some(Negotiated { export, name, params }));
+                return Ok(Some(Negotiated { export, name, params, _slot: slot }));
             }
             NBD_OPT_ABORT => {
                 // The client may already have closed; a failed ACK changes nothing.
@@ -219,7 +225,7 @@ where
                 send_final(stream, option, NBD_REP_ACK, &[]).await?;
             }
             NBD_OPT_INFO | NBD_OPT_GO => {
-                if let Some(n) = info_or_go(stream, registry, config, &state, option, &data).await? {
+                if let Some(n) = info_or_go(stream, registry, config, live, &state, option, &data).await? {
                     return Ok(Some(n));
                 }
             }
@@ -252,6 +258,7 @@ async fn info_or_go<R, S>(
     stream: &mut S,
     registry: &R,
     config: &ServerConfig,
+    live: &Arc<Live>,
     state: &Haggle,
     option: u32,
     data: &[u8],
@@ -272,6 +279,16 @@ where
         return Ok(None);
     };
     let params = state.params(&*export, &request.name, config);
+    let slot = if option == NBD_OPT_GO {
+        let Some(slot) = live.enter_export(&request.name, config.max_connections_per_export) else {
+            send_final(stream, option, NBD_REP_ERR_POLICY, b"too many connections to this export; try again later")
+                .await?;
+            return Ok(None);
+        };
+        Some(slot)
+    } else {
+        None
+    };
 
     send_reply(stream, option, NBD_REP_INFO, &encode_info_export(export.size(), params.transmission_flags)).await?;
     if request.requests.contains(&NBD_INFO_NAME) {
@@ -285,11 +302,7 @@ where
     send_reply(stream, option, NBD_REP_INFO, &encode_info_block_size(l.minimum, l.preferred, l.maximum)).await?;
     send_final(stream, option, NBD_REP_ACK, &[]).await?;
 
-    if option == NBD_OPT_GO {
-        Ok(Some(Negotiated { export, name: request.name, params }))
-    } else {
-        Ok(None)
-    }
+    Ok(slot.map(|slot| Negotiated { export, name: request.name, params, _slot: slot }))
 }
 
 /// `NBD_OPT_LIST_META_CONTEXT` and `NBD_OPT_SET_META_CONTEXT` for the `base:` namespace

@@ -10,17 +10,21 @@
 //! extended headers are not implemented (`NBD_OPT_STARTTLS` and
 //! `NBD_OPT_EXTENDED_HEADERS` are answered with `NBD_REP_ERR_UNSUP`).
 //!
-//! Entry points: [`serve_connection`] for one already-accepted stream, [`serve_tcp`] and
-//! [`serve_unix`] for accept loops, all tuned by [`ServerConfig`]. The wire format is in
-//! [`proto`], public so that clients and tests can speak it too.
+//! Entry points: a [`Server`] (exports, [`ServerConfig`] limits, live connection counts)
+//! with its accept loops for TCP and Unix sockets and `serve_connection` for one
+//! already-accepted stream; the free functions [`serve_connection`], [`serve_tcp`] and
+//! [`serve_unix`] run a server of their own. The wire format is in [`proto`], public so
+//! that clients and tests can speak it too; [`testing`] holds an in-memory export and
+//! the fuzz targets' entry points.
 
 pub mod error;
 pub mod export;
 mod handshake;
 pub mod proto;
 pub mod server;
+pub mod testing;
 mod transmission;
 
 pub use error::Error;
 pub use export::{BlockSizes, Errno, Export, ExportFlags, ExportRegistry, Extent, ReadData};
-pub use server::{serve_connection, serve_tcp, serve_unix, ServerConfig};
+pub use server::{serve_connection, serve_tcp, serve_unix, Server, ServerConfig};

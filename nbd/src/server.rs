@@ -1,13 +1,18 @@
 //! Public entry points of the NBD server: one connection, or accept loops on TCP and
 //! Unix listeners.
 //!
-//! Lives here: [`ServerConfig`], [`serve_connection`] (handshake under a timeout, then
-//! the transmission phase), [`serve_tcp`] and [`serve_unix`].
+//! Lives here: [`ServerConfig`], [`Server`] (the registry, the config and the live
+//! connection counts that the caps apply to), its accept loops on TCP and Unix
+//! listeners and [`Server::serve_connection`] (handshake under a timeout, then the
+//! transmission phase), and the free functions [`serve_tcp`], [`serve_unix`] and
+//! [`serve_connection`] for a server of one listener.
 //! Not here: the option haggling itself (`handshake`), request handling (`transmission`),
 //! wire encoding (`proto`).
 
+use std::collections::HashMap;
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
@@ -41,6 +46,17 @@ pub struct ServerConfig {
     /// waiting to be written); when reached, the server stops reading requests. A single
     /// request larger than this still proceeds, alone. Default 128 MiB.
     pub max_in_flight_bytes: usize,
+    /// Connections open at once over all listeners of one [`Server`]; a client accepted
+    /// beyond it is closed at once. Default 1024.
+    pub max_connections: usize,
+    /// Connections in the transmission phase on one export; `NBD_OPT_GO` beyond it gets
+    /// `NBD_REP_ERR_POLICY` (the client may try again later), `NBD_OPT_EXPORT_NAME` a
+    /// hard disconnect. Default 128.
+    pub max_connections_per_export: usize,
+    /// Closes a connection in the transmission phase when no request arrived for this
+    /// long while none was in flight. `None` (the default) never closes: the kernel's
+    /// client keeps idle connections open for as long as a device is attached.
+    pub idle_timeout: Option<Duration>,
 }
 
 impl Default for ServerConfig {
@@ -51,52 +67,224 @@ impl Default for ServerConfig {
             max_payload: 32 * 1024 * 1024,
             max_in_flight_requests: 128,
             max_in_flight_bytes: 128 * 1024 * 1024,
+            max_connections: 1024,
+            max_connections_per_export: 128,
+            idle_timeout: None,
         }
     }
 }
 
-/// Serves one NBD client on `stream` until it disconnects.
-///
-/// Runs the fixed newstyle handshake (bounded by [`ServerConfig::handshake_timeout`]),
-/// then the transmission phase with many requests in flight and replies sent as they
-/// complete. Returns `Ok(())` when the client ends the session itself (`NBD_OPT_ABORT`,
-/// `NBD_CMD_DISC`, or closing the connection between messages), after every in-flight
-/// request has been answered. Returns an [`Error`] when the connection broke or the
-/// server hard-disconnected because the client violated the protocol (bad magic,
-/// unknown client flags, oversized option data, unknown export with
-/// `NBD_OPT_EXPORT_NAME`). Per-request failures never end the connection: they are sent
-/// as error replies.
-///
-/// Set `TCP_NODELAY` on TCP streams before calling this ([`serve_tcp`] does).
-pub async fn serve_connection<R, S>(registry: Arc<R>, mut stream: S, config: Arc<ServerConfig>) -> Result<(), Error>
+/// An NBD server: the exports it offers, its limits, and the connections it has open
+/// (which `max_connections` and `max_connections_per_export` count, over every listener
+/// it serves).
+pub struct Server<R> {
+    registry: Arc<R>,
+    config: ServerConfig,
+    live: Arc<Live>,
+}
+
+/// Open connections, in all and per export.
+#[derive(Default)]
+pub(crate) struct Live {
+    total: AtomicUsize,
+    per_export: Mutex<HashMap<String, usize>>,
+}
+
+/// One connection counted in [`Live`]'s total; uncounted on drop.
+struct ConnectionSlot(Arc<Live>);
+
+impl Drop for ConnectionSlot {
+    fn drop(&mut self) {
+        self.0.total.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// One connection counted against an export; uncounted on drop.
+pub(crate) struct ExportSlot {
+    live: Arc<Live>,
+    name: String,
+}
+
+impl Drop for ExportSlot {
+    fn drop(&mut self) {
+        let mut m = self.live.per_export.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = m.get_mut(&self.name) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&self.name);
+            }
+        }
+    }
+}
+
+impl Live {
+    fn enter(self: &Arc<Self>, max: usize) -> Option<ConnectionSlot> {
+        let mut cur = self.total.load(Ordering::Acquire);
+        loop {
+            if cur >= max {
+                return None;
+            }
+            match self.total.compare_exchange_weak(cur, cur + 1, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return Some(ConnectionSlot(Arc::clone(self))),
+                Err(now) => cur = now,
+            }
+        }
+    }
+
+    /// Counts one more connection on export `name`, unless it already has `max`.
+    pub(crate) fn enter_export(self: &Arc<Self>, name: &str, max: usize) -> Option<ExportSlot> {
+        let mut m = self.per_export.lock().unwrap_or_else(|p| p.into_inner());
+        let n = m.entry(name.to_owned()).or_insert(0);
+        if *n >= max {
+            return None;
+        }
+        *n += 1;
+        Some(ExportSlot { live: Arc::clone(self), name: name.to_owned() })
+    }
+}
+
+impl<R: ExportRegistry> Server<R> {
+    /// A server of the exports in `registry` with `config`'s limits.
+    pub fn new(registry: Arc<R>, config: ServerConfig) -> Arc<Self> {
+        Arc::new(Server { registry, config, live: Arc::default() })
+    }
+
+    /// The limits this server applies.
+    pub fn config(&self) -> &ServerConfig {
+        &self.config
+    }
+
+    /// Connections open now (handshake or transmission phase), over all listeners.
+    pub fn connections(&self) -> usize {
+        self.live.total.load(Ordering::Acquire)
+    }
+
+    /// Serves one NBD client on `stream` until it disconnects.
+    ///
+    /// Runs the fixed newstyle handshake (bounded by [`ServerConfig::handshake_timeout`]),
+    /// then the transmission phase with many requests in flight and replies sent as they
+    /// complete. Returns `Ok(())` when the client ends the session itself
+    /// (`NBD_OPT_ABORT`, `NBD_CMD_DISC`, or closing the connection between messages),
+    /// after every in-flight request has been answered. Returns an [`Error`] when the
+    /// connection broke, timed out ([`ServerConfig::idle_timeout`]), hit a connection cap
+    /// with `NBD_OPT_EXPORT_NAME`, or the server hard-disconnected because the client
+    /// violated the protocol (bad magic, unknown client flags, oversized option data,
+    /// unknown export with `NBD_OPT_EXPORT_NAME`). Per-request failures never end the
+    /// connection: they are sent as error replies.
+    ///
+    /// This does not count against `max_connections` (the accept loops do). Set
+    /// `TCP_NODELAY` on TCP streams before calling this ([`Server::serve_tcp`] does).
+    pub async fn serve_connection<S>(&self, mut stream: S) -> Result<(), Error>
+    where
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        let config = &self.config;
+        let negotiated = tokio::time::timeout(
+            config.handshake_timeout,
+            handshake::handshake(&mut stream, &*self.registry, config, &self.live),
+        )
+        .await
+        .map_err(|_| Error::HandshakeTimeout(config.handshake_timeout))??;
+        let Some(negotiated) = negotiated else {
+            tracing::debug!("client ended option haggling");
+            return Ok(());
+        };
+        tracing::debug!(
+            export = %negotiated.name,
+            structured = negotiated.params.structured,
+            block_status = negotiated.params.base_allocation.is_some(),
+            "entering transmission phase"
+        );
+        transmission::transmission(stream, negotiated, config).await
+    }
+
+    /// Accepts TCP clients until `shutdown` resolves, serving each with
+    /// [`Server::serve_connection`] on its own task with `TCP_NODELAY` set.
+    ///
+    /// A client beyond [`ServerConfig::max_connections`] is closed as soon as it is
+    /// accepted. Connection errors are logged with `tracing` (info level) and never stop
+    /// the loop; accept errors (such as running out of file descriptors) are logged and
+    /// retried after a short pause. When `shutdown` resolves the listener is dropped and
+    /// this returns `Ok(())`; connections already accepted keep running until their
+    /// clients disconnect.
+    pub async fn serve_tcp<F: Future>(self: Arc<Self>, listener: TcpListener, shutdown: F) -> std::io::Result<()> {
+        self.accept_loop(
+            || async {
+                let (stream, peer) = listener.accept().await?;
+                if let Err(e) = stream.set_nodelay(true) {
+                    tracing::debug!(%peer, error = %e, "cannot set TCP_NODELAY");
+                }
+                Ok((stream, tracing::info_span!("nbd", %peer)))
+            },
+            shutdown,
+        )
+        .await
+    }
+
+    /// Accepts clients on a Unix socket until `shutdown` resolves, serving each with
+    /// [`Server::serve_connection`] on its own task. Behaves like [`Server::serve_tcp`]
+    /// otherwise.
+    pub async fn serve_unix<F: Future>(self: Arc<Self>, listener: UnixListener, shutdown: F) -> std::io::Result<()> {
+        let next_id = AtomicU64::new(0);
+        self.accept_loop(
+            || async {
+                let (stream, _addr) = listener.accept().await?;
+                let id = next_id.fetch_add(1, Ordering::Relaxed) + 1;
+                Ok((stream, tracing::info_span!("nbd", unix_conn = id)))
+            },
+            shutdown,
+        )
+        .await
+    }
+
+    async fn accept_loop<A, AF, S, F>(self: Arc<Self>, mut accept: A, shutdown: F) -> std::io::Result<()>
+    where
+        A: FnMut() -> AF,
+        AF: Future<Output = std::io::Result<(S, tracing::Span)>>,
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+        F: Future,
+    {
+        tokio::pin!(shutdown);
+        loop {
+            tokio::select! {
+                _ = &mut shutdown => return Ok(()),
+                accepted = accept() => match accepted {
+                    Ok((stream, span)) => {
+                        let Some(slot) = self.live.enter(self.config.max_connections) else {
+                            span.in_scope(|| tracing::warn!(max = self.config.max_connections, "too many connections; closing the new one"));
+                            continue;
+                        };
+                        let server = Arc::clone(&self);
+                        tokio::spawn(
+                            async move {
+                                let _slot = slot;
+                                tracing::debug!("client connected");
+                                match server.serve_connection(stream).await {
+                                    Ok(()) => tracing::debug!("client disconnected"),
+                                    Err(e) => tracing::info!(error = %e, "connection ended with an error"),
+                                }
+                            }
+                            .instrument(span),
+                        );
+                    }
+                    Err(e) => accept_failed(e).await,
+                },
+            }
+        }
+    }
+}
+
+/// Serves one NBD client on `stream` until it disconnects: [`Server::serve_connection`]
+/// on a server of its own.
+pub async fn serve_connection<R, S>(registry: Arc<R>, stream: S, config: Arc<ServerConfig>) -> Result<(), Error>
 where
     R: ExportRegistry,
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let negotiated =
-        tokio::time::timeout(config.handshake_timeout, handshake::handshake(&mut stream, &*registry, &config))
-            .await
-            .map_err(|_| Error::HandshakeTimeout(config.handshake_timeout))??;
-    let Some(negotiated) = negotiated else {
-        tracing::debug!("client ended option haggling");
-        return Ok(());
-    };
-    tracing::debug!(
-        export = %negotiated.name,
-        structured = negotiated.params.structured,
-        block_status = negotiated.params.base_allocation.is_some(),
-        "entering transmission phase"
-    );
-    transmission::transmission(stream, negotiated, &config).await
+    Server::new(registry, (*config).clone()).serve_connection(stream).await
 }
 
-/// Accepts TCP clients until `shutdown` resolves, serving each with
-/// [`serve_connection`] on its own task with `TCP_NODELAY` set.
-///
-/// Connection errors are logged with `tracing` (info level) and never stop the loop;
-/// accept errors (such as running out of file descriptors) are logged and retried after
-/// a short pause. When `shutdown` resolves the listener is dropped and this returns
-/// `Ok(())`; connections already accepted keep running until their clients disconnect.
+/// [`Server::serve_tcp`] on a server of its own (its caps count this listener only).
 pub async fn serve_tcp<R, F>(
     listener: TcpListener,
     registry: Arc<R>,
@@ -107,25 +295,10 @@ where
     R: ExportRegistry,
     F: Future,
 {
-    tokio::pin!(shutdown);
-    loop {
-        tokio::select! {
-            _ = &mut shutdown => return Ok(()),
-            accepted = listener.accept() => match accepted {
-                Ok((stream, peer)) => {
-                    if let Err(e) = stream.set_nodelay(true) {
-                        tracing::debug!(%peer, error = %e, "cannot set TCP_NODELAY");
-                    }
-                    spawn_connection(&registry, &config, stream, tracing::info_span!("nbd", %peer));
-                }
-                Err(e) => accept_failed(e).await,
-            },
-        }
-    }
+    Server::new(registry, (*config).clone()).serve_tcp(listener, shutdown).await
 }
 
-/// Accepts clients on a Unix socket until `shutdown` resolves, serving each with
-/// [`serve_connection`] on its own task. Behaves like [`serve_tcp`] otherwise.
+/// [`Server::serve_unix`] on a server of its own (its caps count this listener only).
 pub async fn serve_unix<R, F>(
     listener: UnixListener,
     registry: Arc<R>,
@@ -136,39 +309,7 @@ where
     R: ExportRegistry,
     F: Future,
 {
-    tokio::pin!(shutdown);
-    let mut next_id: u64 = 0;
-    loop {
-        tokio::select! {
-            _ = &mut shutdown => return Ok(()),
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _addr)) => {
-                    next_id += 1;
-                    spawn_connection(&registry, &config, stream, tracing::info_span!("nbd", unix_conn = next_id));
-                }
-                Err(e) => accept_failed(e).await,
-            },
-        }
-    }
-}
-
-fn spawn_connection<R, S>(registry: &Arc<R>, config: &Arc<ServerConfig>, stream: S, span: tracing::Span)
-where
-    R: ExportRegistry,
-    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
-{
-    let registry = Arc::clone(registry);
-    let config = Arc::clone(config);
-    tokio::spawn(
-        async move {
-            tracing::debug!("client connected");
-            match serve_connection(registry, stream, config).await {
-                Ok(()) => tracing::debug!("client disconnected"),
-                Err(e) => tracing::info!(error = %e, "connection ended with an error"),
-            }
-        }
-        .instrument(span),
-    );
+    Server::new(registry, (*config).clone()).serve_unix(listener, shutdown).await
 }
 
 async fn accept_failed(e: std::io::Error) {

@@ -236,9 +236,7 @@ impl ExportRegistry for MemRegistry {
 async fn feed(data: Vec<u8>) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let registry = Arc::new(
-        MemRegistry::default()
-            .with("fuzz", MemExport::new(1 << 20))
-            .with("ro", MemExport::new(64 * 1024).read_only()),
+        MemRegistry::default().with("fuzz", MemExport::new(1 << 20)).with("ro", MemExport::new(64 * 1024).read_only()),
     );
     let config = crate::ServerConfig {
         handshake_timeout: Duration::from_secs(5),

@@ -18,6 +18,7 @@
 
 use std::ops::Range;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
@@ -446,9 +447,24 @@ async fn discard<R: AsyncRead + Unpin>(reader: &mut R, len: u32) -> std::io::Res
     Ok(())
 }
 
+/// Resolves once the connection has had nothing in flight at the end of an `idle` period
+/// (so between `idle` and twice it after the last request); never without a timeout.
+async fn idle_expired(budget: &Budget, idle: Option<Duration>) {
+    let Some(idle) = idle else {
+        return std::future::pending().await;
+    };
+    loop {
+        tokio::time::sleep(idle).await;
+        if budget.count.available_permits() == budget.count_total {
+            return;
+        }
+    }
+}
+
 /// Budgets shared by the requests of one connection.
 struct Budget {
     count: Arc<Semaphore>,
+    count_total: usize,
     bytes: Arc<Semaphore>,
     byte_units: u32,
 }
@@ -459,6 +475,7 @@ impl Budget {
         let units = (config.max_in_flight_bytes / BYTE_UNIT).clamp(1, u32::MAX as usize);
         Self {
             count: Arc::new(Semaphore::new(count)),
+            count_total: count,
             bytes: Arc::new(Semaphore::new(units)),
             byte_units: units as u32,
         }
@@ -503,6 +520,11 @@ where
         let got = tokio::select! {
             // The writer failed: nothing more can be answered.
             _ = tx.closed() => None,
+            _ = idle_expired(&budget, config.idle_timeout) => {
+                let idle = config.idle_timeout.unwrap_or_default();
+                tracing::info!(?idle, "closing an idle connection");
+                break Err(Error::IdleTimeout(idle));
+            }
             got = read_full_or_eof(reader, &mut header) => Some(got),
         };
         let Some(got) = got else {

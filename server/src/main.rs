@@ -2,11 +2,8 @@
 //!
 //! Lives here: the command line (`serve`, `volume ...`, `pool status`, `check`), the
 //! server's start-up and shutdown. Not here: the engine (`storage-engine`), the NBD
-//! protocol (`nbd`), the management API (mgmt.rs), NBD exports (exports.rs).
-
-mod errors;
-mod exports;
-mod mgmt;
+//! protocol (`nbd`), the management API and NBD exports (the `ferrovol` library: mgmt.rs,
+//! exports.rs).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -15,6 +12,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
+use ferrovol::{exports, mgmt};
 use storage_engine::{Pool, PoolOptions};
 
 /// Thin-provisioned volumes in a pool, served over NBD.
@@ -75,6 +73,23 @@ struct ServeArgs {
     /// as a new one (destroys its contents).
     #[arg(long)]
     format: bool,
+    /// Seconds a client may take from connecting to choosing an export.
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    handshake_timeout: u64,
+    /// Seconds without requests after which an idle NBD connection is closed; 0 never
+    /// closes (the kernel's client keeps idle connections for as long as a device is attached).
+    #[arg(long, default_value_t = 0)]
+    idle_timeout: u64,
+    /// NBD connections open at once, over TCP and the unix socket.
+    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..))]
+    max_connections: u64,
+    /// NBD connections at once to one volume or snapshot.
+    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..))]
+    max_connections_per_export: u64,
+    /// READ and WRITE payload bytes one connection may have buffered at once; past it
+    /// the server stops reading that client's requests (backpressure).
+    #[arg(long, default_value = "128MiB", value_parser = parse_size)]
+    max_in_flight_bytes: u64,
 }
 
 #[derive(Subcommand)]
@@ -407,12 +422,19 @@ async fn serve(data_dir: &Path, mgmt_socket: &Path, args: ServeArgs) -> anyhow::
     let mut interrupt = signal(SignalKind::interrupt())?;
     std::fs::create_dir_all(data_dir).with_context(|| format!("create data dir {}", data_dir.display()))?;
     let pool_path = args.pool.clone().unwrap_or_else(|| data_dir.join("pool.img"));
+    anyhow::ensure!(
+        args.max_in_flight_bytes >= 1 << 20,
+        "--max-in-flight-bytes must be at least 1MiB (one maximum-size request may still exceed it)"
+    );
     let dataplane = DataPlane::start().context("start the NBD data-plane thread")?;
     let opts = PoolOptions {
         size: args.pool_size,
         unit_size: u32::try_from(args.unit_size)
             .map_err(|_| anyhow::anyhow!("unit size {} is too large", args.unit_size))?,
-        reaper: storage_engine::Reaper::Runtime(dataplane.handle.clone()),
+        io: storage_engine::IoOptions {
+            reaper: storage_engine::Reaper::Runtime(dataplane.handle.clone()),
+            ..Default::default()
+        },
     };
     // Listen first, so a busy port or socket leaves no new pool file behind. The NBD
     // listeners belong to the data-plane runtime, the management socket to this one.
@@ -455,14 +477,22 @@ async fn serve(data_dir: &Path, mgmt_socket: &Path, args: ServeArgs) -> anyhow::
     tracing::info!(nbd_tcp = %tcp.local_addr()?, nbd_unix = %nbd_sock.display(), management = %mgmt_socket.display(), "serving");
 
     let registry = Arc::new(exports::PoolRegistry::new(pool.clone()));
-    let config = Arc::new(nbd::ServerConfig::default());
+    let config = nbd::ServerConfig {
+        handshake_timeout: std::time::Duration::from_secs(args.handshake_timeout),
+        idle_timeout: (args.idle_timeout > 0).then(|| std::time::Duration::from_secs(args.idle_timeout)),
+        max_connections: args.max_connections as usize,
+        max_connections_per_export: args.max_connections_per_export as usize,
+        max_in_flight_bytes: args.max_in_flight_bytes as usize,
+        ..Default::default()
+    };
+    let nbd_server = nbd::Server::new(registry.clone(), config);
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
     };
     let dp = &dataplane.handle;
-    let tcp_task = dp.spawn(nbd::serve_tcp(tcp, registry.clone(), config.clone(), stopped(stop_rx.clone())));
-    let unix_task = dp.spawn(nbd::serve_unix(unix, registry.clone(), config.clone(), stopped(stop_rx.clone())));
+    let tcp_task = dp.spawn(nbd_server.clone().serve_tcp(tcp, stopped(stop_rx.clone())));
+    let unix_task = dp.spawn(nbd_server.clone().serve_unix(unix, stopped(stop_rx.clone())));
     let mgmt_task = tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(mgmt::ManagementService::new(pool.clone(), endpoints))

@@ -28,9 +28,14 @@ pub struct ManagementService {
 }
 
 impl ManagementService {
-    /// A service for `pool`; `endpoints` are the NBD URIs reported by GetPoolStatus.
+    /// A gRPC server for `pool`; `endpoints` are the NBD URIs reported by GetPoolStatus.
     pub fn new(pool: Pool, endpoints: Vec<String>) -> ManagementServer<ManagementService> {
-        ManagementServer::new(ManagementService { pool, endpoints })
+        ManagementServer::new(ManagementService::service(pool, endpoints))
+    }
+
+    /// The service itself, to call its methods in-process.
+    pub fn service(pool: Pool, endpoints: Vec<String>) -> ManagementService {
+        ManagementService { pool, endpoints }
     }
 }
 
