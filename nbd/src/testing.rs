@@ -246,7 +246,11 @@ async fn feed(data: Vec<u8>) {
     let server = crate::Server::new(registry, config);
     let (mut client, stream) = tokio::io::duplex(256 * 1024);
     let serving = tokio::spawn(async move {
-        let _ = server.serve_connection(stream).await;
+        // A panic in a request handler ends only its connection in a server; here it
+        // is a finding.
+        if let Err(e @ crate::Error::HandlerPanicked) = server.serve_connection(stream).await {
+            panic!("{e}");
+        }
     });
     let (mut rx, mut tx) = tokio::io::split(&mut client);
     let send = async move {
