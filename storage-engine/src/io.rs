@@ -27,7 +27,7 @@ use io_uring::{opcode, types, IoUring};
 use parking_lot::Mutex;
 use tokio::sync::oneshot;
 
-use crate::testing::IoLog;
+use crate::testing::{Faults, IoLog};
 
 /// Alignment of every [`AlignedBuf`], in bytes: enough for O_DIRECT on 4Kn devices.
 pub const ALIGN: usize = 4096;
@@ -172,6 +172,9 @@ pub struct IoOptions {
     /// Records every completed write and flush, for the power-loss simulator
     /// ([`crate::testing`]). `None` (the default) records nothing.
     pub log: Option<Arc<IoLog>>,
+    /// Makes chosen writes or flushes fail with `EIO`, for tests of error handling
+    /// ([`crate::testing::Faults`]). `None` (the default) injects nothing.
+    pub faults: Option<Arc<Faults>>,
 }
 
 /// An io_uring on one file, shared by every thread of the process.
@@ -219,6 +222,7 @@ impl IoRing {
             ring,
             state: Mutex::new(State {
                 log: opts.log.clone(),
+                faults: opts.faults.clone(),
                 file: Some(file),
                 slots: Vec::new(),
                 free_slots: Vec::new(),
@@ -361,6 +365,7 @@ struct Shared {
 
 struct State {
     log: Option<Arc<IoLog>>,
+    faults: Option<Arc<Faults>>,
     /// `None` once the ring is closing and idle.
     file: Option<Arc<File>>,
     slots: Vec<Option<InFlight>>,
@@ -499,6 +504,13 @@ impl State {
         let slot = (ud >> 32) as usize;
         let seg = (ud & 0xffff_ffff) as u32;
         let f = self.slots.get_mut(slot)?.as_mut()?;
+        let mut res = res;
+        if let (Some(faults), true) = (&self.faults, res >= 0) {
+            let failed = if seg == FSYNC_SEG { faults.fail_flush() } else { faults.fail_write(f.dir) };
+            if failed {
+                res = -libc::EIO;
+            }
+        }
         if res < 0 {
             f.error.get_or_insert(io::Error::from_raw_os_error(-res));
         } else if seg == FSYNC_SEG {

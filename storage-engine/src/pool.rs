@@ -951,7 +951,10 @@ impl PoolInner {
         if self.closed.load(Ordering::SeqCst) {
             Err(Error::new(ErrorKind::Failed, "the pool was closed"))
         } else if self.failed.load(Ordering::SeqCst) {
-            Err(Error::new(ErrorKind::Failed, "an earlier metadata commit failed; restart after fixing the device"))
+            Err(Error::new(
+                ErrorKind::Failed,
+                "an earlier write or commit to the pool device failed; the pool refuses writes until restarted",
+            ))
         } else {
             Ok(())
         }
@@ -1003,9 +1006,13 @@ impl PoolInner {
         }
     }
 
-    fn fail(&self, e: &Error) {
+    /// Fail-stop: after a write, `fdatasync` or commit to the pool device failed, the
+    /// pool refuses writes, trims and management changes (reads keep working) until it
+    /// is restarted; `status().failed` reports it. Nothing is written to a device that
+    /// may have lost data, so nothing acknowledged later can depend on it.
+    pub fn fail(&self, e: &Error) {
         if !self.failed.swap(true, Ordering::SeqCst) {
-            tracing::error!(error = %e, path = %self.path.display(), "metadata commit failed; the pool now refuses writes");
+            tracing::error!(error = %e, path = %self.path.display(), "pool I/O failed; the pool now refuses writes");
         }
     }
 

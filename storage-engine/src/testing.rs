@@ -1,6 +1,6 @@
 //! Test utilities: a power-loss simulator for the pool's storage.
 //!
-//! Lives here: [`IoLog`], which an [`crate::IoRing`](crate::io::IoRing) set up with
+//! Lives here: [`Faults`], which makes chosen pool writes or flushes fail; [`IoLog`], which an [`crate::IoRing`](crate::io::IoRing) set up with
 //! [`IoOptions::log`](crate::IoOptions) fills with every write and `fdatasync` that
 //! reached the pool file, in the order the kernel completed them; and
 //! [`power_cut_writes`], which picks from such a log the writes that a power cut at a
@@ -88,6 +88,52 @@ impl IoLog {
 
     pub(crate) fn flush_done(&self, id: u64) {
         self.inner.lock().0.push(IoEvent::FlushDone { id });
+    }
+}
+
+/// Injected I/O errors: completions of pool writes or `fdatasync`s turned into `EIO`
+/// (the write may have reached the file; the engine must not rely on it either way).
+#[derive(Debug, Default)]
+pub struct Faults {
+    /// Data or metadata writes to let through before every later one fails; `None`:
+    /// none fails.
+    writes_left: Mutex<Option<u64>>,
+    /// Fail every `fdatasync`.
+    flushes: std::sync::atomic::AtomicBool,
+}
+
+impl Faults {
+    /// No faults until armed.
+    pub fn new() -> Faults {
+        Faults::default()
+    }
+
+    /// Every write after the next `n` fails with `EIO`.
+    pub fn fail_writes_after(&self, n: u64) {
+        *self.writes_left.lock() = Some(n);
+    }
+
+    /// Every `fdatasync` from now on fails with `EIO`.
+    pub fn fail_flushes(&self) {
+        self.flushes.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    pub(crate) fn fail_write(&self, dir: crate::io::Dir) -> bool {
+        if dir == crate::io::Dir::Read {
+            return false;
+        }
+        match &mut *self.writes_left.lock() {
+            Some(0) => true,
+            Some(n) => {
+                *n -= 1;
+                false
+            }
+            None => false,
+        }
+    }
+
+    pub(crate) fn fail_flush(&self) -> bool {
+        self.flushes.load(std::sync::atomic::Ordering::SeqCst)
     }
 }
 

@@ -470,7 +470,9 @@ impl Volume {
                     a.decref(p);
                 }
             }
-            return Err(self.err(Error::io("pool write failed", e), "write", offset));
+            let e = self.err(Error::io("pool write failed", e), "write", offset);
+            self.pool.fail(&e);
+            return Err(e);
         }
         if !new_bits.is_empty() {
             let mut map = self.vol.map.write();
@@ -589,7 +591,11 @@ impl Volume {
             .await
             .map_err(|_| self.err(worker_gone(), "write", offset))?;
         drop(pins);
-        r.map_err(|e| self.err(Error::io("pool write failed", e), "write", offset))?;
+        if let Err(e) = r {
+            let e = self.err(Error::io("pool write failed", e), "write", offset);
+            self.pool.fail(&e);
+            return Err(e);
+        }
         let mut map = self.vol.map.write();
         if !self.vol.deleted.load(Ordering::Acquire) {
             self.mark_written(&mut map, lunit, old.punit, m);
@@ -637,7 +643,11 @@ impl Volume {
                 len: bs,
             }));
             let (_, r) = self.pool.ring.rw(Dir::Write { dsync: false }, buf, segs).await.map_err(|_| worker_gone())?;
-            r.map_err(|e| Error::io("pool write failed", e))
+            r.map_err(|e| {
+                let e = Error::io("pool write failed (copy on write)", e);
+                self.pool.fail(&e);
+                e
+            })
         }
         .await;
         drop(pins);

@@ -1,0 +1,86 @@
+//! Disk errors: an `EIO` from the pool device on a write or a flush makes the pool
+//! fail-stop (writes, trims and management changes refused, reported by `status()`),
+//! while reads keep working; after a restart on a healthy device every write flushed
+//! before the error is intact and `check` is clean. Errors are injected through
+//! `storage_engine::testing::Faults` on the pool's io_uring.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use storage_engine::testing::Faults;
+use storage_engine::{ErrorKind, IoOptions, Pool};
+
+fn open_with_faults(dir: &std::path::Path) -> (Pool, Arc<Faults>) {
+    create(dir, 32 * MIB).close().unwrap();
+    let faults = Arc::new(Faults::new());
+    let io = IoOptions { faults: Some(faults.clone()), ..Default::default() };
+    (Pool::open_with(&pool_path(dir), &io).unwrap(), faults)
+}
+
+fn assert_refuses_changes(rt: &tokio::runtime::Runtime, pool: &Pool) {
+    let v = pool.volume("v").unwrap();
+    let e = rt.block_on(write(&v, 1 << 20, &[7; 4096], false)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Failed, "a write after the error: {e}");
+    let e = rt.block_on(v.trim(0, 4096, false)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Failed, "a trim after the error: {e}");
+    let e = rt.block_on(pool.create_volume("w", MIB)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Failed, "a management change after the error: {e}");
+    assert!(pool.status().failed, "status reports the failure");
+}
+
+#[test]
+fn a_failed_data_write_stops_writes_and_reads_keep_working() {
+    let dir = tempfile::tempdir().unwrap();
+    let rt = rt();
+    let (pool, faults) = open_with_faults(dir.path());
+    rt.block_on(pool.create_volume("v", 4 * MIB)).unwrap();
+    let v = pool.volume("v").unwrap();
+    rt.block_on(write(&v, 0, &[1; 65536], false)).unwrap();
+    rt.block_on(v.flush()).unwrap();
+    assert!(!pool.status().failed);
+
+    faults.fail_writes_after(0);
+    let e = rt.block_on(write(&v, 0, &[2; 4096], false)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Io, "the failed write reports an I/O error: {e}");
+    assert_refuses_changes(&rt, &pool);
+    // Reads keep working; the range the failed write did not touch is as flushed.
+    assert_eq!(rt.block_on(read(&v, 4096, 61440)), vec![1; 61440]);
+    let first = rt.block_on(read(&v, 0, 4096));
+    assert!(first == [1; 4096] || first == [2; 4096], "the failed block holds old or new data");
+
+    drop(v);
+    drop(pool); // no clean close after a failure
+    assert_clean(dir.path());
+    let pool = Pool::open(&pool_path(dir.path())).unwrap();
+    let v = pool.volume("v").unwrap();
+    assert_eq!(rt.block_on(read(&v, 4096, 61440)), vec![1; 61440], "flushed data after restart");
+    assert!(!pool.status().failed, "a restart on a healthy device clears the failure");
+    rt.block_on(write(&v, 1 << 20, &[3; 4096], false)).unwrap();
+}
+
+#[test]
+fn a_failed_flush_is_reported_and_stops_writes() {
+    let dir = tempfile::tempdir().unwrap();
+    let rt = rt();
+    let (pool, faults) = open_with_faults(dir.path());
+    rt.block_on(pool.create_volume("v", 4 * MIB)).unwrap();
+    let v = pool.volume("v").unwrap();
+    rt.block_on(write(&v, 0, &[1; 8192], false)).unwrap();
+    rt.block_on(v.flush()).unwrap();
+
+    faults.fail_flushes();
+    rt.block_on(write(&v, 8192, &[2; 8192], false)).unwrap();
+    let e = rt.block_on(v.flush()).unwrap_err();
+    assert!(matches!(e.kind(), ErrorKind::Io | ErrorKind::Failed), "the flush fails: {e}");
+    assert_refuses_changes(&rt, &pool);
+    assert_eq!(rt.block_on(read(&v, 0, 8192)), vec![1; 8192], "reads keep working");
+
+    drop(v);
+    drop(pool);
+    assert_clean(dir.path());
+    let pool = Pool::open(&pool_path(dir.path())).unwrap();
+    let v = pool.volume("v").unwrap();
+    assert_eq!(rt.block_on(read(&v, 0, 8192)), vec![1; 8192], "data flushed before the failure survives");
+}
