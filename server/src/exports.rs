@@ -10,6 +10,7 @@ use nbd::{BlockSizes, Errno, Export, ExportFlags, ExportRegistry, Extent, ReadDa
 use storage_engine::{AlignedBuf, Pool, Volume, MAX_IO_BYTES};
 
 use crate::errors::nbd_errno;
+use crate::metrics::{Metrics, VolumeMetrics};
 
 fn log_err(op: &'static str, e: storage_engine::Error) -> Errno {
     match e.kind() {
@@ -24,6 +25,7 @@ fn log_err(op: &'static str, e: storage_engine::Error) -> Errno {
 /// One volume served over NBD.
 pub struct VolumeExport {
     vol: Volume,
+    m: VolumeMetrics,
 }
 
 impl Export for VolumeExport {
@@ -53,7 +55,10 @@ impl Export for VolumeExport {
     }
 
     async fn read(&self, offset: u64, len: u32) -> Result<ReadData<AlignedBuf>, Errno> {
-        let r = self.vol.read(offset, u64::from(len)).await.map_err(|e| log_err("read", e))?;
+        let t = std::time::Instant::now();
+        let r = self.vol.read(offset, u64::from(len)).await;
+        self.m.read(u64::from(len), t.elapsed(), r.is_ok());
+        let r = r.map_err(|e| log_err("read", e))?;
         let extents = if r.extents.len() == 1 && r.extents[0].allocated {
             Vec::new()
         } else {
@@ -63,15 +68,22 @@ impl Export for VolumeExport {
     }
 
     async fn write(&self, offset: u64, buf: AlignedBuf, fua: bool) -> Result<(), Errno> {
-        self.vol.write(offset, buf, fua).await.map_err(|e| log_err("write", e))
+        let (t, len) = (std::time::Instant::now(), buf.as_ref().len() as u64);
+        let r = self.vol.write(offset, buf, fua).await;
+        self.m.write(len, t.elapsed(), r.is_ok());
+        r.map_err(|e| log_err("write", e))
     }
 
     async fn flush(&self) -> Result<(), Errno> {
-        self.vol.flush().await.map_err(|e| log_err("flush", e))
+        let r = self.vol.flush().await;
+        self.m.flush(r.is_ok());
+        r.map_err(|e| log_err("flush", e))
     }
 
     async fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<(), Errno> {
-        self.vol.trim(offset, len, fua).await.map_err(|e| log_err("trim", e))
+        let r = self.vol.trim(offset, len, fua).await;
+        self.m.trim(r.is_ok());
+        r.map_err(|e| log_err("trim", e))
     }
 
     async fn write_zeroes(
@@ -86,7 +98,9 @@ impl Export for VolumeExport {
         if fast_only && !may_unmap {
             return Err(Errno::Enotsup);
         }
-        self.vol.write_zeroes(offset, len, may_unmap, fua).await.map_err(|e| log_err("write zeroes", e))
+        let r = self.vol.write_zeroes(offset, len, may_unmap, fua).await;
+        self.m.trim(r.is_ok());
+        r.map_err(|e| log_err("write zeroes", e))
     }
 
     async fn cache(&self, _offset: u64, _len: u64) -> Result<(), Errno> {
@@ -103,12 +117,14 @@ impl Export for VolumeExport {
 /// The pool's volumes as NBD exports.
 pub struct PoolRegistry {
     pool: Pool,
+    metrics: Arc<Metrics>,
 }
 
 impl PoolRegistry {
-    /// Exports every volume of `pool`, present and future.
-    pub fn new(pool: Pool) -> PoolRegistry {
-        PoolRegistry { pool }
+    /// Exports every volume of `pool`, present and future, counting their requests in
+    /// `metrics`.
+    pub fn new(pool: Pool, metrics: Arc<Metrics>) -> PoolRegistry {
+        PoolRegistry { pool, metrics }
     }
 }
 
@@ -116,7 +132,7 @@ impl ExportRegistry for PoolRegistry {
     type Export = VolumeExport;
 
     fn lookup(&self, name: &str) -> Option<Arc<VolumeExport>> {
-        self.pool.volume(name).ok().map(|vol| Arc::new(VolumeExport { vol }))
+        self.pool.volume(name).ok().map(|vol| Arc::new(VolumeExport { m: self.metrics.volume(name), vol }))
     }
 
     fn list(&self) -> Vec<(String, String)> {

@@ -90,6 +90,9 @@ struct ServeArgs {
     /// the server stops reading that client's requests (backpressure).
     #[arg(long, default_value = "128MiB", value_parser = parse_size)]
     max_in_flight_bytes: u64,
+    /// Serve Prometheus metrics over HTTP at this address (`GET /metrics`); off by default.
+    #[arg(long)]
+    metrics_listen: Option<SocketAddr>,
 }
 
 #[derive(Subcommand)]
@@ -451,6 +454,14 @@ async fn serve(data_dir: &Path, mgmt_socket: &Path, args: ServeArgs) -> anyhow::
         bind_unix(&nbd_sock)?
     };
     let mgmt_listener = bind_unix(mgmt_socket)?;
+    let metrics_listener = match args.metrics_listen {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("bind the metrics endpoint on {addr}"))?,
+        ),
+        None => None,
+    };
     let p = pool_path.clone();
     let format = args.format;
     let pool = dataplane
@@ -476,7 +487,8 @@ async fn serve(data_dir: &Path, mgmt_socket: &Path, args: ServeArgs) -> anyhow::
     let endpoints = vec![format!("nbd://{}", tcp.local_addr()?), format!("nbd+unix:///?socket={}", nbd_sock.display())];
     tracing::info!(nbd_tcp = %tcp.local_addr()?, nbd_unix = %nbd_sock.display(), management = %mgmt_socket.display(), "serving");
 
-    let registry = Arc::new(exports::PoolRegistry::new(pool.clone()));
+    let metrics = Arc::new(ferrovol::metrics::Metrics::new());
+    let registry = Arc::new(exports::PoolRegistry::new(pool.clone(), metrics.clone()));
     let config = nbd::ServerConfig {
         handshake_timeout: std::time::Duration::from_secs(args.handshake_timeout),
         idle_timeout: (args.idle_timeout > 0).then(|| std::time::Duration::from_secs(args.idle_timeout)),
@@ -490,6 +502,19 @@ async fn serve(data_dir: &Path, mgmt_socket: &Path, args: ServeArgs) -> anyhow::
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
     };
+    let metrics_task = metrics_listener.map(|l| {
+        if let Ok(addr) = l.local_addr() {
+            tracing::info!(%addr, "serving Prometheus metrics at /metrics");
+        }
+        let server = nbd_server.clone();
+        tokio::spawn(ferrovol::metrics::serve(
+            l,
+            metrics.clone(),
+            pool.clone(),
+            move || server.connections(),
+            stopped(stop_rx.clone()),
+        ))
+    });
     let dp = &dataplane.handle;
     let tcp_task = dp.spawn(nbd_server.clone().serve_tcp(tcp, stopped(stop_rx.clone())));
     let unix_task = dp.spawn(nbd_server.clone().serve_unix(unix, stopped(stop_rx.clone())));
@@ -511,6 +536,9 @@ async fn serve(data_dir: &Path, mgmt_socket: &Path, args: ServeArgs) -> anyhow::
     let _ = tcp_task.await;
     let _ = unix_task.await;
     let _ = mgmt_task.await;
+    if let Some(t) = metrics_task {
+        let _ = t.await;
+    }
     let _ = std::fs::remove_file(&nbd_sock);
     let _ = std::fs::remove_file(mgmt_socket);
     if let Err(e) = pool.flush().await {

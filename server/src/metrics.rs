@@ -1,0 +1,231 @@
+//! Prometheus metrics: the families the server exports, per-volume handles for the
+//! data path, and the HTTP endpoint that serves them (`GET /metrics`, text format).
+//!
+//! Lives here: [`Metrics`] (the registry and its families), [`VolumeMetrics`] (the
+//! counters and histograms of one volume or snapshot, cheap to update per request), and
+//! [`serve`]. Pool and connection gauges are read when scraped. Not here: what the
+//! numbers mean for the engine (see `storage_engine::PoolStatus`).
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http_body_util::Full;
+use hyper::body::Bytes;
+use hyper_util::rt::TokioIo;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+use storage_engine::Pool;
+
+/// Labels of the per-volume families: the volume (or `VOL@SNAP` snapshot) name.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct VolumeLabel {
+    /// Volume or snapshot name (the NBD export name).
+    pub volume: String,
+}
+
+fn latency_histogram() -> Histogram {
+    // 10 µs to ~84 s, doubling.
+    Histogram::new(exponential_buckets(0.000_01, 2.0, 24))
+}
+
+type LatencyFamily = Family<VolumeLabel, Histogram, fn() -> Histogram>;
+
+/// The server's metrics registry and families.
+pub struct Metrics {
+    registry: Registry,
+    read_ops: Family<VolumeLabel, Counter>,
+    read_bytes: Family<VolumeLabel, Counter>,
+    read_seconds: LatencyFamily,
+    write_ops: Family<VolumeLabel, Counter>,
+    write_bytes: Family<VolumeLabel, Counter>,
+    write_seconds: LatencyFamily,
+    flushes: Family<VolumeLabel, Counter>,
+    trims: Family<VolumeLabel, Counter>,
+    errors: Family<VolumeLabel, Counter>,
+    pool_capacity: Gauge,
+    pool_used: Gauge,
+    pool_metadata: Gauge,
+    pool_free: Gauge,
+    pool_failed: Gauge,
+    nbd_connections: Gauge,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
+
+impl Metrics {
+    /// Every family registered, all empty.
+    pub fn new() -> Metrics {
+        let mut r = Registry::with_prefix("ferrovol");
+        let m = Metrics {
+            read_ops: Family::default(),
+            read_bytes: Family::default(),
+            read_seconds: Family::new_with_constructor(latency_histogram),
+            write_ops: Family::default(),
+            write_bytes: Family::default(),
+            write_seconds: Family::new_with_constructor(latency_histogram),
+            flushes: Family::default(),
+            trims: Family::default(),
+            errors: Family::default(),
+            pool_capacity: Gauge::default(),
+            pool_used: Gauge::default(),
+            pool_metadata: Gauge::default(),
+            pool_free: Gauge::default(),
+            pool_failed: Gauge::default(),
+            nbd_connections: Gauge::default(),
+            registry: Registry::default(),
+        };
+        r.register("volume_read_ops", "NBD READ requests answered", m.read_ops.clone());
+        r.register("volume_read_bytes", "bytes read", m.read_bytes.clone());
+        r.register("volume_read_seconds", "READ latency in the server, seconds", m.read_seconds.clone());
+        r.register("volume_write_ops", "NBD WRITE requests answered", m.write_ops.clone());
+        r.register("volume_write_bytes", "bytes written", m.write_bytes.clone());
+        r.register("volume_write_seconds", "WRITE latency in the server, seconds", m.write_seconds.clone());
+        r.register("volume_flushes", "NBD FLUSH requests answered", m.flushes.clone());
+        r.register("volume_trims", "NBD TRIM and WRITE_ZEROES requests answered", m.trims.clone());
+        r.register("volume_errors", "requests answered with an error", m.errors.clone());
+        r.register("pool_capacity_bytes", "pool data capacity", m.pool_capacity.clone());
+        r.register("pool_used_bytes", "bytes held by volumes and snapshots", m.pool_used.clone());
+        r.register("pool_metadata_bytes", "bytes held by checkpoints", m.pool_metadata.clone());
+        r.register("pool_free_bytes", "bytes free", m.pool_free.clone());
+        r.register("pool_failed", "1 when the pool refuses writes after an I/O error", m.pool_failed.clone());
+        r.register("nbd_connections", "NBD connections open", m.nbd_connections.clone());
+        Metrics { registry: r, ..m }
+    }
+
+    /// Handles for one volume's series (created on first use).
+    pub fn volume(&self, name: &str) -> VolumeMetrics {
+        let l = VolumeLabel { volume: name.to_owned() };
+        VolumeMetrics {
+            read_ops: self.read_ops.get_or_create(&l).clone(),
+            read_bytes: self.read_bytes.get_or_create(&l).clone(),
+            read_seconds: self.read_seconds.get_or_create(&l).clone(),
+            write_ops: self.write_ops.get_or_create(&l).clone(),
+            write_bytes: self.write_bytes.get_or_create(&l).clone(),
+            write_seconds: self.write_seconds.get_or_create(&l).clone(),
+            flushes: self.flushes.get_or_create(&l).clone(),
+            trims: self.trims.get_or_create(&l).clone(),
+            errors: self.errors.get_or_create(&l).clone(),
+        }
+    }
+
+    /// The text exposition (OpenMetrics text format), with the pool gauges read from
+    /// `pool` and the connection count `connections` now.
+    pub fn render(&self, pool: &Pool, connections: usize) -> String {
+        let s = pool.status();
+        self.pool_capacity.set(s.capacity as i64);
+        self.pool_used.set(s.used as i64);
+        self.pool_metadata.set(s.metadata as i64);
+        self.pool_free.set(s.free as i64);
+        self.pool_failed.set(i64::from(s.failed));
+        self.nbd_connections.set(connections as i64);
+        let mut out = String::new();
+        if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &self.registry) {
+            tracing::warn!(error = %e, "encoding metrics failed");
+        }
+        out
+    }
+}
+
+/// The series of one volume or snapshot; clones share the same series.
+#[derive(Clone)]
+pub struct VolumeMetrics {
+    read_ops: Counter,
+    read_bytes: Counter,
+    read_seconds: Histogram,
+    write_ops: Counter,
+    write_bytes: Counter,
+    write_seconds: Histogram,
+    flushes: Counter,
+    trims: Counter,
+    errors: Counter,
+}
+
+impl VolumeMetrics {
+    /// A READ of `bytes` that took `took`; `ok` false counts an error instead.
+    pub fn read(&self, bytes: u64, took: Duration, ok: bool) {
+        if ok {
+            self.read_ops.inc();
+            self.read_bytes.inc_by(bytes);
+            self.read_seconds.observe(took.as_secs_f64());
+        } else {
+            self.errors.inc();
+        }
+    }
+
+    /// A WRITE of `bytes` that took `took`; `ok` false counts an error instead.
+    pub fn write(&self, bytes: u64, took: Duration, ok: bool) {
+        if ok {
+            self.write_ops.inc();
+            self.write_bytes.inc_by(bytes);
+            self.write_seconds.observe(took.as_secs_f64());
+        } else {
+            self.errors.inc();
+        }
+    }
+
+    /// A FLUSH; `ok` false counts an error instead.
+    pub fn flush(&self, ok: bool) {
+        if ok { &self.flushes } else { &self.errors }.inc();
+    }
+
+    /// A TRIM or WRITE_ZEROES; `ok` false counts an error instead.
+    pub fn trim(&self, ok: bool) {
+        if ok { &self.trims } else { &self.errors }.inc();
+    }
+}
+
+/// Serves `GET /metrics` (any path) over HTTP/1.1 on `listener` until `shutdown`
+/// resolves; `connections` gives the NBD connection count at scrape time.
+pub async fn serve<F, C>(
+    listener: tokio::net::TcpListener,
+    metrics: Arc<Metrics>,
+    pool: Pool,
+    connections: C,
+    shutdown: F,
+) where
+    F: Future,
+    C: Fn() -> usize + Clone + Send + Sync + 'static,
+{
+    tokio::pin!(shutdown);
+    loop {
+        let (stream, _) = tokio::select! {
+            _ = &mut shutdown => return,
+            r = listener.accept() => match r {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::info!(error = %e, "metrics accept failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+        };
+        let (metrics, pool, connections) = (metrics.clone(), pool.clone(), connections.clone());
+        tokio::spawn(async move {
+            let svc = hyper::service::service_fn(move |_req| {
+                let body = metrics.render(&pool, connections());
+                async move {
+                    let mut resp = hyper::Response::new(Full::new(Bytes::from(body)));
+                    resp.headers_mut().insert(
+                        hyper::header::CONTENT_TYPE,
+                        hyper::header::HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+                    );
+                    Ok::<_, Infallible>(resp)
+                }
+            });
+            if let Err(e) = hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), svc).await
+            {
+                tracing::debug!(error = %e, "metrics connection ended");
+            }
+        });
+    }
+}

@@ -1,0 +1,51 @@
+//! The Prometheus endpoint (`serve --metrics-listen`): after qemu-io writes, reads and
+//! flushes a volume, a scrape shows exactly those bytes for that volume, the latency
+//! histograms, the pool's used bytes and the NBD connection gauge.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+
+use common::*;
+
+fn scrape(port: u16) -> String {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).expect("metrics endpoint");
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    assert!(out.starts_with("HTTP/1.0 200") || out.starts_with("HTTP/1.1 200"), "scrape: {out}");
+    out
+}
+
+/// The value of the sample `name` (with its labels, as printed), or None.
+fn sample(text: &str, name: &str) -> Option<f64> {
+    text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+#[test]
+fn metrics_count_volume_io_and_pool_usage() {
+    let td = TestDir::new();
+    let port = free_port();
+    let s = Server::start_with(&td.data(), "2GiB", &["--metrics-listen", &format!("127.0.0.1:{port}")]);
+    s.create_volume("m", "64MiB");
+    s.create_volume("idle", "64MiB");
+    qemu_io_ok(&s.uri("m"), &["write -P 0x61 0 1M", "read -P 0x61 0 1M", "flush"]);
+
+    let text = scrape(port);
+    let v = |metric: &str| sample(&text, &format!("ferrovol_{metric}{{volume=\"m\"}}"));
+    assert_eq!(v("volume_write_bytes_total"), Some(1048576.0), "written bytes:\n{text}");
+    assert_eq!(v("volume_read_bytes_total"), Some(1048576.0), "read bytes:\n{text}");
+    assert!(v("volume_write_ops_total").is_some_and(|n| n >= 1.0), "write ops:\n{text}");
+    assert!(v("volume_flushes_total").is_some_and(|n| n >= 1.0), "flushes:\n{text}");
+    assert_eq!(v("volume_errors_total"), Some(0.0), "errors:\n{text}");
+    assert!(v("volume_read_seconds_count").is_some_and(|n| n >= 1.0), "read latency histogram:\n{text}");
+    assert!(
+        sample(&text, "ferrovol_volume_write_bytes_total{volume=\"idle\"}").is_none(),
+        "no series for a volume never opened"
+    );
+    assert_eq!(sample(&text, "ferrovol_pool_used_bytes"), Some(1048576.0), "pool used:\n{text}");
+    assert_eq!(sample(&text, "ferrovol_pool_failed"), Some(0.0));
+    assert!(sample(&text, "ferrovol_pool_capacity_bytes").is_some_and(|c| c > 1e9));
+    assert!(sample(&text, "ferrovol_nbd_connections").is_some());
+}
