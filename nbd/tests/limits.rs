@@ -105,14 +105,14 @@ async fn total_cap_closes_extra_clients_at_once() {
 
 #[tokio::test]
 async fn idle_connections_are_closed_busy_ones_are_not() {
-    let idle = Duration::from_millis(300);
+    let idle = Duration::from_millis(600);
     let (addr, server) = start(ServerConfig { idle_timeout: Some(idle), ..Default::default() }).await;
     let mut quiet = TcpStream::connect(addr).await.unwrap();
     connect(&mut quiet, "a", false, false).await;
     let mut busy = TcpStream::connect(addr).await.unwrap();
     connect(&mut busy, "b", false, false).await;
-    // The busy client sends a request every 100 ms for 1.2 s (four idle periods).
-    for h in 0..12 {
+    // The busy client sends a request every 100 ms for 1.8 s (three idle periods).
+    for h in 0..18 {
         read_works(&mut busy, h).await;
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
