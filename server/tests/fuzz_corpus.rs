@@ -6,20 +6,7 @@
 
 use std::path::Path;
 
-/// xorshift64*.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-}
+use storage_engine::testing::Rng;
 
 fn corpus(target: &str) -> Vec<Vec<u8>> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus").join(target);
@@ -33,30 +20,30 @@ fn corpus(target: &str) -> Vec<Vec<u8>> {
 }
 
 fn mutate(rng: &mut Rng, inputs: &[Vec<u8>]) -> Vec<u8> {
-    let mut v = inputs[rng.below(inputs.len())].clone();
-    for _ in 0..1 + rng.below(8) {
-        match rng.below(6) {
+    let mut v = inputs[rng.index(inputs.len())].clone();
+    for _ in 0..1 + rng.index(8) {
+        match rng.index(6) {
             0 | 1 if !v.is_empty() => {
-                let i = rng.below(v.len());
-                v[i] ^= 1 << rng.below(8);
+                let i = rng.index(v.len());
+                v[i] ^= 1 << rng.index(8);
             }
             2 if !v.is_empty() => {
-                let i = rng.below(v.len());
-                v[i] = [0, 0xff, 0x7f, 0x80][rng.below(4)];
+                let i = rng.index(v.len());
+                v[i] = [0, 0xff, 0x7f, 0x80][rng.index(4)];
             }
             3 => {
-                let i = rng.below(v.len() + 1);
-                v.insert(i, rng.next() as u8);
+                let i = rng.index(v.len() + 1);
+                v.insert(i, rng.next_u64() as u8);
             }
             4 if !v.is_empty() => {
-                let i = rng.below(v.len());
+                let i = rng.index(v.len());
                 v.truncate(i);
             }
             _ => {
-                let other = &inputs[rng.below(inputs.len())];
-                let at = rng.below(v.len() + 1);
+                let other = &inputs[rng.index(inputs.len())];
+                let at = rng.index(v.len() + 1);
                 v.truncate(at);
-                v.extend_from_slice(&other[rng.below(other.len() + 1)..]);
+                v.extend_from_slice(&other[rng.index(other.len() + 1)..]);
             }
         }
     }
@@ -69,8 +56,8 @@ fn run(target: &str, body: fn(&[u8])) {
         body(input);
     }
     let runs: usize = std::env::var("FUZZ_CORPUS_RUNS").ok().and_then(|s| s.parse().ok()).unwrap_or(300);
-    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1;
-    let mut rng = Rng(seed);
+    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+    let mut rng = Rng::new(seed);
     for i in 0..runs {
         let input = mutate(&mut rng, &inputs);
         let r = std::panic::catch_unwind(|| body(&input));

@@ -1,6 +1,7 @@
 //! Test utilities: a power-loss simulator for the pool's storage.
 //!
-//! Lives here: [`Faults`], which makes chosen pool writes or flushes fail; [`IoLog`], which an [`crate::IoRing`](crate::io::IoRing) set up with
+//! Lives here: [`Rng`], a seedable generator for randomized tests; [`Faults`], which
+//! makes chosen pool writes or flushes fail; [`IoLog`], which an [`crate::IoRing`](crate::io::IoRing) set up with
 //! [`IoOptions::log`](crate::IoOptions) fills with every write and `fdatasync` that
 //! reached the pool file, in the order the kernel completed them; and
 //! [`power_cut_writes`], which picks from such a log the writes that a power cut at a
@@ -134,6 +135,41 @@ impl Faults {
 
     pub(crate) fn fail_flush(&self) -> bool {
         self.flushes.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// xorshift64*: a small seedable generator for randomized tests and fuzz loops
+/// (reproducible from its seed; not for anything that needs real randomness).
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    /// A generator starting from `seed` (0 is replaced by 1: the state must be non-zero).
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed.max(1))
+    }
+
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    /// A number in `[0, n)` (0 when `n` is 0).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n.max(1)
+    }
+
+    /// An index in `[0, len)` (0 when `len` is 0).
+    pub fn index(&mut self, len: usize) -> usize {
+        self.below(len as u64) as usize
+    }
+
+    /// True with a probability of `percent` in 100.
+    pub fn chance(&mut self, percent: u64) -> bool {
+        self.below(100) < percent
     }
 }
 

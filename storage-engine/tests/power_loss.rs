@@ -25,7 +25,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use common::*;
-use storage_engine::testing::{power_cut_writes, Fate, IoLog};
+use storage_engine::testing::{power_cut_writes, Fate, IoLog, Rng};
 use storage_engine::{IoOptions, Pool, PoolOptions};
 
 const SECTOR: u64 = 512;
@@ -36,27 +36,6 @@ const MAX_VOL_SIZE: u64 = 512 * 1024;
 const OPS_PER_WORKLOAD: usize = 120;
 const WORKLOADS_PER_SEED: usize = 4;
 const FIXED_SEED: u64 = 0x5eed_f00d_2026;
-
-/// xorshift64*: small, seedable, good enough to pick operations.
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Rng {
-        Rng(seed.max(1))
-    }
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-    fn chance(&mut self, percent: u64) -> bool {
-        self.below(100) < percent
-    }
-}
 
 /// The 512 bytes a write with tag `tag` puts in a sector; tag 0 is all zeros.
 fn sector_bytes(tag: u64) -> [u8; SECTOR as usize] {
