@@ -276,11 +276,14 @@ impl State {
     }
 
     /// Serialises the state into checkpoint chunk payloads, each at most `chunk_payload`
-    /// bytes. The caller adds chunk headers.
-    pub fn encode_checkpoint(&self, chunk_payload: usize) -> Vec<Vec<u8>> {
-        let mut w = ChunkWriter { chunks: vec![Vec::new()], limit: chunk_payload };
+    /// bytes, handing each finished payload to `emit` in order with whether it is the
+    /// last, so that only one chunk is held in memory at a time. The caller adds chunk
+    /// headers and writes them. Returns the number of chunks; stops at the first error
+    /// `emit` returns.
+    pub fn encode_checkpoint(&self, chunk_payload: usize, emit: &mut ChunkSink<'_>) -> Result<u64> {
+        let mut w = ChunkWriter { chunk: Vec::with_capacity(chunk_payload), emitted: 0, limit: chunk_payload, emit };
         let rec = PoolRec { next_volume: self.next_volume.into(), volumes: (self.volumes.len() as u64).into() };
-        w.push(REC_POOL, &[rec.as_bytes()]);
+        w.push(REC_POOL, &[rec.as_bytes()])?;
         let mut page_ids: std::collections::HashMap<*const MapPage, u64> = Default::default();
         let mut pages = 0u64;
         for (&id, v) in &self.volumes {
@@ -291,13 +294,13 @@ impl State {
                 name_len: (v.name.len() as u16).into(),
                 flags: (if v.snapshot { VOLUME_FLAG_SNAPSHOT } else { 0 }).into(),
             };
-            w.push(REC_VOLUME, &[r.as_bytes(), v.name.as_bytes()]);
+            w.push(REC_VOLUME, &[r.as_bytes(), v.name.as_bytes()])?;
             for (index, page) in v.map.pages().iter().enumerate() {
                 let Some(page) = page else { continue };
                 let key = Arc::as_ptr(page);
                 if let Some(&pid) = page_ids.get(&key) {
                     let r = PageRefRec { volume: id.into(), page_index: (index as u64).into(), page_id: pid.into() };
-                    w.push(REC_PAGE_REF, &[r.as_bytes()]);
+                    w.push(REC_PAGE_REF, &[r.as_bytes()])?;
                     continue;
                 }
                 let pid = pages;
@@ -321,14 +324,13 @@ impl State {
                     entries: page.mapped.into(),
                     pad: 0.into(),
                 };
-                w.push(REC_PAGE, &[head.as_bytes(), &body]);
+                w.push(REC_PAGE, &[head.as_bytes(), &body])?;
             }
         }
         let mut refcounts = 0u64;
         let mut body = Vec::new();
-        for (u, &r) in self.alloc.refcounts().iter().enumerate() {
-            let r = if self.alloc.cow_inflight.contains(&(u as u32)) { 0 } else { r };
-            if r != 0 && r != META {
+        for (u, r) in self.alloc.nonzero_refcounts() {
+            if r != META && !self.alloc.cow_inflight.contains(&u) {
                 body.extend_from_slice(
                     RefcountEntry { unit: (u as u64).into(), refcount: r.into(), pad: 0.into() }.as_bytes(),
                 );
@@ -336,43 +338,59 @@ impl State {
                 if body.len() + 2 * size_of::<RefcountEntry>() + size_of::<RecordHeader>()
                     > w.limit.min(u16::MAX as usize)
                 {
-                    w.push(REC_REFCOUNTS, &[&body]);
+                    w.push(REC_REFCOUNTS, &[&body])?;
                     body.clear();
                 }
             }
         }
         if !body.is_empty() {
-            w.push(REC_REFCOUNTS, &[&body]);
+            w.push(REC_REFCOUNTS, &[&body])?;
         }
-        // The END record must know the chunk count, so reserve its room first.
-        let end_len = size_of::<RecordHeader>() + size_of::<EndRec>();
-        if w.chunks.last().expect("one chunk").len() + end_len > w.limit {
-            w.chunks.push(Vec::new());
-        }
+        // The END record must know the chunk count, so make its room first.
+        w.make_room(size_of::<RecordHeader>() + size_of::<EndRec>())?;
+        let chunks = w.emitted + 1;
         let end = EndRec {
             volumes: (self.volumes.len() as u64).into(),
             pages: pages.into(),
             refcounts: refcounts.into(),
-            chunks: (w.chunks.len() as u64).into(),
+            chunks: chunks.into(),
         };
-        w.push(REC_END, &[end.as_bytes()]);
-        w.chunks
+        w.push(REC_END, &[end.as_bytes()])?;
+        (w.emit)(&w.chunk, true)?;
+        Ok(chunks)
     }
 }
 
-struct ChunkWriter {
-    chunks: Vec<Vec<u8>>,
+/// Receives checkpoint chunk payloads in order: `(payload, last)`.
+pub(crate) type ChunkSink<'a> = dyn FnMut(&[u8], bool) -> Result<()> + 'a;
+
+/// Packs records into chunk payloads; a record never spans chunks.
+struct ChunkWriter<'a, 'b> {
+    /// The chunk being filled.
+    chunk: Vec<u8>,
+    /// Chunks handed to `emit` so far.
+    emitted: u64,
     limit: usize,
+    emit: &'a mut ChunkSink<'b>,
 }
 
-impl ChunkWriter {
-    fn push(&mut self, kind: u8, parts: &[&[u8]]) {
+impl ChunkWriter<'_, '_> {
+    /// Hands the current chunk on (as not the last) if `len` more bytes do not fit.
+    fn make_room(&mut self, len: usize) -> Result<()> {
+        if self.chunk.len() + len > self.limit {
+            (self.emit)(&self.chunk, false)?;
+            self.emitted += 1;
+            self.chunk.clear();
+        }
+        Ok(())
+    }
+
+    fn push(&mut self, kind: u8, parts: &[&[u8]]) -> Result<()> {
         let len: usize = size_of::<RecordHeader>() + parts.iter().map(|p| p.len()).sum::<usize>();
         assert!(len <= self.limit, "checkpoint record of {len} bytes exceeds the chunk payload {}", self.limit);
-        if self.chunks.last().expect("one chunk").len() + len > self.limit {
-            self.chunks.push(Vec::new());
-        }
-        push_record(self.chunks.last_mut().expect("one chunk"), kind, parts);
+        self.make_room(len)?;
+        push_record(&mut self.chunk, kind, parts);
+        Ok(())
     }
 }
 
@@ -507,11 +525,12 @@ pub(crate) struct Loaded {
 /// Reads the superblock, the checkpoint and replays the log. Never writes.
 pub(crate) fn load(read: &mut ReadAt<'_>, size: u64) -> Result<Loaded> {
     let (sb, geo) = read_superblock(read, size)?;
-    let mut refcount = vec![0u32; geo.unit_count as usize];
+    // Holds the stored refcounts and the checkpoint's units as they are read.
+    let mut alloc = Allocator::new(geo.unit_count as usize);
     let mut volumes = BTreeMap::new();
     let mut next_volume = 1;
     let mut checkpoint_units = Vec::new();
-    let mut stored_refcounts: Vec<(u64, u32)> = Vec::new();
+    let mut stored_refcounts = 0u64;
     let mut unit = sb.checkpoint_unit.get();
     if unit != NO_UNIT {
         let mut pages: Vec<Arc<MapPage>> = Vec::new();
@@ -524,10 +543,15 @@ pub(crate) fn load(read: &mut ReadAt<'_>, size: u64) -> Result<Loaded> {
                     "checkpoint chunk {index} points at unit {unit}, outside the checkpoint"
                 )));
             }
-            if refcount[unit as usize] == META {
-                return Err(Error::corrupt(format!("checkpoint chunk list loops at unit {unit}")));
+            match alloc.refcount(unit as u32) {
+                0 => alloc.set_loaded(unit as u32, META),
+                META => return Err(Error::corrupt(format!("checkpoint chunk list loops at unit {unit}"))),
+                _ => {
+                    return Err(Error::corrupt(format!(
+                        "data unit {unit} holds checkpoint chunk {index} but has a refcount entry"
+                    )))
+                }
             }
-            refcount[unit as usize] = META;
             checkpoint_units.push(unit as u32);
             let bytes =
                 read(geo.unit_offset(unit), geo.unit_size as usize).map_err(|e| Error::io("read checkpoint", e))?;
@@ -596,7 +620,14 @@ pub(crate) fn load(read: &mut ReadAt<'_>, size: u64) -> Result<Loaded> {
                     }
                     REC_REFCOUNTS => {
                         for e in <[RefcountEntry]>::ref_from_bytes(body).map_err(|_| bad("refcounts"))? {
-                            stored_refcounts.push((e.unit.get(), e.refcount.get()));
+                            let (u, r) = (e.unit.get(), e.refcount.get());
+                            if u >= geo.unit_count || alloc.refcount(u as u32) != 0 || r == 0 || r == META {
+                                return Err(Error::corrupt(format!(
+                                    "checkpoint refcount entry for unit {u} is out of range, repeated or invalid ({r})"
+                                )));
+                            }
+                            alloc.set_loaded(u as u32, r);
+                            stored_refcounts += 1;
                         }
                     }
                     REC_END => {
@@ -617,7 +648,7 @@ pub(crate) fn load(read: &mut ReadAt<'_>, size: u64) -> Result<Loaded> {
             || sb.checkpoint_chunks.get() != index
             || end.volumes.get() != volumes.len() as u64
             || end.pages.get() != pages.len() as u64
-            || end.refcounts.get() != stored_refcounts.len() as u64
+            || end.refcounts.get() != stored_refcounts
         {
             return Err(Error::corrupt("checkpoint totals do not match its contents"));
         }
@@ -636,29 +667,22 @@ pub(crate) fn load(read: &mut ReadAt<'_>, size: u64) -> Result<Loaded> {
             }
         }
     }
+    // Reads every entry of both tables; pages never written stay non-resident.
     let mut refcount_mismatches = Vec::new();
-    let mut stored = vec![0u32; geo.unit_count as usize];
-    for &(u, r) in &stored_refcounts {
-        if u >= geo.unit_count || stored[u as usize] != 0 {
-            return Err(Error::corrupt(format!("checkpoint refcount entry for unit {u} is out of range or repeated")));
-        }
-        stored[u as usize] = r;
-    }
-    for u in 0..geo.unit_count as usize {
-        if stored[u] != derived[u] {
-            refcount_mismatches.push((u as u64, stored[u], derived[u]));
-        }
-        if derived[u] > 0 && refcount[u] == META {
-            return Err(Error::corrupt(format!("data unit {u} is both mapped and part of the checkpoint")));
-        }
-        if refcount[u] != META {
-            refcount[u] = stored[u];
+    for (u, &derived) in derived.iter().enumerate() {
+        let stored = match alloc.refcount(u as u32) {
+            META if derived > 0 => {
+                return Err(Error::corrupt(format!("data unit {u} is both mapped and part of the checkpoint")));
+            }
+            META => 0,
+            r => r,
+        };
+        if stored != derived {
+            refcount_mismatches.push((u as u64, stored, derived));
         }
     }
-    drop(stored);
     drop(derived);
-    let mut state =
-        State { volumes, next_volume, alloc: Allocator::from_refcounts(refcount), unit_size: geo.unit_size };
+    let mut state = State { volumes, next_volume, alloc, unit_size: geo.unit_size };
     // Replay the log.
     let mut log = LogCursor { head: sb.log_head.get(), pos: sb.log_head.get(), seq: sb.checkpoint_seq.get() };
     let mut batches = 0;

@@ -16,7 +16,68 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
+use zerocopy::FromZeros;
+
 use crate::format::PAGE_ENTRIES;
+
+/// One `u32` counter per data unit of the pool (refcounts, settling counts, pins),
+/// indexed by unit number.
+///
+/// Allocated zeroed by the allocator (`calloc`, fresh pages from the kernel), so the
+/// pages of units never touched cost no resident memory: a 16 TiB pool of 64 KiB units
+/// has 1 GiB of such counters per table, resident only where units are in use.
+pub type UnitTable = Box<[AtomicU32]>;
+
+/// Counters for "some I/O or change concerns this data unit" that must be cheap to
+/// keep for every unit of a huge pool: a fixed table of [`StripedCounts::STRIPES`]
+/// counters (256 KiB), unit `u` counting in stripe `u mod STRIPES`.
+///
+/// A zero count proves no unit of the stripe is counted; a non-zero count only says
+/// that one of them may be. Users must treat "may be" as "is" (delay a free, copy on
+/// write), which is always safe and, with few units counted at once, rarely costs.
+pub struct StripedCounts(Box<[AtomicU32]>);
+
+impl StripedCounts {
+    /// Number of counters.
+    pub const STRIPES: usize = 1 << 16;
+
+    /// All counts zero.
+    pub fn new() -> StripedCounts {
+        StripedCounts(unit_table(Self::STRIPES))
+    }
+
+    /// Whether `unit` may be counted (its stripe's count is non-zero).
+    #[inline]
+    pub fn is_set(&self, unit: u32) -> bool {
+        self.0[unit as usize % Self::STRIPES].load(Ordering::Acquire) != 0
+    }
+
+    /// Counts `unit` once more.
+    #[inline]
+    pub fn add(&self, unit: u32) {
+        self.0[unit as usize % Self::STRIPES].fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Counts `unit` once less (it must have been added).
+    #[inline]
+    pub fn sub(&self, unit: u32) {
+        let before = self.0[unit as usize % Self::STRIPES].fetch_sub(1, Ordering::AcqRel);
+        debug_assert!(before > 0, "unit {unit} was not counted");
+    }
+}
+
+impl Default for StripedCounts {
+    fn default() -> Self {
+        StripedCounts::new()
+    }
+}
+
+/// A [`UnitTable`] of `units` zero counters.
+///
+/// Panics if the allocation fails (as any allocation does).
+pub fn unit_table(units: usize) -> UnitTable {
+    <[AtomicU32]>::new_box_zeroed_with_elems(units).expect("allocating a per-unit table")
+}
 
 /// "Unmapped" in [`Entry::punit`].
 pub const UNMAPPED: u32 = u32::MAX;
@@ -240,7 +301,7 @@ fn split(lunit: u64) -> (usize, usize) {
 pub struct Allocator {
     /// Per-unit refcounts; changed only through `&mut self`, readable without the
     /// allocator's lock through [`Allocator::refcount_table`].
-    refcount: Arc<[AtomicU32]>,
+    refcount: Arc<UnitTable>,
     /// Units allocated for copy-on-write whose mapping is not installed yet; a
     /// checkpoint counts them as free.
     pub cow_inflight: std::collections::HashSet<u32>,
@@ -251,8 +312,8 @@ pub struct Allocator {
     pub pending_free: Vec<u32>,
     /// Units that became exclusive, in the order their records were logged.
     pub pending_settle: Vec<u32>,
-    /// Per unit: how many entries of `pending_settle` name it (non-zero: settling).
-    settling: Arc<[AtomicU32]>,
+    /// How many entries of `pending_settle` name each unit (non-zero: may be settling).
+    settling: Arc<StripedCounts>,
     /// Units with refcount > 0 (data).
     pub used: u64,
     /// Units holding checkpoint metadata.
@@ -260,30 +321,49 @@ pub struct Allocator {
 }
 
 impl Allocator {
-    /// An allocator over `refcount.len()` units with these refcounts (META for
-    /// checkpoint units); everything else is free.
-    pub fn from_refcounts(refcount: Vec<u32>) -> Allocator {
-        let n = refcount.len();
-        let mut a = Allocator {
-            refcount: refcount.into_iter().map(AtomicU32::new).collect(),
+    /// An allocator over `units` data units, all free. Its per-unit tables are zeroed
+    /// and untouched, so they cost resident memory only where units come into use.
+    pub fn new(units: usize) -> Allocator {
+        let mut free_bits = vec![u64::MAX; units.div_ceil(64)];
+        if units % 64 != 0 {
+            free_bits[units / 64] = (1 << (units % 64)) - 1;
+        }
+        Allocator {
+            refcount: Arc::new(unit_table(units)),
             cow_inflight: Default::default(),
-            free_bits: vec![0; n.div_ceil(64)],
-            free_count: 0,
+            free_bits,
+            free_count: units as u64,
             cursor: 0,
             pending_free: Vec::new(),
             pending_settle: Vec::new(),
-            settling: (0..n).map(|_| AtomicU32::new(0)).collect(),
+            settling: Arc::new(StripedCounts::new()),
             used: 0,
             meta: 0,
-        };
-        for u in 0..n {
-            match a.rc(u as u32) {
-                0 => a.set_free(u as u32),
-                META => a.meta += 1,
-                _ => a.used += 1,
-            }
+        }
+    }
+
+    /// An allocator over `refcount.len()` units with these refcounts (META for
+    /// checkpoint units); everything else is free.
+    pub fn from_refcounts(refcount: Vec<u32>) -> Allocator {
+        let mut a = Allocator::new(refcount.len());
+        for (u, &r) in refcount.iter().enumerate().filter(|(_, r)| **r != 0) {
+            a.set_loaded(u as u32, r);
         }
         a
+    }
+
+    /// Gives the free unit `u` the refcount `r` (non-zero; [`META`] for a checkpoint
+    /// unit), as read from a checkpoint or copied into a checkpoint's snapshot.
+    pub fn set_loaded(&mut self, u: u32, r: u32) {
+        debug_assert!(r != 0 && self.rc(u) == 0);
+        self.set_rc(u, r);
+        self.free_bits[u as usize / 64] &= !(1 << (u % 64));
+        self.free_count -= 1;
+        if r == META {
+            self.meta += 1;
+        } else {
+            self.used += 1;
+        }
     }
 
     /// Number of data units managed.
@@ -311,14 +391,18 @@ impl Allocator {
         self.rc(unit)
     }
 
-    /// A copy of all refcounts, indexed by unit.
-    pub fn refcounts(&self) -> Vec<u32> {
-        self.refcount.iter().map(|r| r.load(Ordering::Relaxed)).collect()
+    /// The units with a non-zero refcount, in ascending order, with their refcounts
+    /// ([`META`] for checkpoint units). Reads every counter; allocates nothing.
+    pub fn nonzero_refcounts(&self) -> impl Iterator<Item = (u32, u32)> + '_ {
+        self.refcount.iter().enumerate().filter_map(|(u, r)| match r.load(Ordering::Relaxed) {
+            0 => None,
+            r => Some((u as u32, r)),
+        })
     }
 
     /// The refcount table itself, for lock-free reads (a value may be stale by the
     /// time it is used; callers only use it where that is harmless).
-    pub fn refcount_table(&self) -> Arc<[AtomicU32]> {
+    pub fn refcount_table(&self) -> Arc<UnitTable> {
         self.refcount.clone()
     }
 
@@ -409,13 +493,13 @@ impl Allocator {
 
     /// Marks `u` settling: it may have become exclusive by a change not yet durable.
     pub fn unsettle(&mut self, u: u32) {
-        self.settling[u as usize].fetch_add(1, Ordering::AcqRel);
+        self.settling.add(u);
         self.pending_settle.push(u);
     }
 
-    /// Per-unit settling counts, for lock-free reads on the write path: a unit with a
-    /// non-zero count must be copied on write.
-    pub fn settling_table(&self) -> Arc<[AtomicU32]> {
+    /// Settling counts, for lock-free reads on the write path: a unit that may be
+    /// settling must be copied on write.
+    pub fn settling_table(&self) -> Arc<StripedCounts> {
         self.settling.clone()
     }
 
@@ -428,10 +512,10 @@ impl Allocator {
     /// Makes the pending frees and settles before `mark` final (their records are
     /// durable): the units become allocatable, except units that in-flight I/O still
     /// pins, which stay pending; settling units may be written in place again.
-    pub fn release_pending(&mut self, mark: PendingMark, pins: &[AtomicU32]) {
+    pub fn release_pending(&mut self, mark: PendingMark, pins: &StripedCounts) {
         let s = mark.settle.min(self.pending_settle.len());
         for u in self.pending_settle.drain(..s) {
-            self.settling[u as usize].fetch_sub(1, Ordering::AcqRel);
+            self.settling.sub(u);
         }
         let n = mark.free.min(self.pending_free.len());
         let done: Vec<u32> = self.pending_free.drain(..n).collect();
@@ -439,7 +523,7 @@ impl Allocator {
             if self.rc(u) != 0 {
                 continue; // re-referenced by replay of a later record
             }
-            if pins[u as usize].load(Ordering::Acquire) != 0 {
+            if pins.is_set(u) {
                 self.pending_free.push(u);
             } else {
                 self.set_free(u);
@@ -450,7 +534,7 @@ impl Allocator {
     /// After replay: every pending free and settle is durable (it came from the log).
     pub fn release_all(&mut self) {
         for u in std::mem::take(&mut self.pending_settle) {
-            self.settling[u as usize].fetch_sub(1, Ordering::AcqRel);
+            self.settling.sub(u);
         }
         let pending = std::mem::take(&mut self.pending_free);
         for u in pending {
@@ -492,17 +576,18 @@ mod tests {
 
     #[test]
     fn allocator_holds_frees_until_released() {
-        let pins: Vec<AtomicU32> = (0..4).map(|_| AtomicU32::new(0)).collect();
+        let pins = StripedCounts::new();
         let mut a = Allocator::from_refcounts(vec![0; 4]);
         let u = a.alloc(0).unwrap();
         assert_eq!(a.free_count(), 3);
         a.decref(u);
         assert_eq!(a.free_count(), 3, "not free until durable");
-        pins[u as usize].store(1, Ordering::Release);
+        pins.add(u);
         let mark = a.pending_mark();
         a.release_pending(mark, &pins);
         assert_eq!(a.free_count(), 3, "pinned by in-flight I/O");
-        pins[u as usize].store(0, Ordering::Release);
+        assert!(pins.is_set(u + StripedCounts::STRIPES as u32), "a unit of the same stripe may be pinned");
+        pins.sub(u);
         a.release_pending(PendingMark { free: 1, settle: 0 }, &pins);
         assert_eq!(a.free_count(), 4);
         assert_eq!(a.alloc(4), None, "the reserve is kept");
@@ -510,18 +595,18 @@ mod tests {
 
     #[test]
     fn a_unit_left_to_one_owner_settles_only_when_durable() {
-        let pins: Vec<AtomicU32> = (0..4).map(|_| AtomicU32::new(0)).collect();
+        let pins = StripedCounts::new();
         let mut a = Allocator::from_refcounts(vec![0; 4]);
         let u = a.alloc(0).unwrap();
         a.incref(u);
         let settling = a.settling_table();
         a.decref(u);
-        assert_eq!((a.refcount(u), settling[u as usize].load(Ordering::Acquire)), (1, 1), "settling");
+        assert_eq!((a.refcount(u), settling.is_set(u)), (1, true), "settling");
         let mark = a.pending_mark();
         a.unsettle(u); // a later change, not covered by the commit that started at `mark`
         a.release_pending(mark, &pins);
-        assert_eq!(settling[u as usize].load(Ordering::Acquire), 1, "still settling for the later change");
+        assert!(settling.is_set(u), "still settling for the later change");
         a.release_pending(a.pending_mark(), &pins);
-        assert_eq!(settling[u as usize].load(Ordering::Acquire), 0);
+        assert!(!settling.is_set(u));
     }
 }

@@ -25,7 +25,7 @@
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -37,7 +37,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::format::*;
 use crate::io::{self, AlignedBuf, Dir, IoOptions, IoRing, Segment};
 use crate::journal::{self, Geometry, LogCursor, Record, State, VolumeMeta};
-use crate::meta::{Allocator, MapTable};
+use crate::meta::{Allocator, MapTable, StripedCounts, UnitTable};
 use crate::volume::Volume;
 
 /// Default pool size for a newly created pool file: 64 GiB (sparse).
@@ -117,6 +117,17 @@ pub struct PoolStatus {
     pub failed: bool,
 }
 
+/// What the last [`Pool::open`] read to recover the pool: the checkpoint and the log
+/// batches after it. Recovery reads grow with these, never with the pool's size (the
+/// data area is not scanned; see docs/on-disk-format.md, section 7).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Recovery {
+    /// Log batches replayed on top of the checkpoint.
+    pub batches_replayed: u64,
+    /// Bytes read from the pool: superblocks, checkpoint chunks and log batches.
+    pub bytes_read: u64,
+}
+
 /// One volume's live state.
 pub(crate) struct VolState {
     pub id: u64,
@@ -183,15 +194,18 @@ pub(crate) struct PoolInner {
     next_volume: AtomicU64,
     pub alloc: Mutex<Allocator>,
     /// The allocator's refcounts, for lock-free reads on the data path.
-    pub refcounts: Arc<[AtomicU32]>,
+    pub refcounts: Arc<UnitTable>,
     /// The allocator's settling counts, readable without its lock: non-zero means the
     /// unit may be exclusive only by changes not yet durable, so writes copy it.
-    pub settling: Arc<[AtomicU32]>,
+    pub settling: Arc<StripedCounts>,
     pub journal: Mutex<Journal>,
-    /// In-flight I/O per data unit; a pinned unit is never made allocatable.
-    pub pins: Box<[AtomicU32]>,
+    /// In-flight I/O per data unit (striped); a unit that may be pinned is never made
+    /// allocatable.
+    pub pins: StripedCounts,
     /// Data writes completed since the last commit's fdatasync started.
     pub writes_since_sync: AtomicU64,
+    /// What the open read to recover the pool.
+    recovery: Recovery,
     /// Log records appended so far (counted under the journal lock).
     pub records_logged: AtomicU64,
     /// Of those, how many are durable (the first N, by a completed commit or checkpoint).
@@ -366,7 +380,8 @@ pub fn check(path: &Path) -> Result<CheckReport> {
     }
     let a = &st.alloc;
     let (mut used, mut meta, mut free) = (0u64, 0u64, 0u64);
-    for (u, &r) in a.refcounts().iter().enumerate() {
+    for u in 0..a.unit_count() as usize {
+        let r = a.refcount(u as u32);
         match r {
             crate::meta::META => meta += 1,
             0 => free += 1,
@@ -539,9 +554,14 @@ impl Pool {
             io::open_pool_file(path, false).map_err(|e| Error::io(format!("open {}", path.display()), e))?;
         lock(&file, true, path)?;
         let size = io::device_size(&file).map_err(|e| Error::io("size of pool", e))?;
+        let mut bytes_read = 0u64;
         let loaded = {
             let plain = File::open(path).map_err(|e| Error::io(format!("open {}", path.display()), e))?;
-            let mut read = read_at_file(&plain);
+            let mut read_file = read_at_file(&plain);
+            let mut read = |off: u64, len: usize| {
+                bytes_read += len as u64;
+                read_file(off, len)
+            };
             journal::load(&mut read, size).map_err(|e| e.op("open pool"))?
         };
         if let Some((u, stored, derived)) = loaded.refcount_mismatches.first() {
@@ -564,8 +584,8 @@ impl Pool {
                 (v.name, Arc::new(vs))
             })
             .collect::<BTreeMap<_, _>>();
-        let pins = (0..geo.unit_count).map(|_| AtomicU32::new(0)).collect();
-        tracing::info!(path = %path.display(), volumes = vols.len(), batches, direct, "opened pool");
+        let pins = StripedCounts::new();
+        tracing::info!(path = %path.display(), volumes = vols.len(), batches, bytes_read, direct, "opened pool");
         let inner = Arc::new(PoolInner {
             path: path.to_owned(),
             ring,
@@ -579,6 +599,7 @@ impl Pool {
             journal: Mutex::new(Journal::default()),
             pins,
             writes_since_sync: AtomicU64::new(0),
+            recovery: Recovery { batches_replayed: batches, bytes_read },
             records_logged: AtomicU64::new(0),
             records_durable: AtomicU64::new(0),
             failed: AtomicBool::new(false),
@@ -897,6 +918,11 @@ impl Pool {
         self.inner.commit().await
     }
 
+    /// What the open of this pool read: log batches replayed and bytes read.
+    pub fn recovery(&self) -> Recovery {
+        self.inner.recovery
+    }
+
     /// Stops the committer and writes a checkpoint; the pool then opens without replay.
     /// Writes, trims and flushes through outstanding [`Volume`] handles fail afterwards
     /// (reads still work); the pool file stays open until the last handle is dropped.
@@ -1095,72 +1121,76 @@ impl PoolInner {
                     (v.id, meta)
                 })
                 .collect();
-            let mut refcounts = alloc.refcounts();
-            for (u, r) in refcounts.iter_mut().enumerate() {
+            // Its tables are resident only where units are in use, like the live ones.
+            let mut copy = Allocator::new(alloc.unit_count() as usize);
+            for (u, r) in alloc.nonzero_refcounts() {
                 // Checkpoint units and copy-on-write targets not yet mapped are free in it.
-                if *r == crate::meta::META || alloc.cow_inflight.contains(&(u as u32)) {
-                    *r = 0;
+                if r != crate::meta::META && !alloc.cow_inflight.contains(&u) {
+                    copy.set_loaded(u, r);
                 }
             }
             let st = State {
                 volumes,
                 next_volume: self.next_volume.load(Ordering::SeqCst),
-                alloc: Allocator::from_refcounts(refcounts),
+                alloc: copy,
                 unit_size: self.geo.unit_size,
             };
             (st, alloc.pending_mark(), self.records_logged.load(Ordering::SeqCst))
         };
         self.writes_since_sync.store(0, Ordering::SeqCst);
-        // 2. Write the chunks into freshly allocated units.
+        // 2. Encode and write the chunks one at a time, each into a freshly allocated
+        //    unit (the unit of the next chunk is taken before a chunk is written, since
+        //    its header names it), with at most CHUNKS_IN_FLIGHT writes outstanding:
+        //    memory stays a few chunks whatever the size of the checkpoint.
+        const CHUNKS_IN_FLIGHT: usize = 8;
         let payload = self.geo.unit_size as usize - size_of::<ChunkHeader>();
-        let chunks = snapshot.encode_checkpoint(payload);
-        drop(snapshot);
-        let units: Vec<u32> = {
-            let mut a = self.alloc.lock();
-            let mut got = Vec::with_capacity(chunks.len());
-            for _ in 0..chunks.len() {
-                match a.alloc_meta() {
-                    Some(u) => got.push(u),
-                    None => {
-                        for u in got {
-                            a.free_meta(u);
-                        }
-                        return Err(Error::new(ErrorKind::NoSpace, "no free unit for the checkpoint").op("checkpoint"));
-                    }
-                }
-            }
-            got
+        let alloc_meta = || {
+            self.alloc
+                .lock()
+                .alloc_meta()
+                .ok_or_else(|| Error::new(ErrorKind::NoSpace, "no free unit for the checkpoint").op("checkpoint"))
         };
         let mut log = self.log.lock();
         let seq = log.cursor.seq + seq_jump;
-        let mut rxs = Vec::new();
-        for (i, body) in chunks.iter().enumerate() {
-            let next = units.get(i + 1).map(|&u| u64::from(u)).unwrap_or(NO_UNIT);
-            let mut h = ChunkHeader {
+        let mut units: Vec<u32> = Vec::new();
+        let mut inflight = std::collections::VecDeque::new();
+        let wait = |rx: oneshot::Receiver<io::RwResult>| match rx.blocking_recv() {
+            Ok((_, Ok(()))) => Ok(()),
+            Ok((_, Err(e))) => Err(Error::io("write checkpoint", e)),
+            Err(_) => Err(Error::new(ErrorKind::Failed, "I/O worker stopped")),
+        };
+        let mut emit = |body: &[u8], last: bool| -> Result<()> {
+            if units.is_empty() {
+                units.push(alloc_meta()?);
+            }
+            let next = if last { NO_UNIT } else { u64::from(alloc_meta()?) };
+            let index = units.len() as u64 - 1;
+            let h = ChunkHeader {
                 magic: CHECKPOINT_MAGIC.into(),
                 crc: 0.into(),
                 checkpoint_seq: seq.into(),
-                index: (i as u64).into(),
+                index: index.into(),
                 next_unit: next.into(),
                 payload_len: (body.len() as u32).into(),
                 pad: 0.into(),
                 pool_uuid: self.geo.uuid,
                 reserved: 0.into(),
             };
-            h.crc = crc32c::crc32c_append(crc(h.as_bytes()), body).into();
-            let mut b = Vec::with_capacity(size_of::<ChunkHeader>() + body.len());
-            b.extend_from_slice(h.as_bytes());
-            b.extend_from_slice(body);
-            rxs.push(write_blocks_async(&self.ring, self.geo.unit_offset(u64::from(units[i])), &b));
-        }
-        let mut result = Ok(());
-        for rx in rxs {
-            match rx.blocking_recv() {
-                Ok((_, Ok(()))) => {}
-                Ok((_, Err(e))) => result = Err(Error::io("write checkpoint", e)),
-                Err(_) => result = Err(Error::new(ErrorKind::Failed, "I/O worker stopped")),
+            let crc = crc32c::crc32c_append(crc(h.as_bytes()), body);
+            let h = ChunkHeader { crc: crc.into(), ..h };
+            let unit = units[index as usize];
+            if next != NO_UNIT {
+                units.push(next as u32);
             }
-        }
+            if inflight.len() == CHUNKS_IN_FLIGHT {
+                wait(inflight.pop_front().expect("a write in flight"))?;
+            }
+            inflight.push_back(write_chunk_async(&self.ring, self.geo.unit_offset(u64::from(unit)), &h, body));
+            Ok(())
+        };
+        let encoded = snapshot.encode_checkpoint(payload, &mut emit);
+        drop(snapshot);
+        let result = inflight.into_iter().fold(encoded.map(|_| ()), |r, rx| r.and(wait(rx)));
         let result = result.and_then(|()| sync(&self.ring));
         if let Err(e) = result {
             let mut a = self.alloc.lock();
@@ -1203,6 +1233,17 @@ fn write_blocks(ring: &IoRing, offset: u64, data: &[u8]) -> Result<()> {
         .blocking_recv()
         .map_err(|_| Error::new(ErrorKind::Failed, "I/O worker stopped"))?;
     r.map_err(|e| Error::io(format!("write at byte {offset}"), e))
+}
+
+/// Writes a checkpoint chunk (header, then payload, padded to whole blocks) at byte
+/// `offset` through the ring.
+fn write_chunk_async(ring: &IoRing, offset: u64, h: &ChunkHeader, body: &[u8]) -> oneshot::Receiver<io::RwResult> {
+    let head = size_of::<ChunkHeader>();
+    let mut buf = AlignedBuf::zeroed(head + body.len());
+    buf.full_mut()[..head].copy_from_slice(h.as_bytes());
+    buf.full_mut()[head..head + body.len()].copy_from_slice(body);
+    let len = buf.capacity();
+    ring.rw(Dir::Write { dsync: false }, buf, vec![Segment { file_offset: offset, buf_offset: 0, len }])
 }
 
 fn write_blocks_async(ring: &IoRing, offset: u64, data: &[u8]) -> oneshot::Receiver<io::RwResult> {

@@ -63,7 +63,7 @@ struct Pins<'a> {
 impl Pins<'_> {
     fn add(&mut self, u: u32) {
         if self.units.last() != Some(&u) {
-            self.pool.pins[u as usize].fetch_add(1, Ordering::AcqRel);
+            self.pool.pins.add(u);
             self.units.push(u);
         }
     }
@@ -72,7 +72,7 @@ impl Pins<'_> {
 impl Drop for Pins<'_> {
     fn drop(&mut self) {
         for &u in &self.units {
-            self.pool.pins[u as usize].fetch_sub(1, Ordering::AcqRel);
+            self.pool.pins.sub(u);
         }
     }
 }
@@ -461,7 +461,7 @@ impl Volume {
                 let cur = map.get(u);
                 // Only if no other write is using the unit now (its pin), else that
                 // write's completion needs the mapping.
-                if cur.punit == p && cur.bitmap == 0 && self.pool.pins[p as usize].load(Ordering::Acquire) == 0 {
+                if cur.punit == p && cur.bitmap == 0 && !self.pool.pins.is_set(p) {
                     // Logged: a checkpoint may have captured the empty mapping meanwhile.
                     let copied = set_entry(&mut map, u, Entry::EMPTY);
                     self.pool.log_record(&Record::Unmap { volume: self.vol.id, lunit: u });
@@ -738,7 +738,7 @@ impl Volume {
     fn must_copy(&self, map: &MapTable, lunit: u64, punit: u32) -> bool {
         map.page_shared(lunit)
             || self.pool.refcounts[punit as usize].load(Ordering::Acquire) > 1
-            || self.pool.settling[punit as usize].load(Ordering::Acquire) > 0
+            || self.pool.settling.is_set(punit)
     }
 
     fn block_written(&self, blk: u64) -> bool {

@@ -1,0 +1,44 @@
+# bench/common.sh — sourced by the bench scripts: build the release binary and start
+# or stop one `ferrovol serve` on a data dir.
+#
+#   build                          cargo build --release; sets BIN
+#   start_server DIR PORT [ARGS]   serve DIR on 127.0.0.1:PORT (extra serve ARGS, e.g.
+#                                  --pool-size); waits until the pool is open (a
+#                                  `pool status` answers) and the NBD port accepts;
+#                                  sets PID; the log goes to DIR.log
+#   stop_server                    SIGTERM, then wait for a clean exit
+#   rss_kib PID                    resident set size of PID, KiB (VmRSS)
+#   peak_rss_kib PID               peak resident set size of PID, KiB (VmHWM)
+
+build() {
+  cargo build --release --bin ferrovol >&2
+  BIN=$PWD/target/release/ferrovol
+}
+
+start_server() {
+  local dir=$1 port=$2; shift 2
+  mkdir -p "$dir"
+  "$BIN" --data-dir "$dir" serve --listen "127.0.0.1:$port" "$@" >/dev/null 2>"$dir.log" &
+  PID=$!
+  for _ in $(seq 300); do
+    if [ -S "$dir/ferrovol.sock" ] && (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null &&
+      "$BIN" --data-dir "$dir" pool status >/dev/null 2>&1; then return 0; fi
+    kill -0 "$PID" 2>/dev/null || { echo "ferrovol serve exited; see $dir.log" >&2; return 1; }
+    sleep 0.1
+  done
+  echo "ferrovol serve did not start in 30 s; see $dir.log" >&2
+  return 1
+}
+
+stop_server() {
+  kill "$PID" 2>/dev/null || true
+  wait "$PID" 2>/dev/null || true
+}
+
+rss_kib() {
+  awk '/^VmRSS:/ {print $2}' "/proc/$1/status"
+}
+
+peak_rss_kib() {
+  awk '/^VmHWM:/ {print $2}' "/proc/$1/status"
+}
