@@ -52,8 +52,11 @@ pub struct Metrics {
     pool_used: Gauge,
     pool_metadata: Gauge,
     pool_free: Gauge,
+    pool_freeing: Gauge,
     pool_failed: Gauge,
     nbd_connections: Gauge,
+    /// Names that have series, so that those of deleted volumes can be dropped.
+    labelled: std::sync::Mutex<std::collections::BTreeSet<String>>,
 }
 
 impl Default for Metrics {
@@ -80,8 +83,10 @@ impl Metrics {
             pool_used: Gauge::default(),
             pool_metadata: Gauge::default(),
             pool_free: Gauge::default(),
+            pool_freeing: Gauge::default(),
             pool_failed: Gauge::default(),
             nbd_connections: Gauge::default(),
+            labelled: Default::default(),
             registry: Registry::default(),
         };
         r.register("volume_read_ops", "NBD READ requests answered", m.read_ops.clone());
@@ -97,6 +102,11 @@ impl Metrics {
         r.register("pool_used_bytes", "bytes held by volumes and snapshots", m.pool_used.clone());
         r.register("pool_metadata_bytes", "bytes held by checkpoints", m.pool_metadata.clone());
         r.register("pool_free_bytes", "bytes free", m.pool_free.clone());
+        r.register(
+            "pool_freeing_bytes",
+            "bytes freed by deletes and trims waiting for the commit that makes them allocatable",
+            m.pool_freeing.clone(),
+        );
         r.register("pool_failed", "1 when the pool refuses writes after an I/O error", m.pool_failed.clone());
         r.register("nbd_connections", "NBD connections open", m.nbd_connections.clone());
         Metrics { registry: r, ..m }
@@ -104,6 +114,7 @@ impl Metrics {
 
     /// Handles for one volume's series (created on first use).
     pub fn volume(&self, name: &str) -> VolumeMetrics {
+        self.labelled.lock().unwrap_or_else(|e| e.into_inner()).insert(name.to_owned());
         let l = VolumeLabel { volume: name.to_owned() };
         VolumeMetrics {
             read_ops: self.read_ops.get_or_create(&l).clone(),
@@ -118,6 +129,28 @@ impl Metrics {
         }
     }
 
+    /// Drops the series of volumes and snapshots that no longer exist, so that a
+    /// deleted volume's series leave the exposition (a volume created again under the
+    /// same name starts new series from zero, which Prometheus reads as a reset).
+    fn forget_deleted(&self, pool: &Pool) {
+        let mut labelled = self.labelled.lock().unwrap_or_else(|e| e.into_inner());
+        labelled.retain(|name| {
+            if pool.volume(name).is_ok() {
+                return true;
+            }
+            let l = VolumeLabel { volume: name.clone() };
+            for f in [&self.read_ops, &self.read_bytes, &self.write_ops, &self.write_bytes] {
+                f.remove(&l);
+            }
+            for f in [&self.flushes, &self.trims, &self.errors] {
+                f.remove(&l);
+            }
+            self.read_seconds.remove(&l);
+            self.write_seconds.remove(&l);
+            false
+        });
+    }
+
     /// The text exposition (OpenMetrics text format), with the pool gauges read from
     /// `pool` and the connection count `connections` now.
     pub fn render(&self, pool: &Pool, connections: usize) -> String {
@@ -126,6 +159,8 @@ impl Metrics {
         self.pool_used.set(s.used as i64);
         self.pool_metadata.set(s.metadata as i64);
         self.pool_free.set(s.free as i64);
+        self.pool_freeing.set(s.freeing as i64);
+        self.forget_deleted(pool);
         self.pool_failed.set(i64::from(s.failed));
         self.nbd_connections.set(connections as i64);
         let mut out = String::new();

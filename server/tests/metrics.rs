@@ -1,6 +1,7 @@
 //! The Prometheus endpoint (`serve --metrics-listen`): after qemu-io writes, reads and
 //! flushes a volume, a scrape shows exactly those bytes for that volume, the latency
-//! histograms, the pool's used bytes and the NBD connection gauge.
+//! histograms, the pool's used bytes and the NBD connection gauge; once the volume is
+//! deleted its series are gone.
 
 mod common;
 
@@ -48,4 +49,10 @@ fn metrics_count_volume_io_and_pool_usage() {
     assert_eq!(sample(&text, "ferrovol_pool_failed"), Some(0.0));
     assert!(sample(&text, "ferrovol_pool_capacity_bytes").is_some_and(|c| c > 1e9));
     assert!(sample(&text, "ferrovol_nbd_connections").is_some());
+    assert!(sample(&text, "ferrovol_pool_freeing_bytes").is_some(), "freeing gauge:\n{text}");
+
+    s.cli_ok(&["volume", "delete", "m"]);
+    let text = scrape(port);
+    assert!(!text.contains("volume=\"m\""), "series of a deleted volume remain:\n{text}");
+    assert_eq!(sample(&text, "ferrovol_pool_used_bytes"), Some(0.0), "pool used after the delete:\n{text}");
 }

@@ -107,6 +107,10 @@ pub struct PoolStatus {
     pub metadata: u64,
     /// Bytes in free units (including units whose free is not yet durable).
     pub free: u64,
+    /// Of `free`, the bytes freed by deletes, trims and copies on write whose free is
+    /// not yet durable: they become allocatable after the next commit (reclaim is
+    /// no more than this wait; nothing is copied or rewritten).
+    pub freeing: u64,
     /// Data-unit size.
     pub unit_size: u32,
     /// Number of volumes.
@@ -904,6 +908,7 @@ impl Pool {
             used: a.used * us,
             metadata: a.meta * us,
             free: (unit_count - a.used - a.meta) * us,
+            freeing: a.pending_free.len() as u64 * us,
             unit_size: us as u32,
             volumes: self.inner.volumes.read().len() as u64,
             direct_io: self.inner.direct,
