@@ -57,6 +57,10 @@ pub struct ServerConfig {
     /// long while none was in flight. `None` (the default) never closes: the kernel's
     /// client keeps idle connections open for as long as a device is attached.
     pub idle_timeout: Option<Duration>,
+    /// After [`Server::shut_down`], how long a connection keeps reading requests
+    /// (answering each new one with `NBD_ESHUTDOWN`, finishing those in flight) before
+    /// the server closes it. Default 2 s.
+    pub shutdown_grace: Duration,
 }
 
 impl Default for ServerConfig {
@@ -70,6 +74,7 @@ impl Default for ServerConfig {
             max_connections: 1024,
             max_connections_per_export: 128,
             idle_timeout: None,
+            shutdown_grace: Duration::from_secs(2),
         }
     }
 }
@@ -81,6 +86,8 @@ pub struct Server<R> {
     registry: Arc<R>,
     config: ServerConfig,
     live: Arc<Live>,
+    /// Becomes true at [`Server::shut_down`].
+    shutting_down: tokio::sync::watch::Sender<bool>,
 }
 
 /// Open connections, in all and per export.
@@ -146,7 +153,17 @@ impl Live {
 impl<R: ExportRegistry> Server<R> {
     /// A server of the exports in `registry` with `config`'s limits.
     pub fn new(registry: Arc<R>, config: ServerConfig) -> Arc<Self> {
-        Arc::new(Server { registry, config, live: Arc::default() })
+        Arc::new(Server { registry, config, live: Arc::default(), shutting_down: Default::default() })
+    }
+
+    /// Starts a soft shutdown of every open connection (NBD proto.md, "Terminating the
+    /// transmission phase"): requests already in flight are answered as usual, each
+    /// request received from now on gets `NBD_ESHUTDOWN`, and a connection is closed
+    /// when its client disconnects or [`ServerConfig::shutdown_grace`] has passed.
+    /// Connections still in the handshake are unaffected (they end with it or with
+    /// the handshake timeout). Stop the listeners first: this does not.
+    pub fn shut_down(&self) {
+        self.shutting_down.send_replace(true);
     }
 
     /// The limits this server applies.
@@ -195,7 +212,7 @@ impl<R: ExportRegistry> Server<R> {
             block_status = negotiated.params.base_allocation.is_some(),
             "entering transmission phase"
         );
-        transmission::transmission(stream, negotiated, config).await
+        transmission::transmission(stream, negotiated, config, self.shutting_down.subscribe()).await
     }
 
     /// Accepts TCP clients until `shutdown` resolves, serving each with

@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
-use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 
 use crate::error::Error;
@@ -379,7 +379,12 @@ async fn execute<E: Export>(export: &E, structured: bool, handle: u64, op: Op) -
 // ---------------------------------------------------------------------------------------
 
 /// Runs the transmission phase on `stream` until the client disconnects.
-pub(crate) async fn transmission<E, S>(stream: S, negotiated: Negotiated<E>, config: &ServerConfig) -> Result<(), Error>
+pub(crate) async fn transmission<E, S>(
+    stream: S,
+    negotiated: Negotiated<E>,
+    config: &ServerConfig,
+    shutting_down: watch::Receiver<bool>,
+) -> Result<(), Error>
 where
     E: Export,
     S: AsyncRead + AsyncWrite + Unpin + Send,
@@ -390,7 +395,7 @@ where
     let capacity = config.max_in_flight_requests.clamp(1, Semaphore::MAX_PERMITS);
     let (tx, rx) = mpsc::channel(capacity);
     let (read_result, write_result) =
-        tokio::join!(read_requests(&mut reader, negotiated, tx, config), write_replies(writer, rx),);
+        tokio::join!(read_requests(&mut reader, negotiated, tx, config, shutting_down), write_replies(writer, rx),);
     // A writer failure is the root cause when both ended badly.
     write_result?;
     read_result
@@ -499,11 +504,14 @@ async fn read_requests<E, R>(
     negotiated: Negotiated<E>,
     tx: mpsc::Sender<Outgoing<E::ReadBuf>>,
     config: &ServerConfig,
+    mut shutting_down: watch::Receiver<bool>,
 ) -> Result<(), Error>
 where
     E: Export,
     R: AsyncRead + Unpin,
 {
+    // Set once the server shuts down: new requests get ESHUTDOWN until then.
+    let mut close_at: Option<tokio::time::Instant> = None;
     let Negotiated { export, params, .. } = negotiated;
     let structured = params.structured;
     let budget = Budget::new(config);
@@ -520,6 +528,14 @@ where
         let got = tokio::select! {
             // The writer failed: nothing more can be answered.
             _ = tx.closed() => None,
+            _ = shutting_down.wait_for(|s| *s), if close_at.is_none() => {
+                close_at = Some(tokio::time::Instant::now() + config.shutdown_grace);
+                continue;
+            }
+            _ = tokio::time::sleep_until(close_at.unwrap_or_else(tokio::time::Instant::now)), if close_at.is_some() => {
+                tracing::info!("closing a connection: the server is shutting down");
+                break Ok(());
+            }
             _ = idle_expired(&budget, config.idle_timeout) => {
                 let idle = config.idle_timeout.unwrap_or_default();
                 tracing::info!(?idle, "closing an idle connection");
@@ -548,7 +564,10 @@ where
         }
 
         let handle = request.handle;
-        let checked = check(&request, &params, export.size());
+        let checked = match close_at {
+            Some(_) => Err(Rejection { errno: Errno::Eshutdown, message: "the server is shutting down" }),
+            None => check(&request, &params, export.size()),
+        };
         let payload = checked.as_ref().map_or(0, Op::payload_bytes);
         let Some(permits) = budget.acquire(payload).await else {
             break Ok(());

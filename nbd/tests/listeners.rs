@@ -97,3 +97,36 @@ async fn unix_socket() {
     drop(b);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `Server::shut_down` is a soft disconnect: a connection keeps working until then;
+/// afterwards a WRITE (its payload read and dropped) and a READ each get NBD_ESHUTDOWN
+/// on a connection that stays in step, and the server closes the connection once the
+/// grace period has passed.
+#[tokio::test]
+async fn shut_down_answers_eshutdown_then_closes() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let config = ServerConfig { shutdown_grace: Duration::from_millis(500), ..Default::default() };
+    let server = nbd::Server::new(registry(), config);
+    tokio::spawn(server.clone().serve_tcp(listener, std::future::pending::<()>()));
+    let mut c = TcpStream::connect(addr).await.unwrap();
+    connect(&mut c, "disk", false, false).await;
+    round_trip(&mut c, 1).await;
+
+    server.shut_down();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let started = tokio::time::Instant::now();
+    send_write(&mut c, 0, 7, 0, &[9; 4096]).await;
+    assert_eq!(simple_reply(&mut c, 7, 0).await.0, 108, "WRITE after shutdown: NBD_ESHUTDOWN");
+    send_request(&mut c, Command::Read, 0, 8, 0, 64).await;
+    assert_eq!(simple_reply(&mut c, 8, 0).await.0, 108, "READ after shutdown: NBD_ESHUTDOWN");
+    expect_closed(&mut c).await;
+    assert!(started.elapsed() >= Duration::from_millis(300), "closed before the grace period");
+    for _ in 0..100 {
+        if server.connections() == 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("the closed connection is still counted");
+}

@@ -9,6 +9,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
@@ -90,6 +91,10 @@ struct ServeArgs {
     /// the server stops reading that client's requests (backpressure).
     #[arg(long, default_value = "128MiB", value_parser = parse_size)]
     max_in_flight_bytes: u64,
+    /// Seconds connections get, once the server is told to stop, to finish requests in
+    /// flight and disconnect; requests they send meanwhile get NBD_ESHUTDOWN.
+    #[arg(long, default_value_t = 2)]
+    shutdown_grace: u64,
     /// Serve Prometheus metrics over HTTP at this address (`GET /metrics`); off by default.
     #[arg(long)]
     metrics_listen: Option<SocketAddr>,
@@ -495,6 +500,7 @@ async fn serve(data_dir: &Path, mgmt_socket: &Path, args: ServeArgs) -> anyhow::
         max_connections: args.max_connections as usize,
         max_connections_per_export: args.max_connections_per_export as usize,
         max_in_flight_bytes: args.max_in_flight_bytes as usize,
+        shutdown_grace: Duration::from_secs(args.shutdown_grace),
         ..Default::default()
     };
     let nbd_server = nbd::Server::new(registry.clone(), config);
@@ -535,6 +541,13 @@ async fn serve(data_dir: &Path, mgmt_socket: &Path, args: ServeArgs) -> anyhow::
     let _ = stop_tx.send(true);
     let _ = tcp_task.await;
     let _ = unix_task.await;
+    // Soft disconnect: in-flight requests finish, new ones get NBD_ESHUTDOWN, and each
+    // connection closes when its client leaves or the grace period ends.
+    nbd_server.shut_down();
+    let grace_end = tokio::time::Instant::now() + nbd_server.config().shutdown_grace + Duration::from_secs(1);
+    while nbd_server.connections() > 0 && tokio::time::Instant::now() < grace_end {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let _ = mgmt_task.await;
     if let Some(t) = metrics_task {
         let _ = t.await;

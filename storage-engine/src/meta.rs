@@ -325,7 +325,7 @@ impl Allocator {
     /// and untouched, so they cost resident memory only where units come into use.
     pub fn new(units: usize) -> Allocator {
         let mut free_bits = vec![u64::MAX; units.div_ceil(64)];
-        if units % 64 != 0 {
+        if !units.is_multiple_of(64) {
             free_bits[units / 64] = (1 << (units % 64)) - 1;
         }
         Allocator {

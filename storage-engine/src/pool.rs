@@ -384,15 +384,15 @@ pub fn check(path: &Path) -> Result<CheckReport> {
     }
     let a = &st.alloc;
     let (mut used, mut meta, mut free) = (0u64, 0u64, 0u64);
-    for u in 0..a.unit_count() as usize {
+    for (u, &should) in derived.iter().enumerate() {
         let r = a.refcount(u as u32);
         match r {
             crate::meta::META => meta += 1,
             0 => free += 1,
             _ => used += 1,
         }
-        if r != crate::meta::META && r != derived[u] {
-            problems.push(format!("data unit {u} has refcount {r} but {} mapping pages reference it", derived[u]));
+        if r != crate::meta::META && r != should {
+            problems.push(format!("data unit {u} has refcount {r} but {should} mapping pages reference it"));
         }
     }
     if meta != loaded.checkpoint_units.len() as u64 {
