@@ -189,7 +189,7 @@ pub enum Fate {
 /// durable write whole, and each other completed write as `fate` decides (called once
 /// per such write, in log order). Returns `(offset, bytes)` pairs borrowing from
 /// `events`.
-pub fn power_cut_writes<'a>(events: &'a [IoEvent], cut: usize, mut fate: impl FnMut() -> Fate) -> Vec<(u64, &'a [u8])> {
+pub fn power_cut_writes(events: &[IoEvent], cut: usize, mut fate: impl FnMut() -> Fate) -> Vec<(u64, &[u8])> {
     let events = &events[..cut.min(events.len())];
     // The writes that completed before the start of the last flush to complete.
     let mut durable_before = 0;
