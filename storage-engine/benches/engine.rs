@@ -3,10 +3,9 @@
 //! allocating) on a pool in /dev/shm when it exists (so the numbers show the engine's
 //! own cost rather than the disk's), else in the temp dir.
 
-use std::sync::atomic::AtomicU32;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
-use storage_engine::meta::{Allocator, Entry, MapTable};
+use storage_engine::meta::{Allocator, Entry, MapTable, StripedCounts};
 use storage_engine::{Pool, PoolOptions};
 
 /// A xorshift generator: cheap, deterministic offsets.
@@ -54,7 +53,7 @@ fn mapping(c: &mut Criterion) {
 
 fn allocation(c: &mut Criterion) {
     let n = 1usize << 20;
-    let pins: Vec<AtomicU32> = (0..n).map(|_| AtomicU32::new(0)).collect();
+    let pins = StripedCounts::new();
     let mut g = c.benchmark_group("allocation");
     g.throughput(Throughput::Elements(1));
     // Half-full pool: allocate one, free one, release it (steady state).
