@@ -3,7 +3,6 @@
 //! allocating) on a pool in /dev/shm when it exists (so the numbers show the engine's
 //! own cost rather than the disk's), else in the temp dir.
 
-
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use storage_engine::meta::{Allocator, Entry, MapTable, StripedCounts};
 use storage_engine::{Pool, PoolOptions};

@@ -1077,7 +1077,7 @@ impl PoolInner {
                 writes.push((self.geo.log_offset + pos % self.geo.log_size, b));
                 pos += len;
             }
-            let rxs: Vec<_> = writes.iter().map(|(off, b)| write_blocks_async(&self.ring, *off, b)).collect();
+            let rxs: Vec<_> = writes.iter().map(|(off, b)| write_blocks_async(&self.ring, *off, &[b])).collect();
             for rx in rxs {
                 let (_, r) = rx.blocking_recv().map_err(|_| Error::new(ErrorKind::Failed, "I/O worker stopped"))?;
                 r.map_err(|e| Error::io("write log", e))?;
@@ -1190,7 +1190,11 @@ impl PoolInner {
             if inflight.len() == CHUNKS_IN_FLIGHT {
                 wait(inflight.pop_front().expect("a write in flight"))?;
             }
-            inflight.push_back(write_chunk_async(&self.ring, self.geo.unit_offset(u64::from(unit)), &h, body));
+            inflight.push_back(write_blocks_async(
+                &self.ring,
+                self.geo.unit_offset(u64::from(unit)),
+                &[h.as_bytes(), body],
+            ));
             Ok(())
         };
         let encoded = snapshot.encode_checkpoint(payload, &mut emit);
@@ -1234,26 +1238,21 @@ impl PoolInner {
 
 /// Synchronous write of `data` (padded to whole blocks) at byte `offset` through the ring.
 fn write_blocks(ring: &IoRing, offset: u64, data: &[u8]) -> Result<()> {
-    let (_, r) = write_blocks_async(ring, offset, data)
+    let (_, r) = write_blocks_async(ring, offset, &[data])
         .blocking_recv()
         .map_err(|_| Error::new(ErrorKind::Failed, "I/O worker stopped"))?;
     r.map_err(|e| Error::io(format!("write at byte {offset}"), e))
 }
 
-/// Writes a checkpoint chunk (header, then payload, padded to whole blocks) at byte
-/// `offset` through the ring.
-fn write_chunk_async(ring: &IoRing, offset: u64, h: &ChunkHeader, body: &[u8]) -> oneshot::Receiver<io::RwResult> {
-    let head = size_of::<ChunkHeader>();
-    let mut buf = AlignedBuf::zeroed(head + body.len());
-    buf.full_mut()[..head].copy_from_slice(h.as_bytes());
-    buf.full_mut()[head..head + body.len()].copy_from_slice(body);
-    let len = buf.capacity();
-    ring.rw(Dir::Write { dsync: false }, buf, vec![Segment { file_offset: offset, buf_offset: 0, len }])
-}
-
-fn write_blocks_async(ring: &IoRing, offset: u64, data: &[u8]) -> oneshot::Receiver<io::RwResult> {
-    let mut buf = AlignedBuf::zeroed(data.len());
-    buf.full_mut()[..data.len()].copy_from_slice(data);
+/// Writes `parts` back to back (padded with zeros to whole blocks) at byte `offset`
+/// through the ring: a checkpoint chunk is its header then its payload.
+fn write_blocks_async(ring: &IoRing, offset: u64, parts: &[&[u8]]) -> oneshot::Receiver<io::RwResult> {
+    let mut buf = AlignedBuf::zeroed(parts.iter().map(|p| p.len()).sum());
+    let mut at = 0;
+    for p in parts {
+        buf.full_mut()[at..at + p.len()].copy_from_slice(p);
+        at += p.len();
+    }
     let len = buf.capacity();
     ring.rw(Dir::Write { dsync: false }, buf, vec![Segment { file_offset: offset, buf_offset: 0, len }])
 }
