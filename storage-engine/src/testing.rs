@@ -221,43 +221,6 @@ pub fn power_cut_writes(events: &[IoEvent], cut: usize, mut fate: impl FnMut() -
     out
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn w(offset: u64, byte: u8, len: usize, dsync: bool) -> IoEvent {
-        IoEvent::Write { offset, data: vec![byte; len], dsync }
-    }
-
-    #[test]
-    fn flushed_and_dsync_writes_are_durable_the_rest_follow_their_fate() {
-        let ev = vec![
-            w(0, 1, 4096, false),            // 0: before flush 1 started: durable once it is done
-            IoEvent::FlushStarted { id: 1 }, // 1
-            w(4096, 2, 4096, false),         // 2: completed during flush 1: not covered
-            IoEvent::FlushDone { id: 1 },    // 3
-            w(8192, 3, 4096, true),          // 4: dsync: durable
-            w(12288, 4, 1024, false),        // 5: unflushed
-        ];
-        // Cut before flush 1 completes: nothing is durable yet.
-        let got = power_cut_writes(&ev, 3, || Fate::Lost);
-        assert!(got.is_empty(), "{got:?}");
-        // After it: write 0 durable; 2 and 5 follow their fate, 4 is durable.
-        let got: Vec<(u64, usize)> =
-            power_cut_writes(&ev, 6, || Fate::Lost).iter().map(|(o, d)| (*o, d.len())).collect();
-        assert_eq!(got, vec![(0, 4096), (8192, 4096)]);
-        let got: Vec<(u64, usize)> =
-            power_cut_writes(&ev, 6, || Fate::Torn).iter().map(|(o, d)| (*o, d.len())).collect();
-        assert_eq!(got, vec![(0, 4096), (4096, 3584), (8192, 4096), (12288, 512)]);
-        let mut n = 0;
-        let got = power_cut_writes(&ev, 6, || {
-            n += 1;
-            Fate::Kept
-        });
-        assert_eq!((got.len(), n), (4, 2), "fate is asked once per non-durable write");
-    }
-}
-
 /// A small pool image, written by a workload and left as a crash would (log not
 /// checkpointed), shared by the calls of [`fuzz_pool_open`] in one process.
 struct Template {
@@ -344,5 +307,42 @@ pub fn fuzz_pool_open(data: &[u8]) {
                 let _ = rt.block_on(v.read(0, v.size().min(4 << 20)));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn w(offset: u64, byte: u8, len: usize, dsync: bool) -> IoEvent {
+        IoEvent::Write { offset, data: vec![byte; len], dsync }
+    }
+
+    #[test]
+    fn flushed_and_dsync_writes_are_durable_the_rest_follow_their_fate() {
+        let ev = vec![
+            w(0, 1, 4096, false),            // 0: before flush 1 started: durable once it is done
+            IoEvent::FlushStarted { id: 1 }, // 1
+            w(4096, 2, 4096, false),         // 2: completed during flush 1: not covered
+            IoEvent::FlushDone { id: 1 },    // 3
+            w(8192, 3, 4096, true),          // 4: dsync: durable
+            w(12288, 4, 1024, false),        // 5: unflushed
+        ];
+        // Cut before flush 1 completes: nothing is durable yet.
+        let got = power_cut_writes(&ev, 3, || Fate::Lost);
+        assert!(got.is_empty(), "{got:?}");
+        // After it: write 0 durable; 2 and 5 follow their fate, 4 is durable.
+        let got: Vec<(u64, usize)> =
+            power_cut_writes(&ev, 6, || Fate::Lost).iter().map(|(o, d)| (*o, d.len())).collect();
+        assert_eq!(got, vec![(0, 4096), (8192, 4096)]);
+        let got: Vec<(u64, usize)> =
+            power_cut_writes(&ev, 6, || Fate::Torn).iter().map(|(o, d)| (*o, d.len())).collect();
+        assert_eq!(got, vec![(0, 4096), (4096, 3584), (8192, 4096), (12288, 512)]);
+        let mut n = 0;
+        let got = power_cut_writes(&ev, 6, || {
+            n += 1;
+            Fate::Kept
+        });
+        assert_eq!((got.len(), n), (4, 2), "fate is asked once per non-durable write");
     }
 }

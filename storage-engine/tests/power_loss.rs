@@ -420,7 +420,7 @@ fn run_seed(seed: u64, cuts: usize) {
 #[test]
 fn power_cuts_keep_flushed_data_and_consistent_metadata() {
     let cuts: usize = std::env::var("POWER_LOSS_CUTS").ok().and_then(|s| s.parse().ok()).unwrap_or(500);
-    if let Some(seed) = std::env::var("POWER_LOSS_SEED").ok() {
+    if let Ok(seed) = std::env::var("POWER_LOSS_SEED") {
         let seed = u64::from_str_radix(seed.trim_start_matches("0x"), 16).expect("POWER_LOSS_SEED is hex");
         run_seed(seed, cuts);
         return;
