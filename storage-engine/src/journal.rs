@@ -653,15 +653,25 @@ pub(crate) fn load(read: &mut ReadAt<'_>, size: u64) -> Result<Loaded> {
             return Err(Error::corrupt("checkpoint totals do not match its contents"));
         }
     }
-    // Refcounts implied by the checkpoint's mappings (a shared page counts once per page).
-    let mut derived = vec![0u32; geo.unit_count as usize];
+    // Refcounts implied by the checkpoint's mappings (a shared page counts once per
+    // page): a byte per unit, counts of 255 or more kept exactly in `big`.
+    let mut derived = vec![0u8; geo.unit_count as usize];
+    let mut big: std::collections::HashMap<u32, u32> = Default::default();
     {
         let mut seen: std::collections::HashSet<*const MapPage> = Default::default();
         for v in volumes.values() {
             for p in v.map.pages().iter().flatten() {
                 if seen.insert(Arc::as_ptr(p)) {
                     for e in p.entries.iter().filter(|e| e.is_mapped()) {
-                        derived[e.punit as usize] += 1;
+                        let d = &mut derived[e.punit as usize];
+                        match *d {
+                            u8::MAX => *big.get_mut(&e.punit).expect("counted past a byte") += 1,
+                            254 => {
+                                *d = u8::MAX;
+                                big.insert(e.punit, 255);
+                            }
+                            _ => *d += 1,
+                        }
                     }
                 }
             }
@@ -669,7 +679,8 @@ pub(crate) fn load(read: &mut ReadAt<'_>, size: u64) -> Result<Loaded> {
     }
     // Reads every entry of both tables; pages never written stay non-resident.
     let mut refcount_mismatches = Vec::new();
-    for (u, &derived) in derived.iter().enumerate() {
+    for (u, &d) in derived.iter().enumerate() {
+        let derived = if d == u8::MAX { big[&(u as u32)] } else { u32::from(d) };
         let stored = match alloc.refcount(u as u32) {
             META if derived > 0 => {
                 return Err(Error::corrupt(format!("data unit {u} is both mapped and part of the checkpoint")));

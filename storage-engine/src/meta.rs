@@ -13,20 +13,64 @@
 //! Not here: I/O, logging, locking (the pool wraps these in its locks). Public so that
 //! benchmarks and tools can exercise them; the pool is their only writer.
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, AtomicU8, Ordering};
 use std::sync::Arc;
 
 use zerocopy::FromZeros;
 
 use crate::format::PAGE_ENTRIES;
 
-/// One `u32` counter per data unit of the pool (refcounts, settling counts, pins),
-/// indexed by unit number.
+/// Per-unit refcounts, one byte per data unit, readable without the allocator's lock
+/// (the allocator is the only writer).
 ///
-/// Allocated zeroed by the allocator (`calloc`, fresh pages from the kernel), so the
-/// pages of units never touched cost no resident memory: a 16 TiB pool of 64 KiB units
-/// has 1 GiB of such counters per table, resident only where units are in use.
-pub type UnitTable = Box<[AtomicU32]>;
+/// A byte of 0 ..= 253 is the refcount itself; [`RefcountTable::BIG`] (254) means 254 or
+/// more, with the exact value in the allocator's overflow map; [`RefcountTable::META`]
+/// (255) marks a unit holding checkpoint metadata. Lock-free readers only ask "exactly
+/// one" or "more than one", which the byte answers alone.
+///
+/// Allocated zeroed (`calloc`, fresh pages from the kernel), so units never used cost no
+/// resident memory: 16 MiB per TiB of 64 KiB units, resident only where units are in use.
+pub struct RefcountTable(Box<[AtomicU8]>);
+
+impl RefcountTable {
+    /// The byte of a refcount of 254 or more (exact value kept apart).
+    pub const BIG: u8 = 254;
+    /// The byte of a checkpoint unit.
+    pub const META: u8 = 255;
+
+    fn new(units: usize) -> RefcountTable {
+        RefcountTable(<[AtomicU8]>::new_box_zeroed_with_elems(units).expect("allocating the refcount table"))
+    }
+
+    /// Number of units.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Whether the table has no units.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The byte of `unit` (see the type's docs).
+    #[inline]
+    pub fn byte(&self, unit: u32) -> u8 {
+        self.0[unit as usize].load(Ordering::Acquire)
+    }
+
+    /// Whether more than one mapping page references `unit` (a write must copy it).
+    #[inline]
+    pub fn is_shared(&self, unit: u32) -> bool {
+        matches!(self.byte(unit), 2..=Self::BIG)
+    }
+
+    /// Whether exactly one mapping page references `unit`.
+    #[inline]
+    pub fn is_exclusive(&self, unit: u32) -> bool {
+        self.byte(unit) == 1
+    }
+}
 
 /// Counters for "some I/O or change concerns this data unit" that must be cheap to
 /// keep for every unit of a huge pool: a fixed table of [`StripedCounts::STRIPES`]
@@ -43,7 +87,7 @@ impl StripedCounts {
 
     /// All counts zero.
     pub fn new() -> StripedCounts {
-        StripedCounts(unit_table(Self::STRIPES))
+        StripedCounts(<[AtomicU32]>::new_box_zeroed_with_elems(Self::STRIPES).expect("allocating counters"))
     }
 
     /// Whether `unit` may be counted (its stripe's count is non-zero).
@@ -70,13 +114,6 @@ impl Default for StripedCounts {
     fn default() -> Self {
         StripedCounts::new()
     }
-}
-
-/// A [`UnitTable`] of `units` zero counters.
-///
-/// Panics if the allocation fails (as any allocation does).
-pub fn unit_table(units: usize) -> UnitTable {
-    <[AtomicU32]>::new_box_zeroed_with_elems(units).expect("allocating a per-unit table")
 }
 
 /// "Unmapped" in [`Entry::punit`].
@@ -301,7 +338,9 @@ fn split(lunit: u64) -> (usize, usize) {
 pub struct Allocator {
     /// Per-unit refcounts; changed only through `&mut self`, readable without the
     /// allocator's lock through [`Allocator::refcount_table`].
-    refcount: Arc<UnitTable>,
+    refcount: Arc<RefcountTable>,
+    /// Exact refcounts of the units whose byte is [`RefcountTable::BIG`].
+    big: HashMap<u32, u32>,
     /// Units allocated for copy-on-write whose mapping is not installed yet; a
     /// checkpoint counts them as free.
     pub cow_inflight: std::collections::HashSet<u32>,
@@ -329,7 +368,8 @@ impl Allocator {
             free_bits[units / 64] = (1 << (units % 64)) - 1;
         }
         Allocator {
-            refcount: Arc::new(unit_table(units)),
+            refcount: Arc::new(RefcountTable::new(units)),
+            big: HashMap::new(),
             cow_inflight: Default::default(),
             free_bits,
             free_count: units as u64,
@@ -378,12 +418,27 @@ impl Allocator {
 
     #[inline]
     fn rc(&self, unit: u32) -> u32 {
-        self.refcount[unit as usize].load(Ordering::Relaxed)
+        match self.refcount.byte(unit) {
+            RefcountTable::META => META,
+            RefcountTable::BIG => self.big[&unit],
+            b => u32::from(b),
+        }
     }
 
     #[inline]
-    fn set_rc(&self, unit: u32, v: u32) {
-        self.refcount[unit as usize].store(v, Ordering::Release)
+    fn set_rc(&mut self, unit: u32, v: u32) {
+        let byte = if v == META {
+            RefcountTable::META
+        } else if v >= u32::from(RefcountTable::BIG) {
+            self.big.insert(unit, v);
+            RefcountTable::BIG
+        } else {
+            v as u8
+        };
+        if byte != RefcountTable::BIG && self.refcount.byte(unit) == RefcountTable::BIG {
+            self.big.remove(&unit);
+        }
+        self.refcount.0[unit as usize].store(byte, Ordering::Release)
     }
 
     /// Refcount of `unit` ([`META`] for checkpoint units).
@@ -394,15 +449,15 @@ impl Allocator {
     /// The units with a non-zero refcount, in ascending order, with their refcounts
     /// ([`META`] for checkpoint units). Reads every counter; allocates nothing.
     pub fn nonzero_refcounts(&self) -> impl Iterator<Item = (u32, u32)> + '_ {
-        self.refcount.iter().enumerate().filter_map(|(u, r)| match r.load(Ordering::Relaxed) {
+        self.refcount.0.iter().enumerate().filter_map(|(u, r)| match r.load(Ordering::Relaxed) {
             0 => None,
-            r => Some((u as u32, r)),
+            _ => Some((u as u32, self.rc(u as u32))),
         })
     }
 
     /// The refcount table itself, for lock-free reads (a value may be stale by the
     /// time it is used; callers only use it where that is harmless).
-    pub fn refcount_table(&self) -> Arc<UnitTable> {
+    pub fn refcount_table(&self) -> Arc<RefcountTable> {
         self.refcount.clone()
     }
 
@@ -572,6 +627,27 @@ mod tests {
         let mut third = shared.share();
         assert_eq!(shared.release_all(), (vec![], vec![7, 8]), "left to one owner: may be exclusive now");
         assert_eq!(third.release_all(), (vec![7, 8], vec![]));
+    }
+
+    #[test]
+    fn refcounts_past_a_byte_stay_exact() {
+        let mut a = Allocator::from_refcounts(vec![0, 0, 300, META]);
+        let table = a.refcount_table();
+        assert_eq!((a.refcount(2), a.refcount(3)), (300, META));
+        assert!(table.is_shared(2) && !table.is_shared(3) && !table.is_exclusive(3));
+        let u = a.alloc(0).unwrap();
+        for _ in 0..299 {
+            a.incref(u);
+        }
+        assert_eq!(a.refcount(u), 300);
+        assert!(table.is_shared(u));
+        for _ in 0..299 {
+            a.decref(u);
+        }
+        assert_eq!(a.refcount(u), 1);
+        assert!(table.is_exclusive(u));
+        assert_eq!(a.big.len(), 1, "only unit 2 keeps an exact count apart");
+        assert_eq!(a.nonzero_refcounts().collect::<Vec<_>>(), vec![(0, 1), (2, 300), (3, META)]);
     }
 
     #[test]

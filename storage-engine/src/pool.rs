@@ -37,7 +37,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::format::*;
 use crate::io::{self, AlignedBuf, Dir, IoOptions, IoRing, Segment};
 use crate::journal::{self, Geometry, LogCursor, Record, State, VolumeMeta};
-use crate::meta::{Allocator, MapTable, StripedCounts, UnitTable};
+use crate::meta::{Allocator, MapTable, RefcountTable, StripedCounts};
 use crate::volume::Volume;
 
 /// Default pool size for a newly created pool file: 64 GiB (sparse).
@@ -198,7 +198,7 @@ pub(crate) struct PoolInner {
     next_volume: AtomicU64,
     pub alloc: Mutex<Allocator>,
     /// The allocator's refcounts, for lock-free reads on the data path.
-    pub refcounts: Arc<UnitTable>,
+    pub refcounts: Arc<RefcountTable>,
     /// The allocator's settling counts, readable without its lock: non-zero means the
     /// unit may be exclusive only by changes not yet durable, so writes copy it.
     pub settling: Arc<StripedCounts>,
@@ -963,7 +963,7 @@ impl PoolInner {
             mapped += u64::from(page.mapped);
             if !page.is_shared() {
                 exclusive +=
-                    page.units().filter(|&u| self.refcounts[u as usize].load(Ordering::Relaxed) == 1).count() as u64;
+                    page.units().filter(|&u| self.refcounts.is_exclusive(u)).count() as u64;
             }
         }
         VolumeInfo {

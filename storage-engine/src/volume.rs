@@ -737,7 +737,7 @@ impl Volume {
     /// (after a crash before that change is, it would still map the unit).
     fn must_copy(&self, map: &MapTable, lunit: u64, punit: u32) -> bool {
         map.page_shared(lunit)
-            || self.pool.refcounts[punit as usize].load(Ordering::Acquire) > 1
+            || self.pool.refcounts.is_shared(punit)
             || self.pool.settling.is_set(punit)
     }
 
