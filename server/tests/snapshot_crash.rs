@@ -2,7 +2,11 @@
 //! load, 50 rounds on one pool: after each restart every flushed write reads back, every snapshot whose create
 //! was acknowledged (and not deleted) exists, every acknowledged delete stays deleted,
 //! each snapshot holds a clean prefix of the write sequence (its point in time: no
-//! torn or foreign blocks), and `ferrovol check` is clean.
+//! torn or foreign blocks), and `ferrovol check` is clean. fio takes part too: each
+//! round it writes a region of its own volume with verify headers and flushes, then
+//! keeps writing verified blocks elsewhere, and snapshots of its volume are taken,
+//! while the server is killed; after the restart `fio --verify_only` passes on that
+//! round's region and on an earlier one.
 
 mod common;
 use std::process::{Command, Stdio};
@@ -61,6 +65,7 @@ fn snapshots_stay_consistent_across_kill9_under_load() {
     let rounds: u64 = std::env::var("CRASH_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(50);
     let td = TestDir::new();
     let mut s = Server::start_with(&td.data(), "16GiB", &[]);
+    s.create_volume("fio", "1GiB");
     let mut totals = (0, 0, 0);
     for round in 0..rounds {
         let (flushed, created, deleted) = crash_round(&mut s, &td, round);
@@ -71,6 +76,25 @@ fn snapshots_stay_consistent_across_kill9_under_load() {
     check_clean(&td.data());
 }
 
+/// fio on volume `fio` over `uri` with verify headers (crc32c) in `args`; returns
+/// whether it succeeded and its output.
+fn fio(td: &TestDir, uri: &str, args: &[&str]) -> (bool, String) {
+    let o = output(
+        peer("fio")
+            .current_dir(td.path())
+            .args(["--ioengine=nbd", &format!("--uri={uri}")])
+            .args(["--verify=crc32c", "--verify_fatal=1", "--verify_state_save=0", "--output-format=normal"])
+            .args(args),
+    );
+    (o.status.success() && !text(&o).to_lowercase().contains("verify failed"), text(&o))
+}
+
+/// The 8 MiB region of volume `fio` that round `round` stamps (60 regions, reused after).
+fn fio_region(round: u64) -> [String; 4] {
+    let offset = (round % 60) * (8 << 20);
+    ["--rw=write".into(), "--bs=64k".into(), format!("--offset={offset}"), "--size=8m".into()]
+}
+
 /// One round: a writer on volume `v{round}` flushes every block, snapshots are created
 /// and deleted until a kill -9 at a random moment; then `check` is clean, the server
 /// restarts, and the volume and (some of) its snapshots are verified. Returns the
@@ -78,6 +102,22 @@ fn snapshots_stay_consistent_across_kill9_under_load() {
 fn crash_round(s: &mut Server, td: &TestDir, round: u64) -> (usize, usize, usize) {
     let vol = format!("v{round}");
     s.create_volume(&vol, "512MiB");
+    // fio stamps this round's region and flushes it (end_fsync) before the load starts.
+    let region = fio_region(round);
+    let region: Vec<&str> = region.iter().map(String::as_str).collect();
+    let (ok, out) =
+        fio(td, &s.uri("fio"), &[&["--name=stamp", "--do_verify=0", "--end_fsync=1"], &region[..]].concat());
+    assert!(ok, "round {round}: fio stamp failed:\n{out}");
+    // ... then writes verified blocks at random in the last 64 MiB until the server dies.
+    let mut fio_load = peer("fio")
+        .current_dir(td.path())
+        .args(["--name=load", "--ioengine=nbd", &format!("--uri={}", s.uri("fio")), "--rw=randwrite"])
+        .args(["--bs=16k", "--iodepth=8", "--offset=960m", "--size=64m", "--verify=crc32c", "--do_verify=1"])
+        .args(["--verify_state_save=0", "--time_based", "--runtime=60"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
     let (stride, blen) = (69632u64, 16384u64); // blocks straddle 64 KiB units
     let acked = td.path().join(format!("acked-{round}.txt"));
     let mut writer = Command::new("timeout")
@@ -104,10 +144,16 @@ fn crash_round(s: &mut Server, td: &TestDir, round: u64) -> (usize, usize, usize
         if k >= 2 && s.cli(&["snapshot", "delete", &vol, &format!("s{}", k - 2)]).status.success() {
             deleted.push(k - 2);
         }
+        // Snapshots of fio's volume too: its writes copy on write from here on.
+        let _ = s.cli(&["snapshot", "create", "fio", &format!("r{round}k{k}")]);
+        if k >= 1 {
+            let _ = s.cli(&["snapshot", "delete", "fio", &format!("r{round}k{}", k - 1)]);
+        }
         k += 1;
     }
     s.kill9();
     let _ = writer.wait();
+    let _ = fio_load.wait();
     let raw = std::fs::read_to_string(&acked).unwrap();
     let flushed = raw.rfind('\n').map(|p| raw[..p].lines().count()).unwrap_or(0);
     assert!(flushed > 0, "round {round}: nothing flushed before the kill");
@@ -145,8 +191,20 @@ fn crash_round(s: &mut Server, td: &TestDir, round: u64) -> (usize, usize, usize
         &[&s.uri(&vol), &stride.to_string(), &blen.to_string(), &last.to_string(), &flushed.to_string()],
     );
     assert!(o.status.success(), "round {round}: volume after kill -9: {}", text(&o));
-    // Keep the pool from filling: the volume goes; its snapshots stay (still checked by `check`).
+    // fio's flushed regions: this round's and an earlier one.
+    for r in [round, rand_below(round + 1)] {
+        let region = fio_region(r);
+        let region: Vec<&str> = region.iter().map(String::as_str).collect();
+        let (ok, out) = fio(td, &s.uri("fio"), &[&["--name=stamp", "--verify_only"], &region[..]].concat());
+        assert!(ok, "round {round}: fio --verify_only of round {r}'s region after kill -9:\n{out}");
+    }
+    // Keep the pool from filling: the volume goes; its snapshots stay (still checked by
+    // `check`); fio's snapshots go.
     s.cli_ok(&["volume", "delete", &vol]);
+    for v in json(&s.cli_ok(&["snapshot", "list", "fio", "--json"])).as_array().unwrap() {
+        let name = v["name"].as_str().unwrap();
+        s.cli_ok(&["snapshot", "delete", "fio", name.trim_start_matches("fio@")]);
+    }
     let _ = std::fs::remove_file(&acked);
     (flushed, created.len(), deleted.len())
 }

@@ -962,8 +962,7 @@ impl PoolInner {
         for page in v.map.read().pages().iter().flatten() {
             mapped += u64::from(page.mapped);
             if !page.is_shared() {
-                exclusive +=
-                    page.units().filter(|&u| self.refcounts.is_exclusive(u)).count() as u64;
+                exclusive += page.units().filter(|&u| self.refcounts.is_exclusive(u)).count() as u64;
             }
         }
         VolumeInfo {

@@ -736,9 +736,7 @@ impl Volume {
     /// another volume or snapshot shares it, or did until a change not yet durable
     /// (after a crash before that change is, it would still map the unit).
     fn must_copy(&self, map: &MapTable, lunit: u64, punit: u32) -> bool {
-        map.page_shared(lunit)
-            || self.pool.refcounts.is_shared(punit)
-            || self.pool.settling.is_set(punit)
+        map.page_shared(lunit) || self.pool.refcounts.is_shared(punit) || self.pool.settling.is_set(punit)
     }
 
     fn block_written(&self, blk: u64) -> bool {
