@@ -20,7 +20,7 @@ impl Rng {
 
 fn mapping(c: &mut Criterion) {
     let units = 1u64 << 20; // 64 GiB of 64 KiB units
-    let mut t = MapTable::with_units(units);
+    let mut t = MapTable::new();
     for u in 0..units {
         t.set(u, Entry { punit: u as u32, bitmap: u32::MAX }, &mut |_| {});
     }

@@ -225,7 +225,7 @@ impl State {
                 if self.volumes.contains_key(&volume) {
                     return Err(Error::corrupt(format!("volume id {volume} created twice")));
                 }
-                let map = MapTable::with_units(size.div_ceil(self.unit_size));
+                let map = MapTable::new();
                 self.volumes.insert(volume, VolumeMeta { name, snapshot: false, size, created, map });
                 self.next_volume = self.next_volume.max(volume + 1);
             }
@@ -242,8 +242,7 @@ impl State {
                         "log shares volume {source} with a different size or as a snapshot of a snapshot"
                     )));
                 }
-                let mut map = src.map.share();
-                map.grow(size.div_ceil(self.unit_size));
+                let map = src.map.share();
                 self.volumes.insert(target, VolumeMeta { name, snapshot, size, created, map });
                 self.next_volume = self.next_volume.max(target + 1);
             }
@@ -269,7 +268,6 @@ impl State {
                     return Err(Error::corrupt(format!("log shrinks volume {volume}")));
                 }
                 vol.size = size;
-                vol.map.grow(size.div_ceil(self.unit_size));
             }
         }
         Ok(())
@@ -585,7 +583,7 @@ pub(crate) fn load(read: &mut ReadAt<'_>, size: u64) -> Result<Loaded> {
                         if flags & !VOLUME_FLAG_SNAPSHOT != 0 {
                             return Err(bad("volume (unknown flags)"));
                         }
-                        let map = MapTable::with_units(size.div_ceil(geo.unit_size));
+                        let map = MapTable::new();
                         let snapshot = flags & VOLUME_FLAG_SNAPSHOT != 0;
                         volumes.insert(volume, VolumeMeta { name, snapshot, size, created, map });
                     }

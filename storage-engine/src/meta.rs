@@ -180,25 +180,20 @@ impl Default for MapPage {
 }
 
 /// A volume's mapping: pages indexed by `lunit / 512`; an absent page is all unmapped.
+///
+/// The vector of page pointers reaches only as far as the last present page, not the
+/// volume's size: a 1 TiB volume written in its first GiB holds 32 pointer slots, not
+/// 32,768 (8 bytes each). The volume checks ranges against its size; the table takes
+/// any logical unit.
 #[derive(Clone, Default)]
 pub struct MapTable {
     pages: Vec<Option<Arc<MapPage>>>,
 }
 
 impl MapTable {
-    /// A table able to hold `units` logical units.
-    pub fn with_units(units: u64) -> MapTable {
-        let mut t = MapTable::default();
-        t.grow(units);
-        t
-    }
-
-    /// Makes room for `units` logical units.
-    pub fn grow(&mut self, units: u64) {
-        let pages = units.div_ceil(PAGE_ENTRIES as u64) as usize;
-        if pages > self.pages.len() {
-            self.pages.resize(pages, None);
-        }
+    /// An empty table.
+    pub fn new() -> MapTable {
+        MapTable::default()
     }
 
     /// Entry of `lunit` (unmapped when out of the table).
@@ -220,9 +215,15 @@ impl MapTable {
 
     /// Sets the entry of `lunit`. If another table shares its page, the page is copied
     /// first and `on_copy` receives every data unit the copy maps (their refcounts must
-    /// each gain one). Returns the previous entry. `lunit` must be inside the table.
+    /// each gain one). Returns the previous entry.
     pub fn set(&mut self, lunit: u64, e: Entry, on_copy: &mut dyn FnMut(u32)) -> Entry {
         let (p, i) = split(lunit);
+        if p >= self.pages.len() {
+            if !e.is_mapped() {
+                return Entry::EMPTY;
+            }
+            self.pages.resize(p + 1, None);
+        }
         let slot = &mut self.pages[p];
         if slot.is_none() {
             if !e.is_mapped() {
@@ -248,6 +249,9 @@ impl MapTable {
         }
         if page.mapped == 0 {
             *slot = None;
+            while let Some(None) = self.pages.last() {
+                self.pages.pop();
+            }
         }
         old
     }
@@ -610,7 +614,7 @@ mod tests {
     #[test]
     fn map_table_pages_appear_and_vanish() {
         let mut copied = Vec::new();
-        let mut t = MapTable::with_units(2000);
+        let mut t = MapTable::new();
         assert_eq!(t.get(1500), Entry::EMPTY);
         t.set(1500, Entry { punit: 7, bitmap: 1 }, &mut |u| copied.push(u));
         t.set(1501, Entry { punit: 8, bitmap: 1 }, &mut |u| copied.push(u));

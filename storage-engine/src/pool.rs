@@ -645,8 +645,7 @@ impl Pool {
             check_no_orphan_snapshots(&vols, name).map_err(err)?;
             let id = self.inner.next_volume.fetch_add(1, Ordering::SeqCst);
             let created = now();
-            let units = size.div_ceil(self.inner.geo.unit_size);
-            let vs = VolState::new(id, name.to_owned(), false, created, size, MapTable::with_units(units));
+            let vs = VolState::new(id, name.to_owned(), false, created, size, MapTable::new());
             self.inner.log_record(&Record::Volume { volume: id, size, created, name: name.to_owned() });
             vols.insert(name.to_owned(), Arc::new(vs));
         }
@@ -855,7 +854,9 @@ impl Pool {
                 .get(name)
                 .filter(|v| !v.snapshot)
                 .ok_or_else(|| err(Error::new(ErrorKind::NotFound, "no such volume (snapshots cannot be resized)")))?;
-            let mut map = vs.map.write();
+            // Held so that the resize record is logged in order with this volume's
+            // mapping records.
+            let _map = vs.map.write();
             let old = vs.size.load(Ordering::SeqCst);
             if size < old {
                 return Err(err(Error::new(
@@ -864,7 +865,6 @@ impl Pool {
                 )));
             }
             if size != old {
-                map.grow(size.div_ceil(self.inner.geo.unit_size));
                 self.inner.log_record(&Record::VolumeResize { volume: vs.id, size });
                 vs.size.store(size, Ordering::SeqCst);
             }
