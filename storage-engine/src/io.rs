@@ -135,10 +135,6 @@ pub struct Segment {
     pub len: usize,
 }
 
-/// The segments of one [`IoRing::rw`] request; up to four are kept inline (a 4 KiB
-/// request has one), so the common request allocates nothing for them.
-pub type Segments = smallvec::SmallVec<[Segment; 4]>;
-
 /// Direction of a [`IoRing::rw`] request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Dir {
@@ -265,7 +261,7 @@ impl IoRing {
     /// Reads or writes `segs` between the pool and `buf`; resolves with the buffer and
     /// the first error (a short transfer is retried; end of file is `UnexpectedEof`).
     /// Panics if a segment lies outside the buffer (an engine bug).
-    pub fn rw(&self, dir: Dir, buf: AlignedBuf, segs: Segments) -> oneshot::Receiver<RwResult> {
+    pub fn rw(&self, dir: Dir, buf: AlignedBuf, segs: Vec<Segment>) -> oneshot::Receiver<RwResult> {
         for s in &segs {
             assert!(s.buf_offset + s.len <= buf.capacity(), "segment outside buffer");
         }
@@ -294,7 +290,7 @@ impl IoRing {
         let f = InFlight {
             dir: Dir::Read,
             buf: None,
-            segs: Segments::new(),
+            segs: Vec::new(),
             outstanding: 1,
             error: None,
             flush_id: 0,
@@ -331,7 +327,7 @@ const FSYNC_SEG: u32 = u32::MAX;
 struct InFlight {
     dir: Dir,
     buf: Option<AlignedBuf>,
-    segs: Segments,
+    segs: Vec<Segment>,
     outstanding: usize,
     error: Option<io::Error>,
     /// For an fdatasync with an [`IoLog`]: its number there.
@@ -676,7 +672,7 @@ mod tests {
             *b = (i % 251) as u8;
         }
         // 16 segments, more than the ring has slots, scattered in the file.
-        let segs: Segments =
+        let segs: Vec<Segment> =
             (0..16).map(|i| Segment { file_offset: (15 - i) as u64 * 8192, buf_offset: i * 4096, len: 4096 }).collect();
         let (buf, r) = ring.rw(Dir::Write { dsync: false }, buf, segs.clone()).blocking_recv().unwrap();
         r.unwrap();
@@ -704,9 +700,9 @@ mod tests {
                     let seg = Segment { file_offset: u64::from(i) * 4096, buf_offset: 0, len: 4096 };
                     let mut buf = AlignedBuf::zeroed(4096);
                     buf.full_mut().fill(i);
-                    let (_, r) = ring.rw(Dir::Write { dsync: false }, buf, smallvec::smallvec![seg]).await.unwrap();
+                    let (_, r) = ring.rw(Dir::Write { dsync: false }, buf, vec![seg]).await.unwrap();
                     r.unwrap();
-                    let (back, r) = ring.rw(Dir::Read, AlignedBuf::zeroed(4096), smallvec::smallvec![seg]).await.unwrap();
+                    let (back, r) = ring.rw(Dir::Read, AlignedBuf::zeroed(4096), vec![seg]).await.unwrap();
                     r.unwrap();
                     assert!(back.full().iter().all(|&b| b == i), "block {i} read back wrong");
                 })
@@ -720,7 +716,7 @@ mod tests {
         drop(rt);
         ring.fdatasync().blocking_recv().unwrap().unwrap();
         let seg = Segment { file_offset: 7 * 4096, buf_offset: 0, len: 4096 };
-        let (back, r) = ring.rw(Dir::Read, AlignedBuf::zeroed(4096), smallvec::smallvec![seg]).blocking_recv().unwrap();
+        let (back, r) = ring.rw(Dir::Read, AlignedBuf::zeroed(4096), vec![seg]).blocking_recv().unwrap();
         r.unwrap();
         assert!(back.full().iter().all(|&b| b == 7));
     }
@@ -732,7 +728,7 @@ mod tests {
         f.set_len(4096).unwrap();
         let ring = IoRing::new(Arc::new(f), 4, &IoOptions::default()).unwrap();
         let seg = Segment { file_offset: 8192, buf_offset: 0, len: 4096 };
-        let (_, r) = ring.rw(Dir::Read, AlignedBuf::zeroed(4096), smallvec::smallvec![seg]).blocking_recv().unwrap();
+        let (_, r) = ring.rw(Dir::Read, AlignedBuf::zeroed(4096), vec![seg]).blocking_recv().unwrap();
         assert_eq!(r.unwrap_err().kind(), io::ErrorKind::UnexpectedEof);
     }
 }

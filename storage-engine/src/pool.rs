@@ -1253,7 +1253,7 @@ fn write_blocks_async(ring: &IoRing, offset: u64, parts: &[&[u8]]) -> oneshot::R
         at += p.len();
     }
     let len = buf.capacity();
-    ring.rw(Dir::Write { dsync: false }, buf, smallvec::smallvec![Segment { file_offset: offset, buf_offset: 0, len }])
+    ring.rw(Dir::Write { dsync: false }, buf, vec![Segment { file_offset: offset, buf_offset: 0, len }])
 }
 
 fn sync(ring: &IoRing) -> Result<()> {

@@ -17,11 +17,10 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use smallvec::SmallVec;
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::BLOCK_SIZE;
-use crate::io::{AlignedBuf, Dir, Segment, Segments};
+use crate::io::{AlignedBuf, Dir, Segment};
 use crate::journal::Record;
 use crate::meta::{Entry, MapTable};
 use crate::pool::{PoolInner, VolState};
@@ -58,7 +57,7 @@ pub struct Volume {
 /// Unpins data units when dropped.
 struct Pins<'a> {
     pool: &'a PoolInner,
-    units: SmallVec<[u32; 4]>,
+    units: Vec<u32>,
 }
 
 impl Pins<'_> {
@@ -78,7 +77,7 @@ impl Drop for Pins<'_> {
     }
 }
 
-fn push_segment(segs: &mut Segments, file_offset: u64, buf_offset: usize, len: usize) {
+fn push_segment(segs: &mut Vec<Segment>, file_offset: u64, buf_offset: usize, len: usize) {
     if let Some(last) = segs.last_mut() {
         if last.file_offset + last.len as u64 == file_offset && last.buf_offset + last.len == buf_offset {
             last.len += len;
@@ -89,8 +88,8 @@ fn push_segment(segs: &mut Segments, file_offset: u64, buf_offset: usize, len: u
 }
 
 /// Merges adjacent segments (ascending offsets in both the file and the buffer).
-fn merge(segs: impl Iterator<Item = Segment>) -> Segments {
-    let mut out = Segments::new();
+fn merge(segs: impl Iterator<Item = Segment>) -> Vec<Segment> {
+    let mut out = Vec::new();
     for s in segs {
         push_segment(&mut out, s.file_offset, s.buf_offset, s.len);
     }
@@ -184,9 +183,9 @@ impl Volume {
         let b1 = (offset + len).div_ceil(BLOCK_SIZE);
         let bpu = g.blocks_per_unit();
         let mut buf = AlignedBuf::zeroed(((b1 - b0) * BLOCK_SIZE) as usize);
-        let mut segs = Segments::new();
-        let mut blocks: SmallVec<[(u64, bool); 4]> = SmallVec::new(); // per-unit runs of (blocks, allocated)
-        let mut pins = Pins { pool: &self.pool, units: SmallVec::new() };
+        let mut segs = Vec::new();
+        let mut blocks: Vec<(u64, bool)> = Vec::new(); // per-unit runs of (blocks, allocated)
+        let mut pins = Pins { pool: &self.pool, units: Vec::new() };
         {
             let map = self.vol.map.read();
             if self.vol.deleted.load(Ordering::Acquire) {
@@ -404,9 +403,9 @@ impl Volume {
             self.pool.commit().await.map_err(|e| self.err(e, "write", offset))?;
         }
         // Plan: segments, pins, and which units gain written blocks.
-        let mut segs = Segments::new();
+        let mut segs = Vec::new();
         let mut new_bits: Vec<(u64, u32, u32)> = Vec::new(); // (lunit, punit, bits)
-        let mut pins = Pins { pool: &self.pool, units: SmallVec::new() };
+        let mut pins = Pins { pool: &self.pool, units: Vec::new() };
         let mut retry = false;
         let mut private: Vec<(u64, u64, u64)> = Vec::new(); // (lunit, first block, end block)
         {
@@ -516,7 +515,7 @@ impl Volume {
         let exclusive = old.is_mapped() && !self.must_copy(&self.vol.map.read(), lunit, old.punit);
         let mut buf = AlignedBuf::zeroed(us);
         buf.full_mut()[s as usize * bs..e as usize * bs].copy_from_slice(data);
-        let mut pins = Pins { pool: &self.pool, units: SmallVec::new() };
+        let mut pins = Pins { pool: &self.pool, units: Vec::new() };
         let target = if exclusive {
             pins.add(old.punit);
             old.punit
@@ -621,7 +620,7 @@ impl Volume {
         let g = &self.pool.geo;
         let bs = BLOCK_SIZE as usize;
         let m = mask(s, e);
-        let mut pins = Pins { pool: &self.pool, units: SmallVec::new() };
+        let mut pins = Pins { pool: &self.pool, units: Vec::new() };
         // Copy the old unit's written blocks that this write does not cover.
         let copy = if old.is_mapped() { old.bitmap & !m } else { 0 };
         let blocks = |bits: u32| (0..g.blocks_per_unit()).filter(move |b| bits & (1 << b) != 0);
