@@ -12,13 +12,11 @@ SECS=${1:-10}
 WORK=${WORK:-$HOME/.cache/ferrovol-bench}
 PORT=${PORT:-10819}
 TOOLS=../shared/tools
-cargo build --release --bin ferrovol
-BIN=$PWD/target/release/ferrovol
+. bench/common.sh
+build
 rm -rf "$WORK/data"; mkdir -p "$WORK"
-"$BIN" --data-dir "$WORK/data" serve --pool-size 16GiB --listen 127.0.0.1:$PORT >/dev/null 2>"$WORK/server.log" &
-PID=$!
-trap 'kill $PID 2>/dev/null; wait $PID 2>/dev/null' EXIT
-for _ in $(seq 100); do [ -S "$WORK/data/ferrovol.sock" ] && break; sleep 0.1; done
+trap stop_server EXIT
+start_server "$WORK/data" "$PORT" --pool-size 16GiB
 "$BIN" --data-dir "$WORK/data" volume create bench --size 4GiB
 OUT=${OUT:-$WORK/peers-$(date +%Y%m%d-%H%M%S).txt}
 PEERS=${PEERS:-"raw-direct qemu-nbd-dir nbdkit-file nbd-server ext:ferrovol"} \
