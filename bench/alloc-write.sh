@@ -13,19 +13,18 @@ cd "$(dirname "$0")/.."
 REPS=${1:-3}
 WORK=${WORK:-$HOME/.cache/ferrovol-bench}
 PORT=${PORT:-10829}
-cargo build --release --bin ferrovol
-BIN=$PWD/target/release/ferrovol
+. bench/common.sh
+build
 mkdir -p "$WORK"
+trap 'stop_server; rm -rf "$WORK/alloc"' EXIT
 job() { # job NAME URI extra-args... -> IOPS
   local name=$1 uri=$2; shift 2
   fio --name="$name" --ioengine=nbd --uri="$uri" --bs=4k --iodepth=32 --output-format=json "$@" \
     | sed -n '/^{/,$p' | /usr/bin/python3 -c 'import json,sys; print(int(json.load(sys.stdin)["jobs"][0]["write"]["iops"]))'
 }
 for rep in $(seq "$REPS"); do
-  rm -rf "$WORK/alloc"; mkdir -p "$WORK/alloc"
-  "$BIN" --data-dir "$WORK/alloc" serve --pool-size 24GiB --listen 127.0.0.1:$PORT >/dev/null 2>"$WORK/alloc/server.log" &
-  PID=$!
-  for _ in $(seq 100); do [ -S "$WORK/alloc/ferrovol.sock" ] && break; sleep 0.1; done
+  rm -rf "$WORK/alloc"
+  start_server "$WORK/alloc" "$PORT" --pool-size 24GiB
   "$BIN" --data-dir "$WORK/alloc" volume create a --size 8GiB >/dev/null
   "$BIN" --data-dir "$WORK/alloc" volume create r --size 8GiB >/dev/null
   U=nbd://127.0.0.1:$PORT
@@ -33,6 +32,6 @@ for rep in $(seq "$REPS"); do
   a=$(job alloc $U/a "${STRIDE[@]}")
   o=$(job overwrite $U/a "${STRIDE[@]}")
   r=$(job randwrite $U/r --rw=randwrite --size=8g --runtime=5 --time_based)
-  kill $PID; wait $PID 2>/dev/null || true
+  stop_server
   /usr/bin/python3 -c "import sys; a,o,r=map(int,sys.argv[1:]); print(f'rep $rep: alloc {a} IOPS  overwrite {o} IOPS  randwrite(mixed) {r} IOPS  alloc/overwrite {a/o:.2f}')" "$a" "$o" "$r"
 done

@@ -9,8 +9,9 @@ cd "$(dirname "$0")/.."
 REPS=${1:-3}
 WORK=${WORK:-$HOME/.cache/ferrovol-bench}
 PORT=${PORT:-10859}
-cargo build --release --bin ferrovol
-BIN=$PWD/target/release/ferrovol
+. bench/common.sh
+build
+trap 'stop_server; rm -rf "$WORK/del"' EXIT
 F() { "$BIN" --data-dir "$WORK/del" "$@" >/dev/null; }
 p99() { # p99 read latency in µs from fio's JSON
   sed -n '/^{/,$p' | /usr/bin/python3 -c 'import json,sys; j=json.load(sys.stdin)["jobs"][0]["read"]["clat_ns"]["percentile"]; print(int(j["99.000000"]/1000))'
@@ -23,10 +24,8 @@ prepare_b() {
   fio --name=w --ioengine=nbd --uri=nbd://127.0.0.1:$PORT/b --bs=1m --iodepth=8 --rw=write --size=4g >/dev/null
 }
 for rep in $(seq "$REPS"); do
-  rm -rf "$WORK/del"; mkdir -p "$WORK/del"
-  "$BIN" --data-dir "$WORK/del" serve --pool-size 24GiB --listen 127.0.0.1:$PORT >/dev/null 2>"$WORK/del/server.log" &
-  PID=$!
-  for _ in $(seq 100); do [ -S "$WORK/del/ferrovol.sock" ] && break; sleep 0.1; done
+  rm -rf "$WORK/del"
+  start_server "$WORK/del" "$PORT" --pool-size 24GiB
   F volume create a --size 2GiB
   fio --name=w --ioengine=nbd --uri=nbd://127.0.0.1:$PORT/a --bs=1m --iodepth=8 --rw=write --size=1g >/dev/null
   prepare_b
@@ -45,6 +44,6 @@ for rep in $(seq "$REPS"); do
   DEL=$!
   during=$(readjob | p99)
   wait $DEL
-  kill $PID; wait $PID 2>/dev/null || true
+  stop_server
   /usr/bin/python3 -c "import sys; b,d=map(int,sys.argv[1:]); print(f'rep $rep: p99 without delete {b} us, with delete {d} us, ratio {d/b:.2f}')" "$base" "$during"
 done

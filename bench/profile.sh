@@ -18,13 +18,11 @@ case "$JOB" in
   rw4k-qd32) RW=randwrite QD=32 ;;
   *) echo "unknown job $JOB" >&2; exit 2 ;;
 esac
-cargo build --release --bin ferrovol
-BIN=$PWD/target/release/ferrovol
+. bench/common.sh
+build
 rm -rf "$WORK/prof"; mkdir -p "$WORK"
-"$BIN" --data-dir "$WORK/prof" serve --pool-size 8GiB --listen 127.0.0.1:$PORT >/dev/null 2>"$WORK/prof-server.log" &
-PID=$!
-trap 'kill $PID 2>/dev/null; wait $PID 2>/dev/null' EXIT
-for _ in $(seq 100); do [ -S "$WORK/prof/ferrovol.sock" ] && break; sleep 0.1; done
+trap 'stop_server; rm -rf "$WORK/prof"' EXIT
+start_server "$WORK/prof" "$PORT" --pool-size 8GiB
 "$BIN" --data-dir "$WORK/prof" volume create bench --size 4GiB >/dev/null
 URI=nbd://127.0.0.1:$PORT/bench
 fio --name=precond --ioengine=nbd --uri=$URI --rw=write --bs=1M --iodepth=8 --size=1G >/dev/null

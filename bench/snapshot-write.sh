@@ -12,18 +12,17 @@ cd "$(dirname "$0")/.."
 REPS=${1:-3}
 WORK=${WORK:-$HOME/.cache/ferrovol-bench}
 PORT=${PORT:-10839}
-cargo build --release --bin ferrovol
-BIN=$PWD/target/release/ferrovol
+. bench/common.sh
+build
 mkdir -p "$WORK"
+trap 'stop_server; rm -rf "$WORK/snapw"' EXIT
 job() {
   fio --name="$1" --ioengine=nbd --uri="$2" --bs=4k --iodepth=32 --rw=randwrite --size=1g --output-format=json \
     | sed -n '/^{/,$p' | /usr/bin/python3 -c 'import json,sys; print(int(json.load(sys.stdin)["jobs"][0]["write"]["iops"]))'
 }
 for rep in $(seq "$REPS"); do
-  rm -rf "$WORK/snapw"; mkdir -p "$WORK/snapw"
-  "$BIN" --data-dir "$WORK/snapw" serve --pool-size 8GiB --listen 127.0.0.1:$PORT >/dev/null 2>"$WORK/snapw/server.log" &
-  PID=$!
-  for _ in $(seq 100); do [ -S "$WORK/snapw/ferrovol.sock" ] && break; sleep 0.1; done
+  rm -rf "$WORK/snapw"
+  start_server "$WORK/snapw" "$PORT" --pool-size 8GiB
   "$BIN" --data-dir "$WORK/snapw" volume create v --size 2GiB >/dev/null
   U=nbd://127.0.0.1:$PORT/v
   fio --name=pre --ioengine=nbd --uri=$U --bs=1m --iodepth=8 --rw=write --size=1g >/dev/null
@@ -31,6 +30,6 @@ for rep in $(seq "$REPS"); do
   "$BIN" --data-dir "$WORK/snapw" snapshot create v s >/dev/null
   f=$(job cow-first $U)
   s=$(job cow-second $U)
-  kill $PID; wait $PID 2>/dev/null || true
+  stop_server
   /usr/bin/python3 -c "import sys; o,f,s=map(int,sys.argv[1:]); print(f'rep $rep: overwrite {o}  cow-first {f} ({f/o:.2f}x)  cow-second {s} ({s/o:.2f}x)')" "$o" "$f" "$s"
 done
