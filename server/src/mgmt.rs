@@ -109,7 +109,14 @@ impl Management for ManagementService {
     ) -> Result<Response<pb::ListSnapshotsResponse>, Status> {
         let r = req.into_inner();
         let vol = (!r.volume.is_empty()).then_some(r.volume.as_str());
-        let snapshots = self.pool.list_snapshots(vol).into_iter().map(volume).collect();
+        let snapshots: Vec<_> = self.pool.list_snapshots(vol).into_iter().map(volume).collect();
+        // A deleted volume's snapshots stay listed under its name; a name that has
+        // neither a volume nor snapshots is a mistake worth saying so.
+        if let Some(v) = vol {
+            if snapshots.is_empty() && self.pool.volume(v).is_err() {
+                return Err(Status::not_found(format!("no volume and no snapshots named '{v}'")));
+            }
+        }
         Ok(Response::new(pb::ListSnapshotsResponse { snapshots }))
     }
 

@@ -435,6 +435,7 @@ fn cli_rejects_bad_arguments() {
         (&["volume", "create", "dup", "--size", "1GiB"], &["exists"]),
         (&["volume", "delete", "nosuch"], &["not found"]),
         (&["volume", "info", "nosuch"], &["not found"]),
+        (&["snapshot", "list", "nosuch"], &["nosuch"]),
         (&["volume", "resize", "nosuch", "--size", "2GiB"], &["not found"]),
         (&["volume", "resize", "dup", "--size", "512MiB"], &["shrink"]),
         (&["volume", "resize", "dup", "--size", "1073745921"], &["4096"]), // not a multiple of 4096

@@ -69,6 +69,8 @@ fn snapshot_export_is_read_only_point_in_time() {
     // Deleting the volume leaves its snapshot and the clone readable, across kill -9.
     s.cli_ok(&["volume", "delete", "v"]);
     qemu_io_ro_ok(&s.uri("v@before"), &["read -P 0x11 0 4M"]);
+    let listed = json(&s.cli_ok(&["snapshot", "list", "v", "--json"]));
+    assert_eq!(listed[0]["name"], "v@before", "a deleted volume's snapshot is still listed: {listed}");
     s.kill9();
     check_clean(dir.path());
     s.restart();
@@ -77,6 +79,8 @@ fn snapshot_export_is_read_only_point_in_time() {
     s.cli_ok(&["snapshot", "delete", "v", "before"]);
     let err = s.cli_err(&["snapshot", "delete", "v", "before"]);
     assert!(err.to_lowercase().contains("no such"), "{err}");
+    let err = s.cli_err(&["snapshot", "list", "v"]);
+    assert!(err.contains("no volume and no snapshots named 'v'"), "{err}");
     let err = s.cli_err(&["snapshot", "create", "c", "bad@name"]);
     assert!(err.contains("invalid"), "{err}");
     s.stop();
