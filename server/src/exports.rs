@@ -46,8 +46,7 @@ impl Export for VolumeExport {
     }
 
     fn description(&self) -> String {
-        let kind = if self.vol.is_snapshot() { "read-only snapshot" } else { "thin volume" };
-        format!("ferrovol {kind} {} ({} KiB data units)", self.vol.name(), self.vol.unit_size() / 1024)
+        describe(&self.vol)
     }
 
     fn alloc_write_buf(&self, offset: u64, len: u32) -> AlignedBuf {
@@ -128,6 +127,12 @@ impl PoolRegistry {
     }
 }
 
+/// The export description, the same in `NBD_OPT_LIST` and `NBD_INFO_DESCRIPTION`.
+fn describe(vol: &Volume) -> String {
+    let kind = if vol.is_snapshot() { "read-only snapshot" } else { "thin volume" };
+    format!("ferrovol {kind} {}, {} bytes, {} KiB data units", vol.name(), vol.size(), vol.unit_size() / 1024)
+}
+
 impl ExportRegistry for PoolRegistry {
     type Export = VolumeExport;
 
@@ -135,12 +140,9 @@ impl ExportRegistry for PoolRegistry {
         self.pool.volume(name).ok().map(|vol| Arc::new(VolumeExport { m: self.metrics.volume(name), vol }))
     }
 
+    /// Cheap whatever the pool holds (no space accounting): it runs on the data plane.
     fn list(&self) -> Vec<(String, String)> {
-        let vols = self.pool.list_volumes().into_iter().chain(self.pool.list_snapshots(None));
-        vols.map(|v| {
-            let kind = if v.snapshot { "read-only snapshot" } else { "thin volume" };
-            (v.name, format!("ferrovol {kind}, {} bytes", v.size))
-        })
-        .collect()
+        let names = self.pool.names();
+        names.into_iter().filter_map(|n| self.pool.volume(&n).ok().map(|v| (n, describe(&v)))).collect()
     }
 }

@@ -92,7 +92,7 @@ fn qemu_io_wrong_pattern_is_detected() {
 
 #[test]
 fn nbdinfo_lists_volumes() {
-    // nbdinfo --list shows exactly the created volumes, with their sizes.
+    // nbdinfo --list shows exactly the created volumes, with their sizes and descriptions.
     let td = TestDir::new();
     let s = Server::start(&td.data());
     let vols = [("alpha", "1GiB", GIB), ("beta.2", "4MiB", 4 * MIB), ("Gamma_3-x", "1048576KiB", GIB)];
@@ -111,6 +111,11 @@ fn nbdinfo_lists_volumes() {
     for (n, _, size) in vols {
         let e = exports.iter().find(|e| e["export-name"] == n).unwrap();
         assert_eq!(e["export-size"].as_u64(), Some(size), "size of export {n}");
+        // The same description in the list (NBD_OPT_LIST) and for one export (NBD_OPT_INFO).
+        let want = format!("ferrovol thin volume {n}, {size} bytes, 64 KiB data units");
+        assert_eq!(e["description"].as_str(), Some(want.as_str()), "listed description of {n}");
+        let one = json(&text(&output(peer("nbdinfo").args(["--json", &s.uri(n)]))));
+        assert_eq!(one["exports"][0]["description"].as_str(), Some(want.as_str()), "INFO description of {n}");
     }
     // a deleted volume disappears from the list
     s.cli_ok(&["volume", "delete", "beta.2"]);

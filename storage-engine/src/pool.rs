@@ -891,6 +891,12 @@ impl Pool {
         Ok(self.inner.info(vs))
     }
 
+    /// Names of every volume and snapshot (`VOL@SNAP`), sorted. Cheap: unlike
+    /// [`Pool::list_volumes`] it computes no space accounting.
+    pub fn names(&self) -> Vec<String> {
+        self.inner.volumes.read().keys().cloned().collect()
+    }
+
     /// All volumes (not snapshots), sorted by name.
     pub fn list_volumes(&self) -> Vec<VolumeInfo> {
         self.inner.volumes.read().values().filter(|v| !v.snapshot).map(|v| self.inner.info(v)).collect()
