@@ -76,23 +76,20 @@ fn snapshots_stay_consistent_across_kill9_under_load() {
     check_clean(&td.data());
 }
 
-/// fio on volume `fio` over `uri` with verify headers (crc32c) in `args`; returns
-/// whether it succeeded and its output.
-fn fio(td: &TestDir, uri: &str, args: &[&str]) -> (bool, String) {
+/// fio over `uri` (volume `fio`) on the 8 MiB region that round `round` stamps (60
+/// regions, reused after), sequential 64 KiB blocks with crc32c verify headers, plus
+/// `args`; returns whether it succeeded and its output.
+fn fio_region(td: &TestDir, uri: &str, round: u64, args: &[&str]) -> (bool, String) {
+    let offset = format!("--offset={}", (round % 60) * (8 << 20));
     let o = output(
         peer("fio")
             .current_dir(td.path())
-            .args(["--ioengine=nbd", &format!("--uri={uri}")])
+            .args(["--name=stamp", "--ioengine=nbd", &format!("--uri={uri}")])
+            .args(["--rw=write", "--bs=64k", &offset, "--size=8m"])
             .args(["--verify=crc32c", "--verify_fatal=1", "--verify_state_save=0", "--output-format=normal"])
             .args(args),
     );
     (o.status.success() && !text(&o).to_lowercase().contains("verify failed"), text(&o))
-}
-
-/// The 8 MiB region of volume `fio` that round `round` stamps (60 regions, reused after).
-fn fio_region(round: u64) -> [String; 4] {
-    let offset = (round % 60) * (8 << 20);
-    ["--rw=write".into(), "--bs=64k".into(), format!("--offset={offset}"), "--size=8m".into()]
 }
 
 /// One round: a writer on volume `v{round}` flushes every block, snapshots are created
@@ -103,10 +100,7 @@ fn crash_round(s: &mut Server, td: &TestDir, round: u64) -> (usize, usize, usize
     let vol = format!("v{round}");
     s.create_volume(&vol, "512MiB");
     // fio stamps this round's region and flushes it (end_fsync) before the load starts.
-    let region = fio_region(round);
-    let region: Vec<&str> = region.iter().map(String::as_str).collect();
-    let (ok, out) =
-        fio(td, &s.uri("fio"), &[&["--name=stamp", "--do_verify=0", "--end_fsync=1"], &region[..]].concat());
+    let (ok, out) = fio_region(td, &s.uri("fio"), round, &["--do_verify=0", "--end_fsync=1"]);
     assert!(ok, "round {round}: fio stamp failed:\n{out}");
     // ... then writes verified blocks at random in the last 64 MiB until the server dies.
     let mut fio_load = peer("fio")
@@ -193,9 +187,7 @@ fn crash_round(s: &mut Server, td: &TestDir, round: u64) -> (usize, usize, usize
     assert!(o.status.success(), "round {round}: volume after kill -9: {}", text(&o));
     // fio's flushed regions: this round's and an earlier one.
     for r in [round, rand_below(round + 1)] {
-        let region = fio_region(r);
-        let region: Vec<&str> = region.iter().map(String::as_str).collect();
-        let (ok, out) = fio(td, &s.uri("fio"), &[&["--name=stamp", "--verify_only"], &region[..]].concat());
+        let (ok, out) = fio_region(td, &s.uri("fio"), r, &["--verify_only"]);
         assert!(ok, "round {round}: fio --verify_only of round {r}'s region after kill -9:\n{out}");
     }
     // Keep the pool from filling: the volume goes; its snapshots stay (still checked by
