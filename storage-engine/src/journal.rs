@@ -520,6 +520,22 @@ pub(crate) struct Loaded {
     pub batches: u64,
 }
 
+/// The refcount each of `units` data units should have by the mappings `maps`: the
+/// number of distinct pages that map it (a page several tables share counts once),
+/// counted in an allocator of its own (a byte per unit, exact past that).
+pub(crate) fn derive_refcounts<'a>(maps: impl IntoIterator<Item = &'a MapTable>, units: usize) -> Allocator {
+    let mut derived = Allocator::new(units);
+    let mut seen: std::collections::HashSet<*const MapPage> = Default::default();
+    for map in maps {
+        for p in map.pages().iter().flatten() {
+            if seen.insert(Arc::as_ptr(p)) {
+                p.units().for_each(|u| derived.incref(u));
+            }
+        }
+    }
+    derived
+}
+
 /// Reads the superblock, the checkpoint and replays the log. Never writes.
 pub(crate) fn load(read: &mut ReadAt<'_>, size: u64) -> Result<Loaded> {
     let (sb, geo) = read_superblock(read, size)?;
@@ -651,35 +667,12 @@ pub(crate) fn load(read: &mut ReadAt<'_>, size: u64) -> Result<Loaded> {
             return Err(Error::corrupt("checkpoint totals do not match its contents"));
         }
     }
-    // Refcounts implied by the checkpoint's mappings (a shared page counts once per
-    // page): a byte per unit, counts of 255 or more kept exactly in `big`.
-    let mut derived = vec![0u8; geo.unit_count as usize];
-    let mut big: std::collections::HashMap<u32, u32> = Default::default();
-    {
-        let mut seen: std::collections::HashSet<*const MapPage> = Default::default();
-        for v in volumes.values() {
-            for p in v.map.pages().iter().flatten() {
-                if seen.insert(Arc::as_ptr(p)) {
-                    for e in p.entries.iter().filter(|e| e.is_mapped()) {
-                        let d = &mut derived[e.punit as usize];
-                        match *d {
-                            u8::MAX => *big.get_mut(&e.punit).expect("counted past a byte") += 1,
-                            254 => {
-                                *d = u8::MAX;
-                                big.insert(e.punit, 255);
-                            }
-                            _ => *d += 1,
-                        }
-                    }
-                }
-            }
-        }
-    }
+    let derived = derive_refcounts(volumes.values().map(|v| &v.map), geo.unit_count as usize);
     // Reads every entry of both tables; pages never written stay non-resident.
     let mut refcount_mismatches = Vec::new();
-    for (u, &d) in derived.iter().enumerate() {
-        let derived = if d == u8::MAX { big[&(u as u32)] } else { u32::from(d) };
-        let stored = match alloc.refcount(u as u32) {
+    for u in 0..geo.unit_count as u32 {
+        let derived = derived.refcount(u);
+        let stored = match alloc.refcount(u) {
             META if derived > 0 => {
                 return Err(Error::corrupt(format!("data unit {u} is both mapped and part of the checkpoint")));
             }

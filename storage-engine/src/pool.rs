@@ -347,9 +347,7 @@ pub fn check(path: &Path) -> Result<CheckReport> {
     }
     let st = &loaded.state;
     let bpu = loaded.geo.blocks_per_unit();
-    let mut derived = vec![0u32; loaded.geo.unit_count as usize];
     let mut names = std::collections::HashSet::new();
-    let mut seen_pages = std::collections::HashSet::new();
     for (id, v) in &st.volumes {
         let name_ok = match v.name.split_once('@') {
             Some((vol, snap)) => v.snapshot && validate_name(vol).is_ok() && validate_name(snap).is_ok(),
@@ -373,19 +371,12 @@ pub fn check(path: &Path) -> Result<CheckReport> {
                 ));
             }
         }
-        // A data unit's refcount counts the distinct pages that map it.
-        for page in v.map.pages().iter().flatten() {
-            if seen_pages.insert(Arc::as_ptr(page)) {
-                for u in page.units() {
-                    derived[u as usize] += 1;
-                }
-            }
-        }
     }
+    let derived = journal::derive_refcounts(st.volumes.values().map(|v| &v.map), loaded.geo.unit_count as usize);
     let a = &st.alloc;
     let (mut used, mut meta, mut free) = (0u64, 0u64, 0u64);
-    for (u, &should) in derived.iter().enumerate() {
-        let r = a.refcount(u as u32);
+    for u in 0..a.unit_count() as u32 {
+        let (r, should) = (a.refcount(u), derived.refcount(u));
         match r {
             crate::meta::META => meta += 1,
             0 => free += 1,
