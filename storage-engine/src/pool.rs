@@ -14,6 +14,9 @@
 //! 3. write the records as log batches, `fdatasync`;
 //! 4. frees noted in step 1 become allocatable.
 //!
+//! When no log record is pending (every one logged is durable), a flush needs only
+//! step 2, and the flushing task issues that `fdatasync` itself ([`PoolInner::commit`]).
+//!
 //! A *checkpoint* (when half the log is used or a commit would not fit, at open, and at
 //! close) snapshots the metadata under all the locks, writes the snapshot into free data
 //! units, `fdatasync`s (data and chunks), then writes the other superblock slot pointing
@@ -1016,7 +1019,33 @@ impl PoolInner {
     }
 
     /// Waits for a commit that covers everything completed before the call.
+    ///
+    /// When every log record is already durable ([`Self::metadata_settled`]), only data
+    /// writes can still be volatile, and one `fdatasync` issued now covers each write
+    /// that completed before the call: the caller's thread submits it and waits on its
+    /// own runtime, with no hand-off to the committer (a database's write-then-flush
+    /// pays one device flush and no thread switch). Otherwise the committer runs a
+    /// commit cycle (module docs) and answers.
+    ///
+    /// Errors: [`ErrorKind::Failed`] when the pool failed, is closing, or this commit's
+    /// I/O failed (the pool then fails: [`Self::fail`]).
     pub async fn commit(&self) -> Result<()> {
+        if self.failed.load(Ordering::SeqCst) {
+            return Err(Error::new(ErrorKind::Failed, "a write to the pool failed earlier; the pool refuses writes"));
+        }
+        if self.metadata_settled() && !self.commits.queue.lock().shutdown {
+            // writes_since_sync is left alone: the committer may skip its own sync only
+            // when no write completed since it last synced, and this sync may not have
+            // finished when it looks.
+            return match self.ring.fdatasync().await {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(e)) => {
+                    self.fail(&Error::io("fdatasync pool", e));
+                    Err(Error::new(ErrorKind::Failed, "commit failed; the pool refuses writes"))
+                }
+                Err(_) => Err(Error::new(ErrorKind::Failed, "I/O worker stopped")),
+            };
+        }
         let (tx, rx) = oneshot::channel();
         {
             let mut q = self.commits.queue.lock();
