@@ -160,11 +160,24 @@ impl Volume {
     }
 
     /// A buffer for a write of `len` bytes at `offset`: aligned, covering the whole
-    /// 4 KiB blocks of the range, with its view on exactly the `len` bytes.
+    /// 4 KiB blocks of the range, with its view on exactly the `len` bytes. The view's
+    /// bytes are unspecified (a recycled buffer's): the caller fills all of it before
+    /// [`Volume::write`]. The rest of the view's first and last blocks is zero.
     pub fn alloc_write_buf(&self, offset: u64, len: usize) -> AlignedBuf {
         let head = (offset % BLOCK_SIZE) as usize;
-        let mut b = AlignedBuf::zeroed(head + len);
+        let end = head + len;
+        let mut b = AlignedBuf::recycled(end);
+        let full = b.full_mut();
+        full[..head].fill(0);
+        full[end..end.div_ceil(BLOCK_SIZE as usize) * BLOCK_SIZE as usize].fill(0);
         b.set_view(head, len);
+        b
+    }
+
+    /// [`Volume::alloc_write_buf`] with the view zeroed: for writing zeros.
+    fn zeroed_write_buf(&self, offset: u64, len: usize) -> AlignedBuf {
+        let mut b = self.alloc_write_buf(offset, len);
+        b.as_mut().fill(0);
         b
     }
 
@@ -182,7 +195,7 @@ impl Volume {
         let b0 = offset / BLOCK_SIZE;
         let b1 = (offset + len).div_ceil(BLOCK_SIZE);
         let bpu = g.blocks_per_unit();
-        let mut buf = AlignedBuf::zeroed(((b1 - b0) * BLOCK_SIZE) as usize);
+        let mut buf = AlignedBuf::recycled(((b1 - b0) * BLOCK_SIZE) as usize);
         let mut segs = Vec::new();
         let mut blocks: Vec<(u64, bool)> = Vec::new(); // per-unit runs of (blocks, allocated)
         let mut pins = Pins { pool: &self.pool, units: Vec::new() };
@@ -215,6 +228,15 @@ impl Volume {
                 }
                 b = end;
             }
+        }
+        // Unwritten blocks read as zeros; the written ones are all read from the pool.
+        let mut at = 0;
+        for &(n, allocated) in &blocks {
+            let bytes = (n * BLOCK_SIZE) as usize;
+            if !allocated {
+                buf.full_mut()[at..at + bytes].fill(0);
+            }
+            at += bytes;
         }
         if !segs.is_empty() {
             let (back, r) =
@@ -719,7 +741,7 @@ impl Volume {
         }
         for (o, l) in edges {
             if self.block_written(o / BLOCK_SIZE) {
-                let buf = self.alloc_write_buf(o, l as usize);
+                let buf = self.zeroed_write_buf(o, l as usize);
                 self.write_inner(o, buf, false).await?;
             }
         }
@@ -811,7 +833,7 @@ impl Volume {
         let end = offset + len;
         while o < end {
             let l = (end - o).min(1 << 20);
-            let buf = self.alloc_write_buf(o, l as usize);
+            let buf = self.zeroed_write_buf(o, l as usize);
             self.write_inner(o, buf, false).await?;
             o += l;
         }

@@ -239,3 +239,37 @@ fn recovery_follows_the_log_not_the_pool_size() {
         "a longer log: {longer:?} against {small:?}"
     );
 }
+
+#[test]
+fn recycled_buffers_never_leak_another_volumes_bytes() {
+    // Read and write buffers are reused after their request ends (io.rs, BufCache)
+    // without being zeroed. Whatever an earlier request left in them must never come
+    // out: unwritten blocks read as zeros, and the rest of a partly written block is
+    // its old content (zeros here), not the previous request's bytes.
+    let dir = tempfile::tempdir().unwrap();
+    let rt = rt();
+    let pool = create(dir.path(), 64 * MIB);
+    rt.block_on(pool.create_volume("a", 8 * MIB)).unwrap();
+    rt.block_on(pool.create_volume("b", 8 * MIB)).unwrap();
+    let (a, b) = (pool.volume("a").unwrap(), pool.volume("b").unwrap());
+    for len in [4096usize, 65536, 1 << 20] {
+        // Fill buffers of this size with a's secret, on writes and reads alike.
+        for _ in 0..4 {
+            rt.block_on(write(&a, 0, &vec![0x5e; len], false)).unwrap();
+            assert!(rt.block_on(read(&a, 0, len as u64)).iter().all(|&x| x == 0x5e));
+        }
+        // An unwritten range of b, then one with a few bytes written in its middle.
+        let got = rt.block_on(read(&b, 2 * MIB, len as u64));
+        assert!(got.iter().all(|&x| x == 0), "unwritten {len}-byte read of b shows stale bytes");
+        let mid = 2 * MIB + len as u64 / 2 + 100;
+        rt.block_on(write(&b, mid, &[1; 10], false)).unwrap();
+        let got = rt.block_on(read(&b, 2 * MIB, len as u64));
+        let at = (mid - 2 * MIB) as usize;
+        assert_eq!(&got[at..at + 10], &[1; 10]);
+        assert!(
+            got[..at].iter().chain(&got[at + 10..]).all(|&x| x == 0),
+            "{len}-byte read of b around a small write shows stale bytes"
+        );
+        rt.block_on(b.trim(2 * MIB, 2 * MIB, false)).unwrap();
+    }
+}
