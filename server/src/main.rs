@@ -253,11 +253,13 @@ fn volume_json(v: &mgmt::pb::Volume) -> serde_json::Value {
     })
 }
 
+/// One row per volume; the NAME column is as wide as the longest name (at least 24).
 fn print_table(vs: &[mgmt::pb::Volume]) {
-    println!("{:<40} {:>12} {:>12} {:>12} {:>12}", "NAME", "SIZE", "ALLOCATED", "EXCLUSIVE", "SHARED");
+    let w = vs.iter().map(|v| v.name.chars().count()).max().unwrap_or(0).max(24);
+    println!("{:<w$} {:>12} {:>12} {:>12} {:>12}", "NAME", "SIZE", "ALLOCATED", "EXCLUSIVE", "SHARED");
     for v in vs {
         println!(
-            "{:<40} {:>12} {:>12} {:>12} {:>12}",
+            "{:<w$} {:>12} {:>12} {:>12} {:>12}",
             v.name,
             human(v.size_bytes),
             human(v.allocated_bytes),

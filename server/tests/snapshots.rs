@@ -86,3 +86,22 @@ fn snapshot_export_is_read_only_point_in_time() {
     s.stop();
     check_clean(dir.path());
 }
+
+#[test]
+fn volume_and_snapshot_tables_fit_long_names() {
+    // The NAME column grows with the longest name, so every row of `volume list` and
+    // `snapshot list` keeps its columns under the header's.
+    let dir = tempfile::tempdir().unwrap();
+    let s = Server::start(dir.path());
+    let long = "a-volume-name-much-longer-than-the-forty-characters-of-old-".repeat(2);
+    s.create_volume(&long, "64MiB");
+    s.create_volume("v", "64MiB");
+    s.cli_ok(&["snapshot", "create", &long, "nightly"]);
+    for args in [&["volume", "list"][..], &["snapshot", "list"]] {
+        let out = s.cli_ok(args);
+        let widths: Vec<usize> = out.lines().map(|l| l.chars().count()).collect();
+        assert!(widths.len() >= 2, "{args:?} printed no rows:\n{out}");
+        assert!(widths.iter().all(|&w| w == widths[0]), "{args:?} columns do not line up:\n{out}");
+        assert!(out.contains(&long), "{args:?} lost the long name:\n{out}");
+    }
+}
