@@ -7,9 +7,10 @@
 # with PEERS including ext:ferrovol. The combined table is printed and written to
 # $OUT (default $WORK/peers-<date>.txt). Env: PEERS, WSS, SECS as for nbd-peers.sh.
 #
-# Also in the run, as ext:nbdkit_memory: nbdkit's memory plugin, an NBD server that does
-# no disk I/O at all. Its row is the ceiling that fio's NBD client (one thread, on the
-# same two cores) allows any server here; it is not a peer.
+# Also in the run, as ext:nbdkit_memory (on 127.0.0.1, port PORT+1): nbdkit's memory
+# plugin, an NBD server that does no disk I/O at all. Its row shows what the NBD round
+# trips and fio's client cost on this machine with no disk behind them; it is not a
+# peer, and not a hard ceiling (a page-cache server can beat it with 4 connections).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECS=${1:-10}
@@ -20,7 +21,7 @@ TOOLS=../shared/tools
 build
 rm -rf "$WORK/data"; mkdir -p "$WORK"
 MEMPORT=$((PORT + 1))
-nbdkit -f -p "$MEMPORT" --exit-with-parent memory 4G &
+nbdkit -f -i 127.0.0.1 -p "$MEMPORT" --exit-with-parent memory 4G &
 MEMPID=$!
 trap 'stop_server; kill $MEMPID 2>/dev/null || true' EXIT
 start_server "$WORK/data" "$PORT" --pool-size 16GiB

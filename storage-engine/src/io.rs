@@ -32,7 +32,8 @@ use crate::testing::{Faults, IoLog};
 /// Alignment of every [`AlignedBuf`], in bytes: enough for O_DIRECT on 4Kn devices.
 pub const ALIGN: usize = 4096;
 
-/// A zero-initialised heap buffer aligned to [`ALIGN`] bytes, with a *view*: the byte
+/// An initialised heap buffer aligned to [`ALIGN`] bytes (zeroed, or recycled with an
+/// earlier request's bytes: [`AlignedBuf::recycled`]), with a *view*: the byte
 /// range `[start, start + len)` that `as_ref`/`as_mut` expose. The engine reads and
 /// writes whole 4 KiB blocks through the full capacity and hands out the view.
 pub struct AlignedBuf {
@@ -67,7 +68,13 @@ impl AlignedBuf {
     /// to the pool; it saves zeroing what the next step fills anyway (a read's mapped
     /// blocks, a write's payload).
     pub(crate) fn recycled(cap: usize) -> AlignedBuf {
-        BufCache::take(cap).unwrap_or_else(|| AlignedBuf::fresh(cap))
+        let mut b = BufCache::take(cap).unwrap_or_else(|| AlignedBuf::fresh(cap));
+        // Test builds make the bytes visibly not zero, so that a caller relying on
+        // zeroes it never wrote fails its tests instead of leaking bytes in production.
+        if cfg!(debug_assertions) {
+            b.full_mut().fill(0xa5);
+        }
+        b
     }
 
     /// A newly allocated zeroed buffer, with the capacity [`BufCache`] gives `cap`.
@@ -101,7 +108,7 @@ impl AlignedBuf {
 
     /// The whole buffer, ignoring the view.
     pub fn full(&self) -> &[u8] {
-        // SAFETY: ptr is valid for cap initialised (zeroed) bytes, owned by self.
+        // SAFETY: ptr is valid for cap initialised bytes (zeroed at allocation), owned by self.
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.cap) }
     }
 

@@ -229,6 +229,8 @@ pub(crate) struct PoolInner {
     commits: Arc<Commits>,
     log: Mutex<LogState>,
     committer: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Serialises the flushes that `commit` serves with one `fdatasync` of their own.
+    fast_sync: tokio::sync::Mutex<()>,
 }
 
 /// A pool of thin volumes on one file or block device. Cheap to clone.
@@ -607,6 +609,7 @@ impl Pool {
             commits: Arc::new(Commits::default()),
             log: Mutex::new(LogState { cursor: log, sb, checkpoint_units }),
             committer: Mutex::new(None),
+            fast_sync: tokio::sync::Mutex::new(()),
         });
         // Checkpoint at once, moving the log's sequence numbers past any batch that a
         // crash may have left beyond the end of the replayed log (a batch written while
@@ -1036,7 +1039,13 @@ impl PoolInner {
         if self.metadata_settled() && !self.commits.queue.lock().shutdown {
             // writes_since_sync is left alone: the committer may skip its own sync only
             // when no write completed since it last synced, and this sync may not have
-            // finished when it looks.
+            // finished when it looks. One fast sync at a time: with buffered I/O the
+            // kernel reports a writeback error to only one of concurrent fdatasyncs, so
+            // a later one must see the failure that an earlier one recorded.
+            let _one = self.fast_sync.lock().await;
+            if self.failed.load(Ordering::SeqCst) {
+                return Err(Error::new(ErrorKind::Failed, "commit failed; the pool refuses writes"));
+            }
             return match self.ring.fdatasync().await {
                 Ok(Ok(())) => Ok(()),
                 Ok(Err(e)) => {
@@ -1278,7 +1287,9 @@ fn write_blocks_async(ring: &IoRing, offset: u64, parts: &[&[u8]]) -> oneshot::R
         buf.full_mut()[at..at + p.len()].copy_from_slice(p);
         at += p.len();
     }
-    let len = buf.capacity();
+    // The data rounded up to whole blocks; never the buffer's capacity, which may be
+    // larger (a power of two) and would write zeros over what follows.
+    let len = at.div_ceil(io::ALIGN) * io::ALIGN;
     ring.rw(Dir::Write { dsync: false }, buf, vec![Segment { file_offset: offset, buf_offset: 0, len }])
 }
 
@@ -1342,5 +1353,51 @@ impl Drop for PoolInner {
         // Without close(): a crash-equivalent stop; the log has everything committed.
         self.commits.queue.lock().shutdown = true;
         self.commits.cv.notify_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn block_writes_cover_their_data_and_nothing_after() {
+        // I/O buffers have power-of-two capacities; a write of 3 blocks (a log batch,
+        // say) must still write 3 blocks, not 4, or it zeroes what follows it in the
+        // log or the first data unit.
+        let dir = tempfile::tempdir().unwrap();
+        let (f, _) = io::open_pool_file(&dir.path().join("f"), true).unwrap();
+        let f = Arc::new(f);
+        let ring = IoRing::new(f.clone(), 8, &IoOptions::default()).unwrap();
+        let bs = io::ALIGN;
+        let mut fill = AlignedBuf::zeroed(8 * bs);
+        fill.full_mut().fill(0xee);
+        let (_, r) = ring
+            .rw(Dir::Write { dsync: false }, fill, vec![Segment { file_offset: 0, buf_offset: 0, len: 8 * bs }])
+            .blocking_recv()
+            .unwrap();
+        r.unwrap();
+        for (blocks, tail) in [(3usize, 0usize), (2, 100), (5, 0)] {
+            let data = vec![0x11; blocks * bs - tail];
+            write_blocks(&ring, bs as u64, &data).unwrap();
+            let (back, r) = ring
+                .rw(Dir::Read, AlignedBuf::zeroed(8 * bs), vec![Segment { file_offset: 0, buf_offset: 0, len: 8 * bs }])
+                .blocking_recv()
+                .unwrap();
+            r.unwrap();
+            let b = back.full();
+            assert!(b[..bs].iter().all(|&x| x == 0xee), "block before the write changed");
+            assert!(b[bs..bs + data.len()].iter().all(|&x| x == 0x11));
+            assert!(b[bs + data.len()..(1 + blocks) * bs].iter().all(|&x| x == 0), "padding is not zero");
+            assert!(
+                b[(1 + blocks) * bs..].iter().all(|&x| x == 0xee),
+                "a {blocks}-block write changed the blocks after it"
+            );
+            // Restore for the next round.
+            let mut fill = AlignedBuf::zeroed(8 * bs);
+            fill.full_mut().fill(0xee);
+            let seg = Segment { file_offset: 0, buf_offset: 0, len: 8 * bs };
+            ring.rw(Dir::Write { dsync: false }, fill, vec![seg]).blocking_recv().unwrap().1.unwrap();
+        }
     }
 }
