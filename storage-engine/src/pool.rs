@@ -15,7 +15,8 @@
 //! 4. frees noted in step 1 become allocatable.
 //!
 //! When no log record is pending (every one logged is durable), a flush needs only
-//! step 2, and the flushing task issues that `fdatasync` itself ([`PoolInner::commit`]).
+//! step 2, and the flushing task issues that `fdatasync` itself ([`PoolInner::commit`]);
+//! flushes that arrive while one runs share the next.
 //!
 //! A *checkpoint* (when half the log is used or a commit would not fit, at open, and at
 //! close) snapshots the metadata under all the locks, writes the snapshot into free data
@@ -231,6 +232,10 @@ pub(crate) struct PoolInner {
     committer: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// Serialises the flushes that `commit` serves with one `fdatasync` of their own.
     fast_sync: tokio::sync::Mutex<()>,
+    /// Those `fdatasync`s: how many were issued, and the number of the last one that
+    /// completed successfully.
+    fast_syncs_started: AtomicU64,
+    fast_syncs_done: AtomicU64,
 }
 
 /// A pool of thin volumes on one file or block device. Cheap to clone.
@@ -610,6 +615,8 @@ impl Pool {
             log: Mutex::new(LogState { cursor: log, sb, checkpoint_units }),
             committer: Mutex::new(None),
             fast_sync: tokio::sync::Mutex::new(()),
+            fast_syncs_started: AtomicU64::new(0),
+            fast_syncs_done: AtomicU64::new(0),
         });
         // Checkpoint at once, moving the log's sequence numbers past any batch that a
         // crash may have left beyond the end of the replayed log (a batch written while
@@ -1041,13 +1048,23 @@ impl PoolInner {
             // when no write completed since it last synced, and this sync may not have
             // finished when it looks. One fast sync at a time: with buffered I/O the
             // kernel reports a writeback error to only one of concurrent fdatasyncs, so
-            // a later one must see the failure that an earlier one recorded.
+            // a later one must see the failure that an earlier one recorded. Flushes
+            // that waited share work: a sync that started after this call began and
+            // has completed covers it (group commit).
+            let seen = self.fast_syncs_started.load(Ordering::SeqCst);
             let _one = self.fast_sync.lock().await;
             if self.failed.load(Ordering::SeqCst) {
                 return Err(Error::new(ErrorKind::Failed, "commit failed; the pool refuses writes"));
             }
+            if self.fast_syncs_done.load(Ordering::SeqCst) > seen {
+                return Ok(());
+            }
+            let number = self.fast_syncs_started.fetch_add(1, Ordering::SeqCst) + 1;
             return match self.ring.fdatasync().await {
-                Ok(Ok(())) => Ok(()),
+                Ok(Ok(())) => {
+                    self.fast_syncs_done.store(number, Ordering::SeqCst);
+                    Ok(())
+                }
                 Ok(Err(e)) => {
                     self.fail(&Error::io("fdatasync pool", e));
                     Err(Error::new(ErrorKind::Failed, "commit failed; the pool refuses writes"))

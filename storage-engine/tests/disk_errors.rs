@@ -84,3 +84,56 @@ fn a_failed_flush_is_reported_and_stops_writes() {
     let v = pool.volume("v").unwrap();
     assert_eq!(rt.block_on(read(&v, 0, 8192)), vec![1; 8192], "data flushed before the failure survives");
 }
+
+#[test]
+fn concurrent_flushes_over_durable_mappings_share_their_fdatasyncs() {
+    // Eight flushes at once, with every mapping durable (the fast path): the first
+    // issues an fdatasync; the seven that arrive while it runs cannot rely on it (it
+    // started before their calls), so one more fdatasync serves all seven. Two in all,
+    // and the data is durable for each.
+    let dir = tempfile::tempdir().unwrap();
+    create(dir.path(), 32 * MIB).close().unwrap();
+    let log = Arc::new(storage_engine::testing::IoLog::new());
+    let io = IoOptions { log: Some(log.clone()), ..Default::default() };
+    let pool = Pool::open_with(&pool_path(dir.path()), &io).unwrap();
+    let rt = rt();
+    rt.block_on(pool.create_volume("v", 8 * MIB)).unwrap();
+    let v = pool.volume("v").unwrap();
+    rt.block_on(write(&v, 0, &[1; 65536], false)).unwrap();
+    rt.block_on(v.flush()).unwrap(); // the mapping is now durable
+    rt.block_on(write(&v, 4096, &[2; 4096], false)).unwrap(); // an overwrite: no record
+    let flushes = |log: &storage_engine::testing::IoLog| {
+        log.events().iter().filter(|e| matches!(e, storage_engine::testing::IoEvent::FlushStarted { .. })).count()
+    };
+    let before = flushes(&log);
+    let results = rt.block_on(async {
+        let all: Vec<_> = (0..8).map(|_| v.flush()).collect();
+        join_all(all).await
+    });
+    assert!(results.iter().all(|r| r.is_ok()), "{results:?}");
+    assert_eq!(flushes(&log) - before, 2, "eight concurrent flushes should take two fdatasyncs");
+}
+
+/// Polls every future to completion, concurrently, on the current task.
+async fn join_all<F: std::future::Future>(fs: Vec<F>) -> Vec<F::Output> {
+    let mut fs: Vec<_> = fs.into_iter().map(Box::pin).collect();
+    let mut out: Vec<Option<F::Output>> = (0..fs.len()).map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (i, f) in fs.iter_mut().enumerate() {
+            if out[i].is_none() {
+                match f.as_mut().poll(cx) {
+                    std::task::Poll::Ready(v) => out[i] = Some(v),
+                    std::task::Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(())
+        }
+    })
+    .await;
+    out.into_iter().map(|o| o.expect("every future finished")).collect()
+}
