@@ -20,9 +20,11 @@
 # fio reports the write and the flush latency apart and keeps no per-commit figure, so
 # the script prints, per job: commits per second and the mean commit latency (1/rate,
 # exact), the p99 of the write and of the flush (total latency, submission included),
-# and their sum (an estimate of a commit's p99, not a bound). Medians over the
-# repetitions (for the sum: of each repetition's sum); then the ratios to raw-direct.
-# Jobs are interleaved within each repetition.
+# and their sum (an estimate of a commit's p99, not a bound); latencies in µs.
+# While it runs it prints one line per job and repetition:
+#   NAME COMMITS/S MEAN_µs P99_WRITE_µs P99_FLUSH_µs
+# then a table of the medians over the repetitions (for the sum: of each repetition's
+# sum), and the ratios to raw-direct. Jobs are interleaved within each repetition.
 # Env: WORK (default ~/.cache/ferrovol-bench), PORT (default 10851; PORT+1 qemu-nbd,
 # PORT+2 nbdkit, all on 127.0.0.1).
 set -euo pipefail
@@ -99,9 +101,9 @@ for line in open(sys.argv[1]):
     pw, pf = float(pw), float(pf)
     rows.setdefault(name, []).append((float(rate), float(mean), pw, pf, pw + pf))
 med = {n: [statistics.median(c) for c in zip(*v)] for n, v in rows.items()}
-print(f"\n{'job':16} {'commits/s':>10} {'mean µs':>9} {'p99 write':>10} {'p99 flush':>10} {'p99 sum':>9}  (medians of {len(rows['raw-direct'])})")
+print(f"\n{'job':16} {'commits/s':>10} {'mean µs':>9} {'p99 write µs':>13} {'p99 flush µs':>13} {'p99 sum µs':>11}  (medians of {len(rows['raw-direct'])})")
 for n, (rate, mean, pw, pf, ps) in med.items():
-    print(f"{n:16} {rate:10.0f} {mean:9.1f} {pw:10.1f} {pf:10.1f} {ps:9.1f}")
+    print(f"{n:16} {rate:10.0f} {mean:9.1f} {pw:13.1f} {pf:13.1f} {ps:11.1f}")
 r = med["raw-direct"]
 for n in med:
     if n == "raw-direct":

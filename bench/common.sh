@@ -1,7 +1,7 @@
 # bench/common.sh — sourced by the bench scripts: build the release binary and start
 # or stop one `ferrovol serve` on a data dir.
 #
-#   build                          cargo build --release; sets BIN
+#   build                          cargo build --release; sets BIN (honours CARGO_TARGET_DIR)
 #   start_server DIR PORT [ARGS]   serve DIR on 127.0.0.1:PORT (extra serve ARGS, e.g.
 #                                  --pool-size); waits until the pool is open (a
 #                                  `pool status` answers) and the NBD port accepts;
@@ -12,7 +12,7 @@
 
 build() {
   cargo build --release --bin ferrovol >&2
-  BIN=$PWD/target/release/ferrovol
+  BIN=${CARGO_TARGET_DIR:-$PWD/target}/release/ferrovol
 }
 
 start_server() {

@@ -16,6 +16,22 @@ use clap::{Parser, Subcommand};
 use ferrovol::{exports, mgmt};
 use storage_engine::{Pool, PoolOptions};
 
+/// `println!` for command output: when the reader has gone (`ferrovol volume list |
+/// head -1`), the command ends quietly with success instead of panicking; any other
+/// error writing stdout ends it with a message and status 1.
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        if let Err(e) = writeln!(std::io::stdout(), $($arg)*) {
+            if e.kind() == std::io::ErrorKind::BrokenPipe {
+                std::process::exit(0);
+            }
+            eprintln!("ferrovol: writing the output failed: {e}");
+            std::process::exit(1);
+        }
+    }};
+}
+
 /// Thin-provisioned volumes in a pool, served over NBD.
 #[derive(Parser)]
 #[command(name = "ferrovol", version, about)]
@@ -178,6 +194,7 @@ fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("FERROVOL_LOG").unwrap_or_else(|_| "info".into()))
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("tokio runtime");
     let r = rt.block_on(run(cli));
@@ -203,7 +220,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 Ok(r) => r,
                 Err(e) if e.kind() == storage_engine::ErrorKind::Corrupt => {
                     // Not even loadable: an inconsistency too.
-                    println!("PROBLEM: {e}");
+                    out!("PROBLEM: {e}");
                     return Ok(ExitCode::FAILURE);
                 }
                 Err(e) => {
@@ -211,15 +228,15 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     return Ok(ExitCode::from(2));
                 }
             };
-            println!("{}", report.summary);
+            out!("{}", report.summary);
             if report.problems.is_empty() {
-                println!("clean");
+                out!("clean");
                 Ok(ExitCode::SUCCESS)
             } else {
                 for p in &report.problems {
-                    println!("PROBLEM: {p}");
+                    out!("PROBLEM: {p}");
                 }
-                println!("{} problems", report.problems.len());
+                out!("{} problems", report.problems.len());
                 Ok(ExitCode::FAILURE)
             }
         }
@@ -256,9 +273,9 @@ fn volume_json(v: &mgmt::pb::Volume) -> serde_json::Value {
 /// One row per volume; the NAME column is as wide as the longest name (at least 24).
 fn print_table(vs: &[mgmt::pb::Volume]) {
     let w = vs.iter().map(|v| v.name.chars().count()).max().unwrap_or(0).max(24);
-    println!("{:<w$} {:>12} {:>12} {:>12} {:>12}", "NAME", "SIZE", "ALLOCATED", "EXCLUSIVE", "SHARED");
+    out!("{:<w$} {:>12} {:>12} {:>12} {:>12}", "NAME", "SIZE", "ALLOCATED", "EXCLUSIVE", "SHARED");
     for v in vs {
-        println!(
+        out!(
             "{:<w$} {:>12} {:>12} {:>12} {:>12}",
             v.name,
             human(v.size_bytes),
@@ -279,13 +296,13 @@ async fn snapshot_cmd(socket: &Path, cmd: SnapshotCmd) -> anyhow::Result<()> {
                 .await
                 .map_err(status_err)?
                 .into_inner();
-            println!("created snapshot {}", v.name);
+            out!("created snapshot {}", v.name);
         }
         SnapshotCmd::List { volume, json } => {
             let req = pb::ListSnapshotsRequest { volume: volume.unwrap_or_default() };
             let vs = c.list_snapshots(req).await.map_err(status_err)?.into_inner().snapshots;
             if json {
-                println!("{}", serde_json::Value::Array(vs.iter().map(volume_json).collect()));
+                out!("{}", serde_json::Value::Array(vs.iter().map(volume_json).collect()));
             } else {
                 print_table(&vs);
             }
@@ -294,7 +311,7 @@ async fn snapshot_cmd(socket: &Path, cmd: SnapshotCmd) -> anyhow::Result<()> {
             c.delete_snapshot(pb::DeleteSnapshotRequest { volume: volume.clone(), snapshot: snapshot.clone() })
                 .await
                 .map_err(status_err)?;
-            println!("deleted snapshot {volume}@{snapshot}");
+            out!("deleted snapshot {volume}@{snapshot}");
         }
         SnapshotCmd::Diff { from, to, json } => {
             let ranges =
@@ -302,10 +319,10 @@ async fn snapshot_cmd(socket: &Path, cmd: SnapshotCmd) -> anyhow::Result<()> {
             if json {
                 let r: Vec<_> =
                     ranges.iter().map(|r| serde_json::json!({"offset": r.offset, "length": r.length})).collect();
-                println!("{}", serde_json::Value::Array(r));
+                out!("{}", serde_json::Value::Array(r));
             } else {
                 for r in &ranges {
-                    println!("{} {}", r.offset, r.length);
+                    out!("{} {}", r.offset, r.length);
                 }
                 let total: u64 = ranges.iter().map(|r| r.length).sum();
                 eprintln!("{} ranges, {} bytes differ", ranges.len(), total);
@@ -325,12 +342,12 @@ async fn volume_cmd(socket: &Path, cmd: VolumeCmd) -> anyhow::Result<()> {
                 .await
                 .map_err(status_err)?
                 .into_inner();
-            println!("created volume {} ({} bytes, {})", v.name, v.size_bytes, human(v.size_bytes));
+            out!("created volume {} ({} bytes, {})", v.name, v.size_bytes, human(v.size_bytes));
         }
         VolumeCmd::List { json } => {
             let vs = c.list_volumes(pb::ListVolumesRequest {}).await.map_err(status_err)?.into_inner().volumes;
             if json {
-                println!("{}", serde_json::Value::Array(vs.iter().map(volume_json).collect()));
+                out!("{}", serde_json::Value::Array(vs.iter().map(volume_json).collect()));
             } else {
                 print_table(&vs);
             }
@@ -338,9 +355,9 @@ async fn volume_cmd(socket: &Path, cmd: VolumeCmd) -> anyhow::Result<()> {
         VolumeCmd::Info { name, json } => {
             let v = c.get_volume(pb::GetVolumeRequest { name }).await.map_err(status_err)?.into_inner();
             if json {
-                println!("{}", volume_json(&v));
+                out!("{}", volume_json(&v));
             } else {
-                println!(
+                out!(
                     "name: {}\nid: {}\nsize: {} ({})\nallocated: {} ({})\nexport: {}",
                     v.name,
                     v.id,
@@ -354,7 +371,7 @@ async fn volume_cmd(socket: &Path, cmd: VolumeCmd) -> anyhow::Result<()> {
         }
         VolumeCmd::Delete { name } => {
             c.delete_volume(pb::DeleteVolumeRequest { name: name.clone() }).await.map_err(status_err)?;
-            println!("deleted volume {name}");
+            out!("deleted volume {name}");
         }
         VolumeCmd::Clone { from, name } => {
             let v = c
@@ -362,7 +379,7 @@ async fn volume_cmd(socket: &Path, cmd: VolumeCmd) -> anyhow::Result<()> {
                 .await
                 .map_err(status_err)?
                 .into_inner();
-            println!("created volume {} from {from}", v.name);
+            out!("created volume {} from {from}", v.name);
         }
         VolumeCmd::Resize { name, size } => {
             let v = c
@@ -370,7 +387,7 @@ async fn volume_cmd(socket: &Path, cmd: VolumeCmd) -> anyhow::Result<()> {
                 .await
                 .map_err(status_err)?
                 .into_inner();
-            println!("resized volume {} to {} bytes ({})", v.name, v.size_bytes, human(v.size_bytes));
+            out!("resized volume {} to {} bytes ({})", v.name, v.size_bytes, human(v.size_bytes));
         }
     }
     Ok(())
@@ -380,7 +397,7 @@ async fn pool_status(socket: &Path, json: bool) -> anyhow::Result<()> {
     let mut c = mgmt::connect(socket).await?;
     let s = c.get_pool_status(mgmt::pb::GetPoolStatusRequest {}).await.map_err(status_err)?.into_inner();
     if json {
-        println!(
+        out!(
             "{}",
             serde_json::json!({
                 "uuid": s.uuid, "path": s.path, "capacity_bytes": s.capacity_bytes, "used_bytes": s.used_bytes,
@@ -389,23 +406,23 @@ async fn pool_status(socket: &Path, json: bool) -> anyhow::Result<()> {
             })
         );
     } else {
-        println!("pool {} at {}", s.uuid, s.path);
-        println!(
+        out!("pool {} at {}", s.uuid, s.path);
+        out!(
             "capacity {}  used {}  metadata {}  free {}",
             human(s.capacity_bytes),
             human(s.used_bytes),
             human(s.metadata_bytes),
             human(s.free_bytes)
         );
-        println!(
-            "unit size {}  volumes {}  O_DIRECT {}  failed {}",
+        out!(
+            "unit size {}  volumes and snapshots {}  O_DIRECT {}  failed {}",
             human(u64::from(s.unit_size_bytes)),
             s.volume_count,
             s.direct_io,
             s.failed
         );
         for e in s.nbd_endpoints {
-            println!("nbd: {e}");
+            out!("nbd: {e}");
         }
     }
     Ok(())

@@ -165,6 +165,7 @@ pub async fn connect(path: &Path) -> anyhow::Result<pb::management_client::Manag
     if !path.exists() {
         anyhow::bail!("no management socket at {} (is `ferrovol serve` running with this --data-dir?)", path.display());
     }
+    let path_shown = path.display().to_string();
     let path: PathBuf = path.to_owned();
     let channel = Endpoint::try_from("http://ferrovol.invalid")?
         .connect_with_connector(tower::service_fn(move |_: Uri| {
@@ -172,6 +173,11 @@ pub async fn connect(path: &Path) -> anyhow::Result<pb::management_client::Manag
             async move { Ok::<_, std::io::Error>(TokioIo::new(tokio::net::UnixStream::connect(path).await?)) }
         }))
         .await
-        .map_err(|e| anyhow::anyhow!("cannot connect to the management socket: {e}"))?;
+        .map_err(|e| {
+            anyhow::Error::new(e).context(format!(
+                "cannot connect to the management socket {} (is `ferrovol serve` running with this --data-dir? A server that was killed leaves its socket behind)",
+                path_shown
+            ))
+        })?;
     Ok(pb::management_client::ManagementClient::new(channel))
 }

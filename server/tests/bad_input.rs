@@ -450,6 +450,19 @@ fn cli_rejects_bad_arguments() {
     let long = "n".repeat(129);
     let msg = s.cli_err(&["volume", "create", &long, "--size", "1MiB"]);
     assert!(msg.to_lowercase().contains("name"), "129-char name: {msg}");
+    // A huge name gets the same short answer (it used to echo the name twice and burst
+    // the HTTP/2 header that carries the gRPC status: "h2 protocol error").
+    for huge in ["n".repeat(9000), "é".repeat(3000)] {
+        for args in [
+            &["volume", "create", &huge, "--size", "1MiB"][..],
+            &["volume", "info", &huge],
+            &["snapshot", "create", "dup", &huge],
+        ] {
+            let msg = s.cli_err(args);
+            let said = msg.contains("invalid") || msg.contains("not found");
+            assert!(said && msg.len() < 600, "{}-byte name, {:?}: {msg}", huge.len(), &args[..2]);
+        }
+    }
     // the longest allowed name works
     s.create_volume(&"n".repeat(128), "4KiB");
     // nothing else was created or changed
@@ -517,4 +530,24 @@ fn second_server_on_same_pool_fails() {
     s.cli_ok(&["volume", "create", "two", "--size", "4MiB"]);
     s.stop();
     check_clean(&td.data());
+}
+
+#[test]
+fn cli_output_into_a_closed_pipe_ends_quietly() {
+    // `ferrovol volume list | head -1` with the reader gone: the command ends with
+    // success and no panic (Rust's println! panics on EPIPE).
+    let td = TestDir::new();
+    let s = Server::start(&td.data());
+    s.create_volume("v", "1GiB");
+    for args in [&["volume", "list"][..], &["volume", "info", "v"], &["pool", "status"]] {
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let o = Command::new(BIN).arg("--data-dir").arg(td.data()).args(args).stdout(writer).output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            o.status.success() && !err.contains("panicked"),
+            "ferrovol {args:?} into a closed pipe: {}: {err}",
+            o.status
+        );
+    }
 }

@@ -93,7 +93,7 @@ impl Error {
 
     /// Adds the volume name.
     pub fn volume(mut self, name: &str) -> Error {
-        self.volume = Some(name.to_owned());
+        self.volume = Some(shown_name(name));
         self
     }
 
@@ -139,5 +139,17 @@ impl Error {
     /// The underlying cause, if any (also shown by `Display`).
     pub fn cause(&self) -> Option<&(dyn std::error::Error + Send + Sync + 'static)> {
         self.source.as_deref()
+    }
+}
+
+/// `name` as error messages show it: whole if it could be a valid name (128 bytes or
+/// fewer), else its first 64 characters and its length, so that a message about a
+/// 10,000-byte name stays short (a gRPC status travels in an HTTP/2 header).
+pub fn shown_name(name: &str) -> String {
+    if name.len() <= 128 {
+        name.to_owned()
+    } else {
+        let head: String = name.chars().take(64).collect();
+        format!("{head}… ({} bytes)", name.len())
     }
 }

@@ -117,7 +117,7 @@ pub struct PoolStatus {
     pub freeing: u64,
     /// Data-unit size.
     pub unit_size: u32,
-    /// Number of volumes.
+    /// Number of volumes, snapshots included (each snapshot is a read-only volume).
     pub volumes: u64,
     /// Whether the pool file is opened with O_DIRECT.
     pub direct_io: bool,
@@ -284,7 +284,10 @@ pub fn validate_name(name: &str) -> Result<()> {
     } else {
         Err(Error::new(
             ErrorKind::InvalidArgument,
-            format!("volume name '{name}' is invalid: use 1 to {MAX_NAME_LEN} characters of A-Z a-z 0-9 . _ - (not starting with . or -)"),
+            format!(
+                "volume name '{}' is invalid: use 1 to {MAX_NAME_LEN} characters of A-Z a-z 0-9 . _ - (not starting with . or -)",
+                crate::error::shown_name(name)
+            ),
         ))
     }
 }
