@@ -551,3 +551,32 @@ fn cli_output_into_a_closed_pipe_ends_quietly() {
         );
     }
 }
+
+#[test]
+fn name_errors_say_which_name_and_operation() {
+    // Each message names the operation and the name it is about, and says only what
+    // applies: a snapshot is not called a volume, a missing volume gets no snapshot hint.
+    let td = TestDir::new();
+    let s = Server::start(&td.data());
+    s.create_volume("v", "1GiB");
+    s.cli_ok(&["snapshot", "create", "v", "s1"]);
+    let cases: &[(&[&str], &[&str], &[&str])] = &[
+        (&["snapshot", "create", "v", "x@y"], &["create snapshot", "name 'x@y' is invalid"], &["volume name"]),
+        (
+            &["volume", "resize", "v@s1", "--size", "2GiB"],
+            &["resize volume", "snapshot cannot be resized"],
+            &["not found"],
+        ),
+        (&["volume", "resize", "nosuch", "--size", "2GiB"], &["resize volume", "not found"], &["snapshot"]),
+        (&["volume", "info", "nosuch"], &["volume info", "'nosuch'", "not found"], &[]),
+    ];
+    for (args, has, lacks) in cases {
+        let msg = s.cli_err(args);
+        for w in *has {
+            assert!(msg.contains(w), "ferrovol {args:?}: message lacks {w:?}: {msg}");
+        }
+        for w in *lacks {
+            assert!(!msg.contains(w), "ferrovol {args:?}: message says {w:?}: {msg}");
+        }
+    }
+}

@@ -285,7 +285,7 @@ pub fn validate_name(name: &str) -> Result<()> {
         Err(Error::new(
             ErrorKind::InvalidArgument,
             format!(
-                "volume name '{}' is invalid: use 1 to {MAX_NAME_LEN} characters of A-Z a-z 0-9 . _ - (not starting with . or -)",
+                "name '{}' is invalid: use 1 to {MAX_NAME_LEN} characters of A-Z a-z 0-9 . _ - (not starting with . or -)",
                 crate::error::shown_name(name)
             ),
         ))
@@ -850,17 +850,20 @@ impl Pool {
     /// Grows a volume to `size` bytes (a multiple of 4096); connected clients keep
     /// working and see the new size on their next request's range check. Durable on return.
     ///
-    /// Errors: [`ErrorKind::NotFound`], [`ErrorKind::InvalidArgument`] (shrink or bad size).
+    /// Errors: [`ErrorKind::NotFound`], [`ErrorKind::InvalidArgument`] (shrink, bad size, or a snapshot).
     pub async fn resize_volume(&self, name: &str, size: u64) -> Result<VolumeInfo> {
         let err = |e: Error| e.op("resize volume").volume(name);
         validate_size(size).map_err(err)?;
         self.inner.check_writable().map_err(err)?;
         {
             let vols = self.inner.volumes.read();
-            let vs = vols
-                .get(name)
-                .filter(|v| !v.snapshot)
-                .ok_or_else(|| err(Error::new(ErrorKind::NotFound, "no such volume (snapshots cannot be resized)")))?;
+            let vs = match vols.get(name) {
+                Some(v) if v.snapshot => {
+                    return Err(err(Error::new(ErrorKind::InvalidArgument, "a snapshot cannot be resized")))
+                }
+                Some(v) => v,
+                None => return Err(err(Error::new(ErrorKind::NotFound, "no such volume"))),
+            };
             // Held so that the resize record is logged in order with this volume's
             // mapping records.
             let _map = vs.map.write();
@@ -894,7 +897,9 @@ impl Pool {
     /// Errors: [`ErrorKind::NotFound`].
     pub fn volume_info(&self, name: &str) -> Result<VolumeInfo> {
         let vols = self.inner.volumes.read();
-        let vs = vols.get(name).ok_or_else(|| Error::new(ErrorKind::NotFound, "no such volume").volume(name))?;
+        let vs = vols
+            .get(name)
+            .ok_or_else(|| Error::new(ErrorKind::NotFound, "no such volume").op("volume info").volume(name))?;
         Ok(self.inner.info(vs))
     }
 
