@@ -1395,20 +1395,15 @@ mod tests {
         let f = Arc::new(f);
         let ring = IoRing::new(f.clone(), 8, &IoOptions::default()).unwrap();
         let bs = io::ALIGN;
-        let mut fill = AlignedBuf::zeroed(8 * bs);
-        fill.full_mut().fill(0xee);
-        let (_, r) = ring
-            .rw(Dir::Write { dsync: false }, fill, vec![Segment { file_offset: 0, buf_offset: 0, len: 8 * bs }])
-            .blocking_recv()
-            .unwrap();
-        r.unwrap();
+        let all = || vec![Segment { file_offset: 0, buf_offset: 0, len: 8 * bs }];
         for (blocks, tail) in [(3usize, 0usize), (2, 100), (5, 0)] {
+            // Eight blocks of 0xee, then the write into blocks 1.. of them.
+            let mut fill = AlignedBuf::zeroed(8 * bs);
+            fill.full_mut().fill(0xee);
+            ring.rw(Dir::Write { dsync: false }, fill, all()).blocking_recv().unwrap().1.unwrap();
             let data = vec![0x11; blocks * bs - tail];
             write_blocks(&ring, bs as u64, &data).unwrap();
-            let (back, r) = ring
-                .rw(Dir::Read, AlignedBuf::zeroed(8 * bs), vec![Segment { file_offset: 0, buf_offset: 0, len: 8 * bs }])
-                .blocking_recv()
-                .unwrap();
+            let (back, r) = ring.rw(Dir::Read, AlignedBuf::zeroed(8 * bs), all()).blocking_recv().unwrap();
             r.unwrap();
             let b = back.full();
             assert!(b[..bs].iter().all(|&x| x == 0xee), "block before the write changed");
@@ -1418,11 +1413,6 @@ mod tests {
                 b[(1 + blocks) * bs..].iter().all(|&x| x == 0xee),
                 "a {blocks}-block write changed the blocks after it"
             );
-            // Restore for the next round.
-            let mut fill = AlignedBuf::zeroed(8 * bs);
-            fill.full_mut().fill(0xee);
-            let seg = Segment { file_offset: 0, buf_offset: 0, len: 8 * bs };
-            ring.rw(Dir::Write { dsync: false }, fill, vec![seg]).blocking_recv().unwrap().1.unwrap();
         }
     }
 }
