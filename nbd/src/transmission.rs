@@ -342,13 +342,28 @@ fn block_descriptors(extents: &[Extent], len: u32, req_one: bool) -> Vec<BlockDe
     out
 }
 
+/// Runs one validated READ and builds its reply. Apart from [`execute`] so that the task
+/// of a read, the most frequent request, holds only the read's state: a task's future is
+/// moved into its allocation when spawned, and `execute`'s holds the largest of every
+/// operation's futures.
+async fn execute_read<E: Export>(
+    export: &E,
+    structured: bool,
+    handle: u64,
+    offset: u64,
+    len: u32,
+    df: bool,
+) -> Reply<E::ReadBuf> {
+    match export.read(offset, len).await {
+        Ok(data) => read_reply(structured, handle, offset, len, df, data),
+        Err(errno) => error_reply(structured, handle, errno, "read failed"),
+    }
+}
+
 /// Runs one validated request against the export and builds its reply.
 async fn execute<E: Export>(export: &E, structured: bool, handle: u64, op: Op) -> Reply<E::ReadBuf> {
     match op {
-        Op::Read { offset, len, df } => match export.read(offset, len).await {
-            Ok(data) => read_reply(structured, handle, offset, len, df, data),
-            Err(errno) => error_reply(structured, handle, errno, "read failed"),
-        },
+        Op::Read { offset, len, df } => execute_read(export, structured, handle, offset, len, df).await,
         Op::Flush => done(structured, handle, export.flush().await, "flush failed"),
         Op::Trim { offset, len, fua } => {
             done(structured, handle, export.trim(offset, u64::from(len), fua).await, "trim failed")
@@ -616,6 +631,11 @@ where
                 let result = export.write(offset, buf, fua).await;
                 let reply = done(structured, handle, result, "write failed");
                 // A send error means the writer is gone; the reader stops on its own.
+                let _ = tx.send(Outgoing { reply, _permits: permits }).await;
+            });
+        } else if let Op::Read { offset, len, df } = op {
+            tasks.spawn(async move {
+                let reply = execute_read(&*export, structured, handle, offset, len, df).await;
                 let _ = tx.send(Outgoing { reply, _permits: permits }).await;
             });
         } else {

@@ -317,11 +317,11 @@ impl Volume {
             _guards.push(self.pool.stripes[*s].lock().await);
         }
         if head_partial {
-            self.merge_partial_block(&mut buf, b0, 0).await?;
+            Box::pin(self.merge_partial_block(&mut buf, b0, 0)).await?;
         }
         if tail_partial && (b1 - 1 != b0 || !head_partial) {
             let at = ((b1 - 1 - b0) * BLOCK_SIZE) as usize;
-            self.merge_partial_block(&mut buf, b1 - 1, at).await?;
+            Box::pin(self.merge_partial_block(&mut buf, b1 - 1, at)).await?;
         }
         let view = (buf.view_start(), buf.as_ref().len());
         buf.set_view(0, ((b1 - b0) * BLOCK_SIZE) as usize);
@@ -422,7 +422,7 @@ impl Volume {
                     offset,
                 ));
             }
-            self.pool.commit().await.map_err(|e| self.err(e, "write", offset))?;
+            Box::pin(self.pool.commit()).await.map_err(|e| self.err(e, "write", offset))?;
         }
         // Plan: segments, pins, and which units gain written blocks.
         let mut segs = Vec::new();
@@ -507,11 +507,11 @@ impl Volume {
         for &(u, s, e) in &private {
             let at = ((s - b0) * BLOCK_SIZE) as usize;
             let data = &buf.full()[at..at + ((e - s) * BLOCK_SIZE) as usize];
-            self.write_private(u, s - u * bpu, e - u * bpu, data, offset).await?;
+            Box::pin(self.write_private(u, s - u * bpu, e - u * bpu, data, offset)).await?;
         }
         self.pool.writes_since_sync.fetch_add(1, Ordering::SeqCst);
         if fua && !dsync {
-            self.pool.commit().await.map_err(|e| self.err(e, "write", offset))?;
+            Box::pin(self.pool.commit()).await.map_err(|e| self.err(e, "write", offset))?;
         }
         Ok(buf)
     }
