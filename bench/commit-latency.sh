@@ -26,7 +26,9 @@
 # then a table of the medians over the repetitions (for the sum: of each repetition's
 # sum), and the ratios to raw-direct. Jobs are interleaved within each repetition.
 # Env: WORK (default ~/.cache/ferrovol-bench), PORT (default 10851; PORT+1 qemu-nbd,
-# PORT+2 nbdkit, all on 127.0.0.1).
+# PORT+2 nbdkit, PORT+3 the second build, all on 127.0.0.1). BIN_B=PATH adds a second
+# ferrovol build, run in the same way right after the first in each repetition (jobs
+# ferrovol-B and ferrovol-alloc-B), to compare two versions in one run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPS=${1:-3}
@@ -35,22 +37,42 @@ WORK=${WORK:-$HOME/.cache/ferrovol-bench}
 PORT=${PORT:-10851}
 QPORT=$((PORT + 1))
 MPORT=$((PORT + 2))
+BPORT=$((PORT + 3))
 . bench/common.sh
 build
 mkdir -p "$WORK"
-QPID= MPID= OUT=
+QPID= MPID= BPID= OUT=
 cleanup() {
   stop_server
-  for p in $QPID $MPID; do kill "$p" 2>/dev/null || true; done
-  rm -rf "$WORK/commit" "$WORK/commit-raw.img" "$WORK/commit-qemu.img" ${OUT:+"$OUT"}
+  for p in $QPID $MPID $BPID; do kill "$p" 2>/dev/null || true; done
+  rm -rf "$WORK/commit" "$WORK/commit-b" "$WORK/commit-raw.img" "$WORK/commit-qemu.img" ${OUT:+"$OUT"}
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
-rm -rf "$WORK/commit"
+rm -rf "$WORK/commit" "$WORK/commit-b"
+if [ -n "${BIN_B:-}" ]; then
+  A_BIN=$BIN BIN=$(realpath "$BIN_B")
+  start_server "$WORK/commit-b" "$BPORT" --pool-size 8GiB
+  BPID=$PID BIN=$A_BIN
+fi
 start_server "$WORK/commit" "$PORT" --pool-size 8GiB
-"$BIN" --data-dir "$WORK/commit" volume create db --size 2GiB >/dev/null
 U=nbd://127.0.0.1:$PORT
+# ferrovol_jobs SUFFIX DIR URI: the two ferrovol jobs of one repetition on one server.
+ferrovol_jobs() {
+  local sfx=$1 dir=$2 uri=$3
+  job "ferrovol$sfx" --ioengine=nbd --uri="$uri/db" --fsync=1 "${RANDOM_1G[@]}" | tee -a "$OUT"
+  "$BIN" --data-dir "$dir" volume delete fresh >/dev/null 2>&1 || true
+  "$BIN" --data-dir "$dir" volume create fresh --size 4GiB >/dev/null
+  job "ferrovol-alloc$sfx" --ioengine=nbd --uri="$uri/fresh" --fsync=1 \
+    --rw=write --zonemode=strided --zonesize=4k --zonerange=64k --size=4G | tee -a "$OUT"
+}
+for d in "$WORK/commit" ${BPID:+"$WORK/commit-b"}; do
+  "$BIN" --data-dir "$d" volume create db --size 2GiB >/dev/null
+done
 fio --name=precond --ioengine=nbd --uri=$U/db --rw=write --bs=1M --iodepth=8 --size=1G >/dev/null
+if [ -n "$BPID" ]; then
+  fio --name=precond --ioengine=nbd --uri="nbd://127.0.0.1:$BPORT/db" --rw=write --bs=1M --iodepth=8 --size=1G >/dev/null
+fi
 for f in commit-raw.img commit-qemu.img; do
   fio --name=precond --filename="$WORK/$f" --ioengine=io_uring --direct=1 --rw=write --bs=1M \
     --iodepth=8 --size=1G >/dev/null
@@ -85,11 +107,8 @@ RANDOM_1G=(--rw=randwrite --size=1G)
 OUT=$(mktemp)
 for rep in $(seq "$REPS"); do
   job raw-direct --filename="$WORK/commit-raw.img" --ioengine=io_uring --direct=1 --fdatasync=1 "${RANDOM_1G[@]}" | tee -a "$OUT"
-  job ferrovol --ioengine=nbd --uri=$U/db --fsync=1 "${RANDOM_1G[@]}" | tee -a "$OUT"
-  "$BIN" --data-dir "$WORK/commit" volume delete fresh >/dev/null 2>&1 || true
-  "$BIN" --data-dir "$WORK/commit" volume create fresh --size 4GiB >/dev/null
-  job ferrovol-alloc --ioengine=nbd --uri=$U/fresh --fsync=1 \
-    --rw=write --zonemode=strided --zonesize=4k --zonerange=64k --size=4G | tee -a "$OUT"
+  ferrovol_jobs "" "$WORK/commit" "$U"
+  if [ -n "$BPID" ]; then ferrovol_jobs -B "$WORK/commit-b" "nbd://127.0.0.1:$BPORT"; fi
   job qemu-nbd-dir --ioengine=nbd --uri="nbd://127.0.0.1:$QPORT/" --fsync=1 "${RANDOM_1G[@]}" | tee -a "$OUT"
   job nbdkit-memory --ioengine=nbd --uri="nbd://127.0.0.1:$MPORT/" --fsync=1 "${RANDOM_1G[@]}" | tee -a "$OUT"
 done

@@ -1,8 +1,9 @@
 //! The pool: opening and creating, volume management, and the committer.
 //!
 //! Lives here: [`Pool`] (public handle), [`PoolOptions`], [`VolumeInfo`],
-//! [`PoolStatus`], the shared `PoolInner` that volumes use, and the committer thread
-//! that turns flush requests into group commits and checkpoints.
+//! [`PoolStatus`], the shared `PoolInner` that volumes use, commits (group commit on
+//! the flushing task's runtime) and the committer thread (checkpoints and background
+//! commits).
 //! Not here: the per-request data path (`volume`), formats (`format`, `journal`).
 //!
 //! # Commit protocol
@@ -11,11 +12,17 @@
 //! 1. note how far the pending frees and settles reach, and take the pending log records;
 //! 2. `fdatasync` the pool: data written before the records were taken is durable,
 //!    so no durable mapping ever points at unwritten data;
-//! 3. write the records as log batches, `fdatasync`;
+//! 3. write the records as log batches with `RWF_DSYNC` (each durable on completion);
 //! 4. frees noted in step 1 become allocatable.
 //!
+//! Cycles and checkpoints run one at a time under the log lock, which each holds from
+//! step 1 to its end. A flush runs its cycle on a task of its own tokio runtime
+//! ([`PoolInner::commit`]); flushes waiting for the lock share the cycle that began
+//! after they did. The committer thread runs the cycles that must be checkpoints,
+//! background commits, and the flushes of callers on no runtime.
+//!
 //! When no log record is pending (every one logged is durable), a flush needs only
-//! step 2, and the flushing task issues that `fdatasync` itself ([`PoolInner::commit`]);
+//! step 2, and the flushing task issues that `fdatasync` itself;
 //! flushes that arrive while one runs share the next.
 //!
 //! A *checkpoint* (when half the log is used or a commit would not fit, at open, and at
@@ -41,7 +48,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::format::*;
 use crate::io::{self, AlignedBuf, Dir, IoOptions, IoRing, Segment};
 use crate::journal::{self, Geometry, LogCursor, Record, State, VolumeMeta};
-use crate::meta::{Allocator, MapTable, RefcountTable, StripedCounts};
+use crate::meta::{Allocator, MapTable, PendingMark, RefcountTable, StripedCounts};
 use crate::volume::Volume;
 
 /// Default pool size for a newly created pool file: 64 GiB (sparse).
@@ -228,7 +235,11 @@ pub(crate) struct PoolInner {
     /// Commit requests; shared with the committer thread, which holds no strong
     /// reference to the pool while it waits.
     commits: Arc<Commits>,
-    log: Mutex<LogState>,
+    /// The log cursor and superblock: held for a whole commit cycle or checkpoint, so
+    /// those run one at a time and take the journal's records in log order. A tokio
+    /// mutex, because a cycle run by [`Self::commit`] holds it across its I/O; the
+    /// committer thread takes it with `blocking_lock`.
+    log: tokio::sync::Mutex<LogState>,
     committer: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// Serialises the flushes that `commit` serves with one `fdatasync` of their own.
     fast_sync: tokio::sync::Mutex<()>,
@@ -236,6 +247,11 @@ pub(crate) struct PoolInner {
     /// completed successfully.
     fast_syncs_started: AtomicU64,
     fast_syncs_done: AtomicU64,
+    /// Commit cycles run by [`Self::commit`] on a runtime task: how many began, and the
+    /// number of the last that completed successfully (group commit, as for the fast
+    /// syncs).
+    cycles_started: AtomicU64,
+    cycles_done: AtomicU64,
 }
 
 /// A pool of thin volumes on one file or block device. Cheap to clone.
@@ -615,11 +631,13 @@ impl Pool {
             stripes: (0..256).map(|_| tokio::sync::Mutex::new(())).collect(),
             cow_stripes: (0..256).map(|_| tokio::sync::Mutex::new(())).collect(),
             commits: Arc::new(Commits::default()),
-            log: Mutex::new(LogState { cursor: log, sb, checkpoint_units }),
+            log: tokio::sync::Mutex::new(LogState { cursor: log, sb, checkpoint_units }),
             committer: Mutex::new(None),
             fast_sync: tokio::sync::Mutex::new(()),
             fast_syncs_started: AtomicU64::new(0),
             fast_syncs_done: AtomicU64::new(0),
+            cycles_started: AtomicU64::new(0),
+            cycles_done: AtomicU64::new(0),
         });
         // Checkpoint at once, moving the log's sequence numbers past any batch that a
         // crash may have left beyond the end of the replayed log (a batch written while
@@ -1042,12 +1060,14 @@ impl PoolInner {
     /// writes can still be volatile, and one `fdatasync` issued now covers each write
     /// that completed before the call: the caller's thread submits it and waits on its
     /// own runtime, with no hand-off to the committer (a database's write-then-flush
-    /// pays one device flush and no thread switch). Otherwise the committer runs a
-    /// commit cycle (module docs) and answers.
+    /// pays one device flush and no thread switch). Otherwise a commit cycle (module
+    /// docs) runs on a task of the caller's tokio runtime ([`Self::commit_on_task`]),
+    /// again with no thread switch; the committer thread runs it instead when a
+    /// checkpoint is due, or when the caller is on no tokio runtime.
     ///
     /// Errors: [`ErrorKind::Failed`] when the pool failed, is closing, or this commit's
     /// I/O failed (the pool then fails: [`Self::fail`]).
-    pub async fn commit(&self) -> Result<()> {
+    pub async fn commit(self: &Arc<Self>) -> Result<()> {
         if self.failed.load(Ordering::SeqCst) {
             return Err(Error::new(ErrorKind::Failed, "a write to the pool failed earlier; the pool refuses writes"));
         }
@@ -1080,6 +1100,18 @@ impl PoolInner {
                 Err(_) => Err(Error::new(ErrorKind::Failed, "I/O worker stopped")),
             };
         }
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            // A task of its own: once it has taken records from the journal it must
+            // write them even if the caller stops waiting (a dropped request), or a
+            // later flush would be answered without them.
+            let inner = Arc::clone(self);
+            let seen = self.cycles_started.load(Ordering::SeqCst);
+            match rt.spawn(async move { inner.commit_on_task(seen).await }).await {
+                Ok(Some(result)) => return result,
+                Ok(None) => {} // a checkpoint is due: the committer runs it
+                Err(_) => return Err(Error::new(ErrorKind::Failed, "commit task failed")),
+            }
+        }
         let (tx, rx) = oneshot::channel();
         {
             let mut q = self.commits.queue.lock();
@@ -1106,48 +1138,143 @@ impl PoolInner {
         }
     }
 
-    /// One commit cycle (see the module docs).
-    fn commit_cycle(&self) -> Result<()> {
-        let pending = self.alloc.lock().pending_mark();
-        let writes = self.writes_since_sync.swap(0, Ordering::SeqCst);
-        let (records, upto) = {
-            let mut j = self.journal.lock();
-            (std::mem::take(&mut j.bytes), self.records_logged.load(Ordering::SeqCst))
+    /// A commit cycle on the calling task, for [`Self::commit`] (`seen`: the value of
+    /// `cycles_started` when that call began). Returns `None`, having changed nothing,
+    /// when a checkpoint is due or the records do not fit in the log: the committer
+    /// must run it.
+    async fn commit_on_task(&self, seen: u64) -> Option<Result<()>> {
+        let mut log = self.log.lock().await;
+        if self.failed.load(Ordering::SeqCst) {
+            return Some(Err(Error::new(ErrorKind::Failed, "commit failed; the pool refuses writes")));
+        }
+        // A cycle that began after the call and succeeded covers it (group commit).
+        if self.cycles_done.load(Ordering::SeqCst) > seen {
+            return Some(Ok(()));
+        }
+        if self.checkpoint_due(&log) {
+            return None;
+        }
+        let number = self.cycles_started.fetch_add(1, Ordering::SeqCst) + 1;
+        let (pending, records, upto) = self.take_records();
+        let Some(plan) = self.place_batches(&log, &records).transpose() else {
+            self.untake_records(records);
+            return None;
         };
+        // From here the records exist nowhere else: if this task is dropped before the
+        // cycle ends (its runtime shut down), the pool fails rather than go on without
+        // them or write later batches over a torn part of this one.
+        let unfinished = FailOnDrop(Some(self));
+        let result = async {
+            let plan = plan?;
+            let writes = self.writes_since_sync.swap(0, Ordering::SeqCst);
+            if writes > 0 || !records.is_empty() {
+                let r = self.ring.fdatasync().await.map_err(|_| worker_gone())?;
+                r.map_err(|e| Error::io("fdatasync pool", e))?;
+            }
+            let rxs: Vec<_> =
+                plan.writes.iter().map(|(off, b)| write_blocks_async(&self.ring, *off, &[b], true)).collect();
+            for rx in rxs {
+                let (_, r) = rx.await.map_err(|_| worker_gone())?;
+                r.map_err(|e| Error::io("write log", e))?;
+            }
+            Ok(plan)
+        }
+        .await;
+        unfinished.disarm();
+        Some(match result {
+            Ok(plan) => {
+                self.finish_cycle(&mut log, plan, pending, upto);
+                self.cycles_done.store(number, Ordering::SeqCst);
+                Ok(())
+            }
+            Err(e) => {
+                self.fail(&e);
+                Err(Error::new(ErrorKind::Failed, "commit failed; the pool refuses writes"))
+            }
+        })
+    }
+
+    /// One commit cycle on the committer thread (see the module docs); a checkpoint
+    /// instead when one is due or the records do not fit in the log.
+    fn commit_cycle(&self) -> Result<()> {
+        let log = self.log.blocking_lock();
+        if self.checkpoint_due(&log) {
+            drop(log);
+            return self.checkpoint(0);
+        }
+        let (pending, records, upto) = self.take_records();
+        let Some(plan) = self.place_batches(&log, &records)? else {
+            // No room in the log: a checkpoint captures these records' effects (they
+            // are already applied in memory) and empties the log.
+            drop(log);
+            return self.checkpoint(0);
+        };
+        let mut log = log;
+        let writes = self.writes_since_sync.swap(0, Ordering::SeqCst);
         if writes > 0 || !records.is_empty() {
             sync(&self.ring)?;
         }
-        if !records.is_empty() {
-            let mut log = self.log.lock();
-            let batches = journal::encode_batches(&records, log.cursor.seq + 1, self.geo.pool_tag())?;
-            let mut pos = log.cursor.pos;
-            let mut writes = Vec::new();
-            for b in &batches {
-                let len = b.len() as u64;
-                if pos % self.geo.log_size + len > self.geo.log_size {
-                    pos += self.geo.log_size - pos % self.geo.log_size;
-                }
-                if pos + len - log.cursor.head > self.geo.log_size {
-                    // No room in the log: a checkpoint captures these records' effects
-                    // (they are already applied in memory) and empties the log.
-                    drop(log);
-                    return self.checkpoint(0);
-                }
-                writes.push((self.geo.log_offset + pos % self.geo.log_size, b));
-                pos += len;
-            }
-            let rxs: Vec<_> = writes.iter().map(|(off, b)| write_blocks_async(&self.ring, *off, &[b])).collect();
-            for rx in rxs {
-                let (_, r) = rx.blocking_recv().map_err(|_| Error::new(ErrorKind::Failed, "I/O worker stopped"))?;
-                r.map_err(|e| Error::io("write log", e))?;
-            }
-            sync(&self.ring)?;
-            log.cursor.pos = pos;
-            log.cursor.seq += batches.len() as u64;
+        let rxs: Vec<_> = plan.writes.iter().map(|(off, b)| write_blocks_async(&self.ring, *off, &[b], true)).collect();
+        for rx in rxs {
+            let (_, r) = rx.blocking_recv().map_err(|_| worker_gone())?;
+            r.map_err(|e| Error::io("write log", e))?;
         }
+        self.finish_cycle(&mut log, plan, pending, upto);
+        Ok(())
+    }
+
+    /// Whether the next cycle must be a checkpoint: the live log plus twice the
+    /// pending records pass half the log (on-disk-format.md 6.2).
+    fn checkpoint_due(&self, log: &LogState) -> bool {
+        let pending = self.journal.lock().bytes.len() as u64;
+        log.cursor.pos - log.cursor.head + pending * 2 > self.geo.log_size / 2
+    }
+
+    /// C1 (on-disk-format.md 6.2): how far the pending frees and settles reach, the
+    /// journal's records (the journal is left empty), and how many records were logged
+    /// so far. Call with the log locked.
+    fn take_records(&self) -> (PendingMark, Vec<u8>, u64) {
+        let pending = self.alloc.lock().pending_mark();
+        let mut j = self.journal.lock();
+        (pending, std::mem::take(&mut j.bytes), self.records_logged.load(Ordering::SeqCst))
+    }
+
+    /// Puts records taken by [`Self::take_records`] back in front of the journal
+    /// (they are older than anything logged since). Call with the log still locked.
+    fn untake_records(&self, records: Vec<u8>) {
+        let mut j = self.journal.lock();
+        let newer = std::mem::replace(&mut j.bytes, records);
+        j.bytes.extend_from_slice(&newer);
+    }
+
+    /// C3's placement: `records` as log batches numbered from the cursor's sequence
+    /// number, each at its byte offset in the pool (wrap rule, 4.2). `None` if they do
+    /// not all fit in the live log. Errors: a malformed pending record (an engine bug).
+    fn place_batches(&self, log: &LogState, records: &[u8]) -> Result<Option<LogPlan>> {
+        let batches = journal::encode_batches(records, log.cursor.seq + 1, self.geo.pool_tag())?;
+        let mut pos = log.cursor.pos;
+        let mut writes = Vec::with_capacity(batches.len());
+        for b in batches {
+            let len = b.len() as u64;
+            if pos % self.geo.log_size + len > self.geo.log_size {
+                pos += self.geo.log_size - pos % self.geo.log_size;
+            }
+            if pos + len - log.cursor.head > self.geo.log_size {
+                return Ok(None);
+            }
+            writes.push((self.geo.log_offset + pos % self.geo.log_size, b));
+            pos += len;
+        }
+        Ok(Some(LogPlan { writes, end: pos }))
+    }
+
+    /// C3's end and C4, once the batches of `plan` are durable: advance the log, mark
+    /// the records counted in C1 durable, release the frees and settles noted there.
+    fn finish_cycle(&self, log: &mut LogState, plan: LogPlan, pending: PendingMark, upto: u64) {
+        log.cursor.pos = plan.end;
+        log.cursor.seq += plan.writes.len() as u64;
         self.records_durable.fetch_max(upto, Ordering::SeqCst);
         self.alloc.lock().release_pending(pending, &self.pins);
-        Ok(())
     }
 
     /// True when every log record appended so far is durable: a FUA write that changes
@@ -1157,14 +1284,11 @@ impl PoolInner {
         self.records_durable.load(Ordering::SeqCst) >= self.records_logged.load(Ordering::SeqCst)
     }
 
-    fn log_used(&self) -> u64 {
-        let log = self.log.lock();
-        log.cursor.pos - log.cursor.head
-    }
-
     /// Writes a checkpoint (see the module docs) whose sequence number is `seq_jump`
     /// past the last log batch.
     fn checkpoint(&self, seq_jump: u64) -> Result<()> {
+        // Held throughout: no commit cycle takes records or moves the log meanwhile.
+        let mut log = self.log.blocking_lock();
         // 1. A consistent snapshot: all volume maps, the allocator and the journal.
         let (snapshot, pending, upto) = {
             let vols = self.volumes.read();
@@ -1214,7 +1338,6 @@ impl PoolInner {
                 .alloc_meta()
                 .ok_or_else(|| Error::new(ErrorKind::NoSpace, "no free unit for the checkpoint").op("checkpoint"))
         };
-        let mut log = self.log.lock();
         let seq = log.cursor.seq + seq_jump;
         let mut units: Vec<u32> = Vec::new();
         let mut inflight = std::collections::VecDeque::new();
@@ -1253,6 +1376,7 @@ impl PoolInner {
                 &self.ring,
                 self.geo.unit_offset(u64::from(unit)),
                 &[h.as_bytes(), body],
+                false,
             ));
             Ok(())
         };
@@ -1295,9 +1419,37 @@ impl PoolInner {
     }
 }
 
+/// Fails the pool when dropped while armed (see [`PoolInner::commit_on_task`]).
+struct FailOnDrop<'a>(Option<&'a PoolInner>);
+
+impl FailOnDrop<'_> {
+    fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for FailOnDrop<'_> {
+    fn drop(&mut self) {
+        if let Some(pool) = self.0 {
+            pool.fail(&Error::new(ErrorKind::Failed, "a commit cycle was stopped before it finished"));
+        }
+    }
+}
+
+/// One commit cycle's log writes: (byte offset in the pool, batch) in log order, and the
+/// log position after the last.
+struct LogPlan {
+    writes: Vec<(u64, Vec<u8>)>,
+    end: u64,
+}
+
+fn worker_gone() -> Error {
+    Error::new(ErrorKind::Failed, "I/O worker stopped")
+}
+
 /// Synchronous write of `data` (padded to whole blocks) at byte `offset` through the ring.
 fn write_blocks(ring: &IoRing, offset: u64, data: &[u8]) -> Result<()> {
-    let (_, r) = write_blocks_async(ring, offset, &[data])
+    let (_, r) = write_blocks_async(ring, offset, &[data], false)
         .blocking_recv()
         .map_err(|_| Error::new(ErrorKind::Failed, "I/O worker stopped"))?;
     r.map_err(|e| Error::io(format!("write at byte {offset}"), e))
@@ -1305,7 +1457,7 @@ fn write_blocks(ring: &IoRing, offset: u64, data: &[u8]) -> Result<()> {
 
 /// Writes `parts` back to back (padded with zeros to whole blocks) at byte `offset`
 /// through the ring: a checkpoint chunk is its header then its payload.
-fn write_blocks_async(ring: &IoRing, offset: u64, parts: &[&[u8]]) -> oneshot::Receiver<io::RwResult> {
+fn write_blocks_async(ring: &IoRing, offset: u64, parts: &[&[u8]], dsync: bool) -> oneshot::Receiver<io::RwResult> {
     let mut buf = AlignedBuf::zeroed(parts.iter().map(|p| p.len()).sum());
     let mut at = 0;
     for p in parts {
@@ -1315,7 +1467,7 @@ fn write_blocks_async(ring: &IoRing, offset: u64, parts: &[&[u8]]) -> oneshot::R
     // The data rounded up to whole blocks; never the buffer's capacity, which may be
     // larger (a power of two) and would write zeros over what follows.
     let len = at.div_ceil(io::ALIGN) * io::ALIGN;
-    ring.rw(Dir::Write { dsync: false }, buf, vec![Segment { file_offset: offset, buf_offset: 0, len }])
+    ring.rw(Dir::Write { dsync }, buf, vec![Segment { file_offset: offset, buf_offset: 0, len }])
 }
 
 fn sync(ring: &IoRing) -> Result<()> {
@@ -1350,13 +1502,7 @@ fn committer(pool: std::sync::Weak<PoolInner>, commits: Arc<Commits>) {
         let result = if inner.failed.load(Ordering::SeqCst) {
             Err(ErrorKind::Failed)
         } else {
-            let pending = inner.journal.lock().bytes.len() as u64;
-            let r = if inner.log_used() + pending * 2 > inner.geo.log_size / 2 {
-                inner.checkpoint(0)
-            } else {
-                inner.commit_cycle()
-            };
-            r.map_err(|e| {
+            inner.commit_cycle().map_err(|e| {
                 inner.fail(&e);
                 ErrorKind::Failed
             })

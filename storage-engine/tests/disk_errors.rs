@@ -119,3 +119,42 @@ fn concurrent_flushes_over_durable_mappings_share_their_fdatasyncs() {
     assert!(results.iter().all(|r| r.is_ok()), "{results:?}");
     assert_eq!(flushes(&log) - before, 2, "eight concurrent flushes should take two fdatasyncs");
 }
+
+#[test]
+fn a_commit_with_records_syncs_the_data_once_then_writes_its_log_batch_durably() {
+    // An allocating write logs a mapping record; its flush is a commit cycle: one
+    // fdatasync for the data, completed before the log batch is written, and the batch
+    // written with RWF_DSYNC (durable on completion) instead of a second fdatasync.
+    let dir = tempfile::tempdir().unwrap();
+    create(dir.path(), 32 * MIB).close().unwrap();
+    let log = Arc::new(storage_engine::testing::IoLog::new());
+    let io = IoOptions { log: Some(log.clone()), ..Default::default() };
+    let pool = Pool::open_with(&pool_path(dir.path()), &io).unwrap();
+    let rt = rt();
+    rt.block_on(pool.create_volume("v", 8 * MIB)).unwrap();
+    let v = pool.volume("v").unwrap();
+    let before = log.events().len();
+    rt.block_on(write(&v, 0, &[1; 4096], false)).unwrap();
+    rt.block_on(v.flush()).unwrap();
+    use storage_engine::testing::IoEvent;
+    let events = log.events()[before..].to_vec();
+    let brief: Vec<String> = events
+        .iter()
+        .map(|e| match e {
+            IoEvent::Write { offset, data, dsync } => format!("write {}@{offset} dsync={dsync}", data.len()),
+            IoEvent::FlushStarted { id } => format!("fdatasync {id} started"),
+            IoEvent::FlushDone { id } => format!("fdatasync {id} done"),
+        })
+        .collect();
+    let starts: Vec<u64> =
+        events.iter().filter_map(|e| if let IoEvent::FlushStarted { id } = e { Some(*id) } else { None }).collect();
+    assert_eq!(starts.len(), 1, "one fdatasync per commit with records: {brief:?}");
+    let synced = events.iter().position(|e| matches!(e, IoEvent::FlushDone { id } if *id == starts[0]));
+    let batch = events.iter().position(|e| matches!(e, IoEvent::Write { dsync: true, .. }));
+    let (Some(synced), Some(batch)) = (synced, batch) else {
+        panic!("expected a completed fdatasync and a durable log write: {brief:?}");
+    };
+    assert!(synced < batch, "the data fdatasync must complete before the log batch is written: {brief:?}");
+    drop(v);
+    pool.close().unwrap();
+}
