@@ -515,10 +515,22 @@ impl Pool {
             if !is_dev {
                 let _ = std::fs::remove_file(path);
             }
-            return Err(Error::new(
-                ErrorKind::InvalidArgument,
-                format!("pool size {size} bytes gives {unit_count} data units; need 64 to 2^32-2"),
-            ));
+            // The bounds in bytes, for this unit size (the log's size grows with the pool's).
+            let offset_for = |log: u64| (LOG_OFFSET + log).div_ceil(unit) * unit;
+            let message = if unit_count < 64 {
+                let min = offset_for(4 * MAX_BATCH_BYTES as u64) + 64 * unit;
+                format!(
+                    "pool size {size} bytes is too small: with {unit}-byte data units a pool needs at least \
+                     {min} bytes (its superblocks, log and 64 data units)"
+                )
+            } else {
+                let max = offset_for(64 << 20) + (u64::from(u32::MAX) - 1) * unit;
+                format!(
+                    "pool size {size} bytes is too large: with {unit}-byte data units a pool holds at most \
+                     2^32-2 units ({max} bytes); choose a larger unit size"
+                )
+            };
+            return Err(Error::new(ErrorKind::InvalidArgument, message));
         }
         let mut sb = Superblock {
             magic: SUPERBLOCK_MAGIC,

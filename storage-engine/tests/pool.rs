@@ -273,3 +273,26 @@ fn recycled_buffers_never_leak_another_volumes_bytes() {
         rt.block_on(b.trim(2 * MIB, 2 * MIB, false)).unwrap();
     }
 }
+
+#[test]
+fn a_too_small_pool_is_refused_with_the_smallest_size_that_works() {
+    // The error names the minimum in bytes; a pool of exactly that size is created,
+    // and one data unit less is refused again. Nothing is left behind by a refusal.
+    let dir = tempfile::tempdir().unwrap();
+    let path = pool_path(dir.path());
+    let opts = |size| PoolOptions { size, ..Default::default() };
+    let e = Pool::create(&path, &opts(MIB)).map(|_| ()).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+    let msg = e.to_string();
+    let min: u64 = msg
+        .split("at least ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no minimum size in bytes in: {msg}"));
+    assert!(!path.exists(), "a refused create left a file");
+    let unit = u64::from(PoolOptions::default().unit_size);
+    let e = Pool::create(&path, &opts(min - unit)).map(|_| ()).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+    Pool::create(&path, &opts(min)).unwrap().close().unwrap();
+}
