@@ -1156,8 +1156,13 @@ impl PoolInner {
     /// must run it.
     async fn commit_on_task(&self, seen: u64) -> Option<Result<()>> {
         let mut log = self.log.lock().await;
+        // Both looked at under the lock: a cycle or checkpoint that failed did so while
+        // holding it, and close() writes its checkpoint under it after setting `closed`.
         if self.failed.load(Ordering::SeqCst) {
             return Some(Err(Error::new(ErrorKind::Failed, "commit failed; the pool refuses writes")));
+        }
+        if self.closed.load(Ordering::SeqCst) {
+            return Some(Err(Error::new(ErrorKind::Failed, "pool is closing")));
         }
         // A cycle that began after the call and succeeded covers it (group commit).
         if self.cycles_done.load(Ordering::SeqCst) > seen {
@@ -1183,13 +1188,21 @@ impl PoolInner {
                 let r = self.ring.fdatasync().await.map_err(|_| worker_gone())?;
                 r.map_err(|e| Error::io("fdatasync pool", e))?;
             }
+            // Every batch write is waited for, even after one fails: none may land
+            // after the lock is released.
             let rxs: Vec<_> =
                 plan.writes.iter().map(|(off, b)| write_blocks_async(&self.ring, *off, &[b], true)).collect();
+            let mut first_error = None;
             for rx in rxs {
-                let (_, r) = rx.await.map_err(|_| worker_gone())?;
-                r.map_err(|e| Error::io("write log", e))?;
+                let r = match rx.await {
+                    Ok((_, r)) => r.map_err(|e| Error::io("write log", e)),
+                    Err(_) => Err(worker_gone()),
+                };
+                if let Err(e) = r {
+                    first_error.get_or_insert(e);
+                }
             }
-            Ok(plan)
+            first_error.map_or(Ok(plan), Err)
         }
         .await;
         unfinished.disarm();
@@ -1207,31 +1220,50 @@ impl PoolInner {
     }
 
     /// One commit cycle on the committer thread (see the module docs); a checkpoint
-    /// instead when one is due or the records do not fit in the log.
+    /// instead when one is due or the records do not fit in the log. A failure fails
+    /// the pool before the log lock is released.
     fn commit_cycle(&self) -> Result<()> {
-        let log = self.log.blocking_lock();
-        if self.checkpoint_due(&log) {
-            drop(log);
-            return self.checkpoint(0);
+        let mut log = self.log.blocking_lock();
+        if self.failed.load(Ordering::SeqCst) {
+            return Err(Error::new(ErrorKind::Failed, "the pool failed earlier"));
+        }
+        let r = self.commit_cycle_locked(&mut log);
+        if let Err(e) = &r {
+            self.fail(e);
+        }
+        r
+    }
+
+    fn commit_cycle_locked(&self, log: &mut LogState) -> Result<()> {
+        if self.checkpoint_due(log) {
+            return self.checkpoint_locked(log, 0);
         }
         let (pending, records, upto) = self.take_records();
-        let Some(plan) = self.place_batches(&log, &records)? else {
+        let Some(plan) = self.place_batches(log, &records)? else {
             // No room in the log: a checkpoint captures these records' effects (they
             // are already applied in memory) and empties the log.
-            drop(log);
-            return self.checkpoint(0);
+            return self.checkpoint_locked(log, 0);
         };
-        let mut log = log;
         let writes = self.writes_since_sync.swap(0, Ordering::SeqCst);
         if writes > 0 || !records.is_empty() {
             sync(&self.ring)?;
         }
         let rxs: Vec<_> = plan.writes.iter().map(|(off, b)| write_blocks_async(&self.ring, *off, &[b], true)).collect();
+        // Every batch write is waited for, even after one fails.
+        let mut first_error = None;
         for rx in rxs {
-            let (_, r) = rx.blocking_recv().map_err(|_| worker_gone())?;
-            r.map_err(|e| Error::io("write log", e))?;
+            let r = match rx.blocking_recv() {
+                Ok((_, r)) => r.map_err(|e| Error::io("write log", e)),
+                Err(_) => Err(worker_gone()),
+            };
+            if let Err(e) = r {
+                first_error.get_or_insert(e);
+            }
         }
-        self.finish_cycle(&mut log, plan, pending, upto);
+        if let Some(e) = first_error {
+            return Err(e);
+        }
+        self.finish_cycle(log, plan, pending, upto);
         Ok(())
     }
 
@@ -1298,9 +1330,22 @@ impl PoolInner {
 
     /// Writes a checkpoint (see the module docs) whose sequence number is `seq_jump`
     /// past the last log batch.
+    /// A failure fails the pool before the log lock is released.
     fn checkpoint(&self, seq_jump: u64) -> Result<()> {
         // Held throughout: no commit cycle takes records or moves the log meanwhile.
         let mut log = self.log.blocking_lock();
+        if self.failed.load(Ordering::SeqCst) {
+            return Err(Error::new(ErrorKind::Failed, "the pool failed earlier"));
+        }
+        let r = self.checkpoint_locked(&mut log, seq_jump);
+        if let Err(e) = &r {
+            self.fail(e);
+        }
+        r
+    }
+
+    /// [`Self::checkpoint`] with the log lock held by the caller.
+    fn checkpoint_locked(&self, log: &mut LogState, seq_jump: u64) -> Result<()> {
         // 1. A consistent snapshot: all volume maps, the allocator and the journal.
         let (snapshot, pending, upto) = {
             let vols = self.volumes.read();
@@ -1415,11 +1460,12 @@ impl PoolInner {
         write_blocks(&self.ring, SUPERBLOCK_OFFSETS[(sb.generation.get() % 2) as usize], sb.as_bytes())?;
         sync(&self.ring)?;
         // 4. The old checkpoint's units and the snapshot's frees are now free.
+        // Still under the log lock: pending marks stay valid only while takes and
+        // releases of them are serialised.
         let old = std::mem::replace(&mut log.checkpoint_units, units);
         log.sb = sb;
         log.cursor.head = log.cursor.pos;
         log.cursor.seq = seq;
-        drop(log);
         let mut a = self.alloc.lock();
         for u in old {
             a.free_meta(u);

@@ -844,6 +844,9 @@ impl Volume {
     }
 
     /// Makes every write completed before the call durable (all volumes of the pool).
+    /// When log records are pending, the commit runs as a task spawned on the caller's
+    /// tokio runtime, which finishes even if this future is dropped; on a current-thread
+    /// runtime, keep the runtime driven until it has (other commits wait for it).
     ///
     /// Errors: [`ErrorKind::Failed`].
     pub async fn flush(&self) -> Result<()> {
