@@ -19,6 +19,16 @@ fn open_with_faults(dir: &std::path::Path) -> (Pool, Arc<Faults>) {
     (Pool::open_with(&pool_path(dir), &io).unwrap(), faults)
 }
 
+/// A pool on a fresh 32 MiB file with an 8 MiB volume "v", recording its I/O.
+fn open_with_log(dir: &std::path::Path, rt: &tokio::runtime::Runtime) -> (Pool, Arc<storage_engine::testing::IoLog>) {
+    create(dir, 32 * MIB).close().unwrap();
+    let log = Arc::new(storage_engine::testing::IoLog::new());
+    let io = IoOptions { log: Some(log.clone()), ..Default::default() };
+    let pool = Pool::open_with(&pool_path(dir), &io).unwrap();
+    rt.block_on(pool.create_volume("v", 8 * MIB)).unwrap();
+    (pool, log)
+}
+
 fn assert_refuses_changes(rt: &tokio::runtime::Runtime, pool: &Pool) {
     let v = pool.volume("v").unwrap();
     let e = rt.block_on(write(&v, 1 << 20, &[7; 4096], false)).unwrap_err();
@@ -92,12 +102,8 @@ fn concurrent_flushes_over_durable_mappings_share_their_fdatasyncs() {
     // started before their calls), so one more fdatasync serves all seven: two in all,
     // and every flush succeeds.
     let dir = tempfile::tempdir().unwrap();
-    create(dir.path(), 32 * MIB).close().unwrap();
-    let log = Arc::new(storage_engine::testing::IoLog::new());
-    let io = IoOptions { log: Some(log.clone()), ..Default::default() };
-    let pool = Pool::open_with(&pool_path(dir.path()), &io).unwrap();
     let rt = rt();
-    rt.block_on(pool.create_volume("v", 8 * MIB)).unwrap();
+    let (pool, log) = open_with_log(dir.path(), &rt);
     let v = pool.volume("v").unwrap();
     rt.block_on(write(&v, 0, &[1; 65536], false)).unwrap();
     rt.block_on(v.flush()).unwrap(); // the mapping is now durable
@@ -126,12 +132,8 @@ fn a_commit_with_records_syncs_the_data_once_then_writes_its_log_batch_durably()
     // fdatasync for the data, completed before the log batch is written, and the batch
     // written with RWF_DSYNC (durable on completion) instead of a second fdatasync.
     let dir = tempfile::tempdir().unwrap();
-    create(dir.path(), 32 * MIB).close().unwrap();
-    let log = Arc::new(storage_engine::testing::IoLog::new());
-    let io = IoOptions { log: Some(log.clone()), ..Default::default() };
-    let pool = Pool::open_with(&pool_path(dir.path()), &io).unwrap();
     let rt = rt();
-    rt.block_on(pool.create_volume("v", 8 * MIB)).unwrap();
+    let (pool, log) = open_with_log(dir.path(), &rt);
     let v = pool.volume("v").unwrap();
     let before = log.events().len();
     rt.block_on(write(&v, 0, &[1; 4096], false)).unwrap();
