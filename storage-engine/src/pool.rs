@@ -228,8 +228,13 @@ pub(crate) struct PoolInner {
     pub failed: AtomicBool,
     /// Set by [`Pool::close`]: later writes are refused.
     closed: AtomicBool,
-    /// Locks for read-modify-write of partial 4 KiB blocks, striped by (volume, block).
-    pub stripes: Box<[tokio::sync::Mutex<()>]>,
+    /// Range locks, striped by (volume, logical unit): a write holds its units' stripes
+    /// from before it reads partial blocks until its bitmap bits are set, exclusively
+    /// where it rewrites a partial block (read-modify-write), shared elsewhere; a trim
+    /// holds its units' stripes exclusively while it clears bits and unmaps. So a
+    /// read-modify-write never writes back stale bytes over a concurrent write, and a
+    /// trim never unmaps a unit under a write that has not set its bits yet.
+    pub stripes: Box<[tokio::sync::RwLock<()>]>,
     /// Locks for copy-on-write of one logical unit, striped by (volume, unit).
     pub cow_stripes: Box<[tokio::sync::Mutex<()>]>,
     /// Commit requests; shared with the committer thread, which holds no strong
@@ -640,7 +645,7 @@ impl Pool {
             records_durable: AtomicU64::new(0),
             failed: AtomicBool::new(false),
             closed: AtomicBool::new(false),
-            stripes: (0..256).map(|_| tokio::sync::Mutex::new(())).collect(),
+            stripes: (0..256).map(|_| tokio::sync::RwLock::new(())).collect(),
             cow_stripes: (0..256).map(|_| tokio::sync::Mutex::new(())).collect(),
             commits: Arc::new(Commits::default()),
             log: tokio::sync::Mutex::new(LogState { cursor: log, sb, checkpoint_units }),

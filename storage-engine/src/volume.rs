@@ -301,21 +301,19 @@ impl Volume {
         let b1 = (offset + len).div_ceil(BLOCK_SIZE);
         let head_partial = !offset.is_multiple_of(BLOCK_SIZE);
         let tail_partial = !(offset + len).is_multiple_of(BLOCK_SIZE);
-        // Partial blocks are read, merged and rewritten under a stripe lock so that two
-        // writers sharing a block never lose each other's bytes.
-        let mut stripe_ids = Vec::new();
+        // Range locks (`PoolInner::stripes`), held until the bits are set: exclusive
+        // for the units of partial blocks, which are read, merged and rewritten, so
+        // that no concurrent write to the block is undone; shared for the rest, so a
+        // trim cannot unmap a unit before this write marks its blocks.
+        let bpu = self.pool.geo.blocks_per_unit();
+        let mut exclusive = Vec::new();
         if head_partial {
-            stripe_ids.push(self.stripe(b0));
+            exclusive.push(b0 / bpu);
         }
         if tail_partial {
-            stripe_ids.push(self.stripe(b1 - 1));
+            exclusive.push((b1 - 1) / bpu);
         }
-        stripe_ids.sort_unstable();
-        stripe_ids.dedup();
-        let mut _guards = Vec::new();
-        for s in &stripe_ids {
-            _guards.push(self.pool.stripes[*s].lock().await);
-        }
+        let _guards = self.lock_units(b0 / bpu..(b1 - 1) / bpu + 1, &exclusive).await;
         if head_partial {
             Box::pin(self.merge_partial_block(&mut buf, b0, 0)).await?;
         }
@@ -329,8 +327,36 @@ impl Volume {
         r.map(|mut b| b.set_view(view.0, view.1))
     }
 
-    fn stripe(&self, block: u64) -> usize {
-        stripe_of(self.vol.id, block, self.pool.stripes.len())
+    /// Takes the range locks of logical units `units`: exclusively for the stripes of
+    /// the units in `exclusive`, shared for the others; each stripe once, in index
+    /// order (so two callers never wait for each other in a cycle).
+    async fn lock_units(&self, units: std::ops::Range<u64>, exclusive: &[u64]) -> Vec<StripeGuard<'_>> {
+        let n = self.pool.stripes.len();
+        let mut want: Vec<(usize, bool)> = if units.end - units.start >= n as u64 {
+            (0..n).map(|s| (s, false)).collect()
+        } else {
+            units.map(|u| (stripe_of(self.vol.id, u, n), false)).collect()
+        };
+        want.extend(exclusive.iter().map(|&u| (stripe_of(self.vol.id, u, n), true)));
+        // Exclusive sorts after shared for the same stripe; keep the last of each.
+        want.sort_unstable();
+        want.dedup_by(|later, earlier| {
+            let same = later.0 == earlier.0;
+            if same {
+                earlier.1 |= later.1;
+            }
+            same
+        });
+        let mut guards = Vec::with_capacity(want.len());
+        for (s, excl) in want {
+            let lock = &self.pool.stripes[s];
+            guards.push(if excl {
+                StripeGuard::Exclusive(lock.write().await)
+            } else {
+                StripeGuard::Shared(lock.read().await)
+            });
+        }
+        guards
     }
 
     /// Marks blocks `m` of `lunit` written, if the unit still maps `punit` (otherwise a
@@ -746,7 +772,7 @@ impl Volume {
             }
         }
         if fb0 < fb1 {
-            self.unmap_blocks(fb0, fb1, offset)?;
+            self.unmap_blocks(fb0, fb1, offset).await?;
         }
         if fua {
             self.pool.commit().await.map_err(|e| self.err(e, "trim", offset))?;
@@ -767,8 +793,10 @@ impl Volume {
         e.is_mapped() && e.bitmap & (1 << (blk % bpu)) != 0
     }
 
-    /// Clears the written bits of blocks `[b0, b1)`; frees units left with none.
-    fn unmap_blocks(&self, b0: u64, b1: u64, offset: u64) -> Result<()> {
+    /// Clears the written bits of blocks `[b0, b1)`; frees units left with none. Holds
+    /// the range locks of each page's units exclusively while it changes them, so a
+    /// write in flight into one of them sets its bits first.
+    async fn unmap_blocks(&self, b0: u64, b1: u64, offset: u64) -> Result<()> {
         let bpu = self.pool.geo.blocks_per_unit();
         let page_units = crate::format::PAGE_ENTRIES as u64;
         let u0 = b0 / bpu;
@@ -777,6 +805,12 @@ impl Volume {
         while u < u1 {
             // One page per lock hold, so a huge trim does not stall other I/O.
             let page_end = ((u / page_units + 1) * page_units).min(u1);
+            if self.vol.map.read().pages().get((u / page_units) as usize).is_none_or(|p| p.is_none()) {
+                u = page_end;
+                continue;
+            }
+            let units: Vec<u64> = (u..page_end).collect();
+            let _guards = self.lock_units(u..page_end, &units).await;
             let mut map = self.vol.map.write();
             if self.vol.deleted.load(Ordering::Acquire) {
                 return Err(self.deleted("trim", offset));
@@ -888,6 +922,12 @@ impl Volume {
         }
         Ok(ext)
     }
+}
+
+/// A held range lock (`PoolInner::stripes`).
+enum StripeGuard<'a> {
+    Shared(#[allow(dead_code)] tokio::sync::RwLockReadGuard<'a, ()>),
+    Exclusive(#[allow(dead_code)] tokio::sync::RwLockWriteGuard<'a, ()>),
 }
 
 /// Index of the lock stripe for (`volume`, `key`) among `n` stripes.
