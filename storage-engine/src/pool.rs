@@ -645,7 +645,9 @@ impl Pool {
             records_durable: AtomicU64::new(0),
             failed: AtomicBool::new(false),
             closed: AtomicBool::new(false),
-            stripes: (0..256).map(|_| tokio::sync::RwLock::new(())).collect(),
+            // 4096, so that a trim of a whole mapping page (512 units) holds an eighth
+            // of them at a time, not all.
+            stripes: (0..4096).map(|_| tokio::sync::RwLock::new(())).collect(),
             cow_stripes: (0..256).map(|_| tokio::sync::Mutex::new(())).collect(),
             commits: Arc::new(Commits::default()),
             log: tokio::sync::Mutex::new(LogState { cursor: log, sb, checkpoint_units }),

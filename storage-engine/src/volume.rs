@@ -10,10 +10,13 @@
 //! allocation unit (default 64 KiB), `lunit` a unit of the volume, `punit` a data unit
 //! of the pool.
 //!
-//! Locking: reads and overwrites of written blocks take only the volume's map lock
-//! shared; first writes to a block, trims and allocations take it exclusively, and
-//! allocations also take the pool's allocator lock briefly. In-flight I/O pins its data
-//! units so a concurrent trim cannot hand them to another volume before it completes.
+//! Locking: reads take only the volume's map lock shared. Writes also take the range
+//! locks of their logical units (`PoolInner::stripes`) until their bits are set:
+//! shared, or exclusive for a unit whose partial block they rewrite; trims take them
+//! exclusively while they clear bits. First writes to a block, trims and allocations
+//! take the map lock exclusively, and allocations also take the pool's allocator lock
+//! briefly. In-flight I/O pins its data units so a concurrent trim or delete cannot
+//! hand them to another volume before it completes.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -324,7 +327,15 @@ impl Volume {
         let view = (buf.view_start(), buf.as_ref().len());
         buf.set_view(0, ((b1 - b0) * BLOCK_SIZE) as usize);
         let r = self.write_blocks(b0, b1, buf, fua, offset).await;
-        r.map(|mut b| b.set_view(view.0, view.1))
+        // The bits are set: a FUA write's commit needs no range lock, and holding one
+        // through it would hold back every write and trim on the same stripes.
+        drop(_guards);
+        let (mut b, commit) = r?;
+        if commit {
+            Box::pin(self.pool.commit()).await.map_err(|e| self.err(e, "write", offset))?;
+        }
+        b.set_view(view.0, view.1);
+        Ok(())
     }
 
     /// Takes the range locks of logical units `units`: exclusively for the stripes of
@@ -395,7 +406,17 @@ impl Volume {
     }
 
     /// Writes whole blocks `[b0, b1)` from `buf` (view = the whole run). Returns the buffer.
-    async fn write_blocks(&self, b0: u64, b1: u64, buf: AlignedBuf, fua: bool, offset: u64) -> Result<AlignedBuf> {
+    /// Writes whole blocks `[b0, b1)` from `buf`, allocating and copying on write as
+    /// needed; call with the range locks held. Returns the buffer, and whether a FUA
+    /// write still needs a commit (the caller runs it after releasing the locks).
+    async fn write_blocks(
+        &self,
+        b0: u64,
+        b1: u64,
+        buf: AlignedBuf,
+        fua: bool,
+        offset: u64,
+    ) -> Result<(AlignedBuf, bool)> {
         let g = &self.pool.geo;
         let bpu = g.blocks_per_unit();
         let u0 = b0 / bpu;
@@ -488,7 +509,8 @@ impl Volume {
             }
         }
         if retry {
-            // Trimmed away between allocation and planning: allocate again.
+            // Unmapped between allocation and planning (by the undo of a failed write,
+            // below): allocate again.
             drop(pins);
             return Box::pin(self.write_blocks(b0, b1, buf, fua, offset)).await;
         }
@@ -501,8 +523,8 @@ impl Volume {
             .rw(Dir::Write { dsync }, buf, segs)
             .await
             .map_err(|_| self.err(worker_gone(), "write", offset))?;
-        drop(pins);
         if let Err(e) = r {
+            drop(pins);
             // Undo allocations that never received data (nothing was logged for them).
             let mut map = self.vol.map.write();
             for &(u, p) in &allocated {
@@ -530,16 +552,16 @@ impl Volume {
                 }
             }
         }
+        // Only now: while pinned, a unit this write allocated or writes is not undone
+        // by another write's failure (above) before its bits are set.
+        drop(pins);
         for &(u, s, e) in &private {
             let at = ((s - b0) * BLOCK_SIZE) as usize;
             let data = &buf.full()[at..at + ((e - s) * BLOCK_SIZE) as usize];
             Box::pin(self.write_private(u, s - u * bpu, e - u * bpu, data, offset)).await?;
         }
         self.pool.writes_since_sync.fetch_add(1, Ordering::SeqCst);
-        if fua && !dsync {
-            Box::pin(self.pool.commit()).await.map_err(|e| self.err(e, "write", offset))?;
-        }
-        Ok(buf)
+        Ok((buf, fua && !dsync))
     }
 
     /// Writes blocks `[s, e)` (relative to the unit) of logical unit `lunit` from `data`
@@ -717,7 +739,7 @@ impl Volume {
             if result.is_ok() && !deleted && (became_exclusive || (!old.is_mapped() && cur.is_mapped())) {
                 return Ok(false);
             }
-            // Failed, or a trim or delete came in between (it is then the later one).
+            // Failed, or a delete came in between (it is then the later one).
             return result.map(|()| true).map_err(|e| self.err(e, "write", offset));
         }
         let bitmap = if old.is_mapped() { cur.bitmap | m } else { m };
@@ -933,7 +955,8 @@ enum StripeGuard<'a> {
 /// Index of the lock stripe for (`volume`, `key`) among `n` stripes.
 fn stripe_of(volume: u64, key: u64, n: usize) -> usize {
     let h = (volume.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ key).wrapping_mul(0xff51_afd7_ed55_8ccd);
-    (h >> 56) as usize % n
+    // The high bits mix best; 32 of them cover any stripe count in use.
+    (h >> 32) as usize % n
 }
 
 /// Sets an entry; returns the data units of a shared page that had to be copied
