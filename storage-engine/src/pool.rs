@@ -49,7 +49,7 @@ use crate::format::*;
 use crate::io::{self, AlignedBuf, Dir, IoOptions, IoRing, Segment};
 use crate::journal::{self, Geometry, LogCursor, Record, State, VolumeMeta};
 use crate::meta::{Allocator, MapTable, PendingMark, RefcountTable, StripedCounts};
-use crate::volume::Volume;
+use crate::volume::{worker_gone, Volume};
 
 /// Default pool size for a newly created pool file: 64 GiB (sparse).
 pub const DEFAULT_POOL_SIZE: u64 = 64 << 30;
@@ -1116,7 +1116,7 @@ impl PoolInner {
                     self.fail(&Error::io("fdatasync pool", e));
                     Err(Error::new(ErrorKind::Failed, "commit failed; the pool refuses writes"))
                 }
-                Err(_) => Err(Error::new(ErrorKind::Failed, "I/O worker stopped")),
+                Err(_) => Err(worker_gone()),
             };
         }
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
@@ -1201,11 +1201,7 @@ impl PoolInner {
                 plan.writes.iter().map(|(off, b)| write_blocks_async(&self.ring, *off, &[b], true)).collect();
             let mut first_error = None;
             for rx in rxs {
-                let r = match rx.await {
-                    Ok((_, r)) => r.map_err(|e| Error::io("write log", e)),
-                    Err(_) => Err(worker_gone()),
-                };
-                if let Err(e) = r {
+                if let Err(e) = log_write_done(rx.await) {
                     first_error.get_or_insert(e);
                 }
             }
@@ -1230,11 +1226,18 @@ impl PoolInner {
     /// instead when one is due or the records do not fit in the log. A failure fails
     /// the pool before the log lock is released.
     fn commit_cycle(&self) -> Result<()> {
+        self.with_log_locked(|log| self.commit_cycle_locked(log))
+    }
+
+    /// Runs `f` holding the log lock (a blocking wait for it), unless the pool has
+    /// failed; a failure of `f` fails the pool before the lock is released, so the next
+    /// holder sees it.
+    fn with_log_locked(&self, f: impl FnOnce(&mut LogState) -> Result<()>) -> Result<()> {
         let mut log = self.log.blocking_lock();
         if self.failed.load(Ordering::SeqCst) {
             return Err(Error::new(ErrorKind::Failed, "the pool failed earlier"));
         }
-        let r = self.commit_cycle_locked(&mut log);
+        let r = f(&mut log);
         if let Err(e) = &r {
             self.fail(e);
         }
@@ -1259,11 +1262,7 @@ impl PoolInner {
         // Every batch write is waited for, even after one fails.
         let mut first_error = None;
         for rx in rxs {
-            let r = match rx.blocking_recv() {
-                Ok((_, r)) => r.map_err(|e| Error::io("write log", e)),
-                Err(_) => Err(worker_gone()),
-            };
-            if let Err(e) = r {
+            if let Err(e) = log_write_done(rx.blocking_recv()) {
                 first_error.get_or_insert(e);
             }
         }
@@ -1340,15 +1339,7 @@ impl PoolInner {
     /// A failure fails the pool before the log lock is released.
     fn checkpoint(&self, seq_jump: u64) -> Result<()> {
         // Held throughout: no commit cycle takes records or moves the log meanwhile.
-        let mut log = self.log.blocking_lock();
-        if self.failed.load(Ordering::SeqCst) {
-            return Err(Error::new(ErrorKind::Failed, "the pool failed earlier"));
-        }
-        let r = self.checkpoint_locked(&mut log, seq_jump);
-        if let Err(e) = &r {
-            self.fail(e);
-        }
-        r
+        self.with_log_locked(|log| self.checkpoint_locked(log, seq_jump))
     }
 
     /// [`Self::checkpoint`] with the log lock held by the caller.
@@ -1408,7 +1399,7 @@ impl PoolInner {
         let wait = |rx: oneshot::Receiver<io::RwResult>| match rx.blocking_recv() {
             Ok((_, Ok(()))) => Ok(()),
             Ok((_, Err(e))) => Err(Error::io("write checkpoint", e)),
-            Err(_) => Err(Error::new(ErrorKind::Failed, "I/O worker stopped")),
+            Err(_) => Err(worker_gone()),
         };
         let mut emit = |body: &[u8], last: bool| -> Result<()> {
             if units.is_empty() {
@@ -1508,15 +1499,17 @@ struct LogPlan {
     end: u64,
 }
 
-fn worker_gone() -> Error {
-    Error::new(ErrorKind::Failed, "I/O worker stopped")
+/// The outcome of one log batch write, from its completion channel.
+fn log_write_done(done: std::result::Result<io::RwResult, oneshot::error::RecvError>) -> Result<()> {
+    match done {
+        Ok((_, r)) => r.map_err(|e| Error::io("write log", e)),
+        Err(_) => Err(worker_gone()),
+    }
 }
 
 /// Synchronous write of `data` (padded to whole blocks) at byte `offset` through the ring.
 fn write_blocks(ring: &IoRing, offset: u64, data: &[u8]) -> Result<()> {
-    let (_, r) = write_blocks_async(ring, offset, &[data], false)
-        .blocking_recv()
-        .map_err(|_| Error::new(ErrorKind::Failed, "I/O worker stopped"))?;
+    let (_, r) = write_blocks_async(ring, offset, &[data], false).blocking_recv().map_err(|_| worker_gone())?;
     r.map_err(|e| Error::io(format!("write at byte {offset}"), e))
 }
 
@@ -1536,10 +1529,7 @@ fn write_blocks_async(ring: &IoRing, offset: u64, parts: &[&[u8]], dsync: bool) 
 }
 
 fn sync(ring: &IoRing) -> Result<()> {
-    ring.fdatasync()
-        .blocking_recv()
-        .map_err(|_| Error::new(ErrorKind::Failed, "I/O worker stopped"))?
-        .map_err(|e| Error::io("fdatasync pool", e))
+    ring.fdatasync().blocking_recv().map_err(|_| worker_gone())?.map_err(|e| Error::io("fdatasync pool", e))
 }
 
 /// The committer thread: serves commit requests in groups; checkpoints when half the
