@@ -316,7 +316,7 @@ impl Volume {
         if tail_partial {
             exclusive.push((b1 - 1) / bpu);
         }
-        let _guards = self.lock_units(b0 / bpu..(b1 - 1) / bpu + 1, &exclusive).await;
+        let _guards = self.lock_units(b0 / bpu..(b1 - 1) / bpu + 1, Exclusive::Only(&exclusive)).await;
         if head_partial {
             Box::pin(self.merge_partial_block(&mut buf, b0, 0)).await?;
         }
@@ -339,16 +339,19 @@ impl Volume {
     }
 
     /// Takes the range locks of logical units `units`: exclusively for the stripes of
-    /// the units in `exclusive`, shared for the others; each stripe once, in index
+    /// the units `exclusive` names, shared for the others; each stripe once, in index
     /// order (so two callers never wait for each other in a cycle).
-    async fn lock_units(&self, units: std::ops::Range<u64>, exclusive: &[u64]) -> Vec<StripeGuard<'_>> {
+    async fn lock_units(&self, units: std::ops::Range<u64>, exclusive: Exclusive<'_>) -> Vec<StripeGuard<'_>> {
         let n = self.pool.stripes.len();
+        let all = matches!(exclusive, Exclusive::All);
         let mut want: Vec<(usize, bool)> = if units.end - units.start >= n as u64 {
-            (0..n).map(|s| (s, false)).collect()
+            (0..n).map(|s| (s, all)).collect()
         } else {
-            units.map(|u| (stripe_of(self.vol.id, u, n), false)).collect()
+            units.map(|u| (stripe_of(self.vol.id, u, n), all)).collect()
         };
-        want.extend(exclusive.iter().map(|&u| (stripe_of(self.vol.id, u, n), true)));
+        if let Exclusive::Only(some) = exclusive {
+            want.extend(some.iter().map(|&u| (stripe_of(self.vol.id, u, n), true)));
+        }
         // Exclusive sorts after shared for the same stripe; keep the last of each.
         want.sort_unstable();
         want.dedup_by(|later, earlier| {
@@ -405,8 +408,7 @@ impl Volume {
         Ok(r.data.as_ref().to_vec())
     }
 
-    /// Writes whole blocks `[b0, b1)` from `buf` (view = the whole run). Returns the buffer.
-    /// Writes whole blocks `[b0, b1)` from `buf`, allocating and copying on write as
+    /// Writes whole blocks `[b0, b1)` from `buf` (view = the whole run), allocating and copying on write as
     /// needed; call with the range locks held. Returns the buffer, and whether a FUA
     /// write still needs a commit (the caller runs it after releasing the locks).
     async fn write_blocks(
@@ -831,8 +833,7 @@ impl Volume {
                 u = page_end;
                 continue;
             }
-            let units: Vec<u64> = (u..page_end).collect();
-            let _guards = self.lock_units(u..page_end, &units).await;
+            let _guards = self.lock_units(u..page_end, Exclusive::All).await;
             let mut map = self.vol.map.write();
             if self.vol.deleted.load(Ordering::Acquire) {
                 return Err(self.deleted("trim", offset));
@@ -946,6 +947,14 @@ impl Volume {
     }
 }
 
+/// Which units [`Volume::lock_units`] locks exclusively.
+enum Exclusive<'a> {
+    /// Every unit of the range.
+    All,
+    /// These (the rest of the range shared).
+    Only(&'a [u64]),
+}
+
 /// A held range lock (`PoolInner::stripes`).
 enum StripeGuard<'a> {
     Shared(#[allow(dead_code)] tokio::sync::RwLockReadGuard<'a, ()>),
@@ -973,6 +982,7 @@ fn incref_all(a: &mut crate::meta::Allocator, units: Vec<u32>) {
     }
 }
 
-fn worker_gone() -> Error {
+/// The error of an I/O whose completion channel closed: the ring's reaper is gone.
+pub(crate) fn worker_gone() -> Error {
     Error::new(ErrorKind::Failed, "the I/O worker stopped")
 }
