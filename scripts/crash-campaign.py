@@ -2,7 +2,7 @@
 """Crash campaign for ferrovol: concurrent libnbd clients, kill -9, restart, verify.
 
 Usage: /usr/bin/python3 scripts/crash-campaign.py --cycles 12 --seed 1 [--mode mixed|smallflush|alt]
-       [--no-race] [--bin PATH] [--out DIR]
+       [--no-race] [--bin PATH] [--out DIR] [--serve-args "--dataplane-threads 2"]
 Needs python3-libnbd (Debian) and a release build (default: $CARGO_TARGET_DIR or
 target/, release/ferrovol). Prints one JSON line per cycle and a total; exits 1 if
 any cycle found a violation or an unclean `ferrovol check`.
@@ -25,10 +25,11 @@ The workload includes, in a shared zone, trims concurrent with writes into the s
 (two races that once lost acknowledged writes); --no-race keeps them out, so that a
 violation points at crash durability alone.
 """
-import argparse, hashlib, json, os, random, signal, struct, subprocess, sys, threading, time
+import argparse, hashlib, json, os, random, shlex, signal, struct, subprocess, sys, threading, time
 import nbd
 
 BIN = os.path.join(os.environ.get("CARGO_TARGET_DIR") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "target"), "release", "ferrovol")
+SERVE_ARGS = []
 SEC = 512
 UNIT = 65536
 ZERO = bytes(SEC)
@@ -177,7 +178,8 @@ def cli(ddir, *args, timeout=30):
 
 
 def start_server(ddir, port, logf):
-    p = subprocess.Popen([BIN, "--data-dir", ddir, "serve", "--listen", f"127.0.0.1:{port}", "--pool-size", "2GiB"],
+    p = subprocess.Popen([BIN, "--data-dir", ddir, "serve", "--listen", f"127.0.0.1:{port}", "--pool-size", "2GiB",
+                          *SERVE_ARGS],
                          stdout=logf, stderr=logf)
     for _ in range(300):
         if p.poll() is not None:
@@ -445,7 +447,10 @@ def main():
     ap.add_argument("--bin", default=None)
     ap.add_argument("--port", type=int, default=21000)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--serve-args", default="", help="more arguments for `ferrovol serve`")
     args = ap.parse_args()
+    global SERVE_ARGS
+    SERVE_ARGS = shlex.split(args.serve_args)
     args.out = args.out or f"/tmp/ferrovol-crash-campaign/run-{args.seed}-{args.mode}{'-race' if args.race else ''}"
     if args.bin:
         global BIN

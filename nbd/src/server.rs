@@ -1,9 +1,9 @@
 //! Public entry points of the NBD server: one connection, or accept loops on TCP and
 //! Unix listeners.
 //!
-//! Lives here: [`ServerConfig`], [`Server`] (the registry, the config and the live
-//! connection counts that the caps apply to), its accept loops on TCP and Unix
-//! listeners and [`Server::serve_connection`] (handshake under a timeout, then the
+//! Lives here: [`ServerConfig`], [`Server`] (the registry, the config, the live
+//! connection counts that the caps apply to and the runtimes connections are placed
+//! on), its accept loops on TCP and Unix listeners and [`Server::serve_connection`] (handshake under a timeout, then the
 //! transmission phase), and the free functions [`serve_tcp`], [`serve_unix`] and
 //! [`serve_connection`] for a server of one listener.
 //! Not here: the option haggling itself (`handshake`), request handling (`transmission`),
@@ -88,6 +88,54 @@ pub struct Server<R> {
     live: Arc<Live>,
     /// Becomes true at [`Server::shut_down`].
     shutting_down: tokio::sync::watch::Sender<bool>,
+    /// Where accepted connections run ([`Server::new_on`]); empty: the accept loop's own
+    /// runtime.
+    runtimes: Vec<Placement>,
+}
+
+/// A runtime connections may be placed on, and how many of them it serves now.
+struct Placement {
+    handle: tokio::runtime::Handle,
+    connections: Arc<AtomicUsize>,
+}
+
+/// One connection counted on a [`Placement`]; uncounted on drop.
+struct PlacementSlot(Arc<AtomicUsize>);
+
+impl Drop for PlacementSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// A stream an accept loop can hand to another runtime: taken off the accepting
+/// runtime's reactor as a std stream, and registered with the target's.
+pub(crate) trait Rehome: Sized {
+    /// The std stream (non-blocking).
+    type Std: Send + 'static;
+    fn into_std(self) -> std::io::Result<Self::Std>;
+    /// Must run inside the target runtime.
+    fn from_std(s: Self::Std) -> std::io::Result<Self>;
+}
+
+impl Rehome for tokio::net::TcpStream {
+    type Std = std::net::TcpStream;
+    fn into_std(self) -> std::io::Result<Self::Std> {
+        tokio::net::TcpStream::into_std(self)
+    }
+    fn from_std(s: Self::Std) -> std::io::Result<Self> {
+        tokio::net::TcpStream::from_std(s)
+    }
+}
+
+impl Rehome for tokio::net::UnixStream {
+    type Std = std::os::unix::net::UnixStream;
+    fn into_std(self) -> std::io::Result<Self::Std> {
+        tokio::net::UnixStream::into_std(self)
+    }
+    fn from_std(s: Self::Std) -> std::io::Result<Self> {
+        tokio::net::UnixStream::from_std(s)
+    }
 }
 
 /// Open connections, in all and per export.
@@ -153,7 +201,18 @@ impl Live {
 impl<R: ExportRegistry> Server<R> {
     /// A server of the exports in `registry` with `config`'s limits.
     pub fn new(registry: Arc<R>, config: ServerConfig) -> Arc<Self> {
-        Arc::new(Server { registry, config, live: Arc::default(), shutting_down: Default::default() })
+        Server::new_on(registry, config, Vec::new())
+    }
+
+    /// A server like [`Server::new`] whose accept loops place each connection on one of
+    /// `runtimes`: the one serving the fewest connections at that moment. With one
+    /// current-thread runtime per core, a connection's requests, its storage I/O and its
+    /// replies stay on one thread, and connections spread over the cores. The runtimes
+    /// need I/O and time enabled and must keep running while connections are open. An
+    /// empty list: connections run on the accept loop's runtime.
+    pub fn new_on(registry: Arc<R>, config: ServerConfig, runtimes: Vec<tokio::runtime::Handle>) -> Arc<Self> {
+        let runtimes = runtimes.into_iter().map(|handle| Placement { handle, connections: Arc::default() }).collect();
+        Arc::new(Server { registry, config, live: Arc::default(), shutting_down: Default::default(), runtimes })
     }
 
     /// Starts a soft shutdown of every open connection (NBD proto.md, "Terminating the
@@ -258,7 +317,7 @@ impl<R: ExportRegistry> Server<R> {
     where
         A: FnMut() -> AF,
         AF: Future<Output = std::io::Result<(S, tracing::Span)>>,
-        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+        S: AsyncRead + AsyncWrite + Unpin + Send + Rehome + 'static,
         F: Future,
     {
         tokio::pin!(shutdown);
@@ -272,13 +331,25 @@ impl<R: ExportRegistry> Server<R> {
                             continue;
                         };
                         let server = Arc::clone(&self);
-                        tokio::spawn(
+                        let Some(place) = self.runtimes.iter().min_by_key(|p| p.connections.load(Ordering::Acquire)) else {
+                            tokio::spawn(server.run_connection(stream, slot).instrument(span));
+                            continue;
+                        };
+                        let std_stream = match stream.into_std() {
+                            Ok(s) => s,
+                            Err(e) => {
+                                span.in_scope(|| tracing::info!(error = %e, "cannot move the connection to its runtime"));
+                                continue;
+                            }
+                        };
+                        place.connections.fetch_add(1, Ordering::AcqRel);
+                        let placed = PlacementSlot(place.connections.clone());
+                        place.handle.spawn(
                             async move {
-                                let _slot = slot;
-                                tracing::debug!("client connected");
-                                match server.serve_connection(stream).await {
-                                    Ok(()) => tracing::debug!("client disconnected"),
-                                    Err(e) => tracing::info!(error = %e, "connection ended with an error"),
+                                let _placed = placed;
+                                match S::from_std(std_stream) {
+                                    Ok(stream) => server.run_connection(stream, slot).await,
+                                    Err(e) => tracing::info!(error = %e, "cannot register the connection with its runtime"),
                                 }
                             }
                             .instrument(span),
@@ -287,6 +358,20 @@ impl<R: ExportRegistry> Server<R> {
                     Err(e) => accept_failed(e).await,
                 },
             }
+        }
+    }
+
+    /// An accepted connection's task: serves it and logs how it ended; `slot` counts it
+    /// until then.
+    async fn run_connection<S>(self: Arc<Self>, stream: S, slot: ConnectionSlot)
+    where
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        let _slot = slot;
+        tracing::debug!("client connected");
+        match self.serve_connection(stream).await {
+            Ok(()) => tracing::debug!("client disconnected"),
+            Err(e) => tracing::info!(error = %e, "connection ended with an error"),
         }
     }
 }

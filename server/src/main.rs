@@ -111,6 +111,13 @@ struct ServeArgs {
     /// flight and disconnect; requests they send meanwhile get NBD_ESHUTDOWN.
     #[arg(long, default_value_t = 2)]
     shutdown_grace: u64,
+    /// NBD data-plane threads, each with its own io_uring; a connection stays on the one
+    /// serving the fewest connections when it is accepted. One thread batches the most
+    /// requests per wake-up and was fastest on a 2-core host with its clients on the
+    /// same cores (BENCHMARKS.md); more let a host with cores to spare serve more
+    /// connections at once.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=256))]
+    dataplane_threads: u64,
     /// Serve Prometheus metrics over HTTP at this address (`GET /metrics`); off by default.
     #[arg(long)]
     metrics_listen: Option<SocketAddr>,
@@ -453,13 +460,13 @@ async fn serve(data_dir: &Path, mgmt_socket: &Path, args: ServeArgs) -> anyhow::
         args.max_in_flight_bytes >= 1 << 20,
         "--max-in-flight-bytes must be at least 1MiB (one maximum-size request may still exceed it)"
     );
-    let dataplane = DataPlane::start().context("start the NBD data-plane thread")?;
+    let dataplane = DataPlane::start(args.dataplane_threads as usize).context("start the NBD data-plane threads")?;
     let opts = PoolOptions {
         size: args.pool_size,
         unit_size: u32::try_from(args.unit_size)
             .map_err(|_| anyhow::anyhow!("unit size {} is too large", args.unit_size))?,
         io: storage_engine::IoOptions {
-            reaper: storage_engine::Reaper::Runtime(dataplane.handle.clone()),
+            reaper: storage_engine::Reaper::PerRuntime(dataplane.handles.clone()),
             ..Default::default()
         },
     };
@@ -522,7 +529,7 @@ async fn serve(data_dir: &Path, mgmt_socket: &Path, args: ServeArgs) -> anyhow::
         shutdown_grace: Duration::from_secs(args.shutdown_grace),
         ..Default::default()
     };
-    let nbd_server = nbd::Server::new(registry.clone(), config);
+    let nbd_server = nbd::Server::new_on(registry.clone(), config, dataplane.handles.clone());
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
@@ -582,32 +589,46 @@ async fn serve(data_dir: &Path, mgmt_socket: &Path, args: ServeArgs) -> anyhow::
     Ok(())
 }
 
-/// The NBD data plane: one thread driving a current-thread tokio runtime that owns the
-/// NBD listeners and connections and reaps the pool's io_uring completions, so that a
+/// The NBD data plane: threads each driving a current-thread tokio runtime that reaps
+/// one of the pool's io_urings and serves the NBD connections placed on it, so that a
 /// request is received, submitted, completed and answered on one thread with no
-/// hand-off. Management requests run on the main runtime.
+/// hand-off. The first also owns the listeners. Management requests run on the main
+/// runtime.
 struct DataPlane {
+    /// The first thread's runtime (listeners, opening the pool).
     handle: tokio::runtime::Handle,
-    stop: tokio::sync::oneshot::Sender<()>,
-    thread: std::thread::JoinHandle<()>,
+    /// Every thread's runtime, the first included.
+    handles: Vec<tokio::runtime::Handle>,
+    stops: Vec<tokio::sync::oneshot::Sender<()>>,
+    threads: Vec<std::thread::JoinHandle<()>>,
 }
 
 impl DataPlane {
-    fn start() -> std::io::Result<DataPlane> {
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-        let handle = rt.handle().clone();
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let thread = std::thread::Builder::new().name("ferrovol-nbd".into()).spawn(move || {
-            rt.block_on(async {
-                let _ = stopped.await;
-            });
-        })?;
-        Ok(DataPlane { handle, stop, thread })
+    /// Starts `n` (at least 1) threads: `ferrovol-nbd`, then `ferrovol-nbd-1` and on.
+    fn start(n: usize) -> std::io::Result<DataPlane> {
+        let (mut handles, mut stops, mut threads) = (Vec::new(), Vec::new(), Vec::new());
+        for i in 0..n.max(1) {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            handles.push(rt.handle().clone());
+            let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+            stops.push(stop);
+            let name = if i == 0 { "ferrovol-nbd".to_owned() } else { format!("ferrovol-nbd-{i}") };
+            threads.push(std::thread::Builder::new().name(name).spawn(move || {
+                rt.block_on(async {
+                    let _ = stopped.await;
+                });
+            })?);
+        }
+        Ok(DataPlane { handle: handles[0].clone(), handles, stops, threads })
     }
 
-    /// Stops the runtime (dropping whatever tasks are left) once the pool is closed.
+    /// Stops the runtimes (dropping whatever tasks are left) once the pool is closed.
     fn stop(self) {
-        let _ = self.stop.send(());
-        let _ = self.thread.join();
+        for stop in self.stops {
+            let _ = stop.send(());
+        }
+        for t in self.threads {
+            let _ = t.join();
+        }
     }
 }

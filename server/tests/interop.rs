@@ -1,5 +1,5 @@
 //! The shared NBD interoperability checklist (../shared/tools/nbd-interop.sh) against a
-//! fresh 1 GiB volume, over TCP and over the unix socket.
+//! fresh 1 GiB volume, over TCP (one data-plane thread) and over the unix socket (two).
 
 mod common;
 
@@ -55,9 +55,11 @@ fn interop_checklist_tcp() {
 
 #[test]
 fn interop_checklist_unix() {
-    // Every check of the shared NBD checklist passes over the unix socket.
+    // Every check of the shared NBD checklist passes over the unix socket, with two
+    // data-plane threads (connections placed on both, two io_urings; the TCP test
+    // covers the default of one).
     let td = TestDir::new();
-    let mut s = Server::start(&td.data());
+    let mut s = Server::start_with(&td.data(), "2GiB", &["--dataplane-threads", "2"]);
     s.create_volume("interop", "1GiB");
     let scratch = td.path().join("scratch");
     run_checklist(&s.unix_uri("interop"), &scratch);

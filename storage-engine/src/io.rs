@@ -263,6 +263,13 @@ pub enum Reaper {
     /// (a thread sits in `block_on`) for as long as the ring has I/O in flight, and
     /// that nothing blocks that thread waiting for the ring.
     Runtime(tokio::runtime::Handle),
+    /// One ring per runtime, each reaped on its runtime (as [`Reaper::Runtime`], with the
+    /// same promises). A submission made on the thread that reaps one of these rings
+    /// goes to that ring, so its completion wakes the same thread; a submission from
+    /// any other thread goes to the first. For a server with one current-thread
+    /// runtime per core, each serving its own connections. An empty list is
+    /// [`Reaper::Auto`].
+    PerRuntime(Vec<tokio::runtime::Handle>),
 }
 
 /// How an [`IoRing`] is set up.
@@ -297,9 +304,26 @@ pub struct IoOptions {
 /// Callers may wait for results from anywhere: `.await` in a task, or `blocking_recv`
 /// on a plain thread (the committer does).
 pub struct IoRing {
+    /// Unique per ring set, to tell a thread's [`LANE`] entry for this ring set from
+    /// another's.
+    id: u64,
+    /// One io_uring each; more than one only with [`Reaper::PerRuntime`].
+    lanes: Vec<Lane>,
+}
+
+/// One io_uring of an [`IoRing`] and where its completions are reaped.
+struct Lane {
     shared: Arc<Shared>,
     reaper_thread: Option<JoinHandle<()>>,
 }
+
+thread_local! {
+    /// (ring set id, lane) of the lane whose reaper task runs on this thread: a
+    /// submission from here goes to that lane.
+    static LANE: std::cell::Cell<Option<(u64, usize)>> = const { std::cell::Cell::new(None) };
+}
+
+static NEXT_RING_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 impl IoRing {
     /// Sets up a ring of `entries` submission slots on `file` and its reaper (see
@@ -308,6 +332,43 @@ impl IoRing {
     /// Errors: the kernel refused io_uring (e.g. `ENOSYS`, `EPERM` under a seccomp
     /// profile), or an eventfd or the reaper thread could not be made.
     pub fn new(file: Arc<File>, entries: u32, opts: &IoOptions) -> io::Result<IoRing> {
+        let id = NEXT_RING_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let runtimes: Vec<Option<tokio::runtime::Handle>> = match &opts.reaper {
+            Reaper::Runtime(h) => vec![Some(h.clone())],
+            Reaper::PerRuntime(hs) if !hs.is_empty() => hs.iter().cloned().map(Some).collect(),
+            Reaper::Auto | Reaper::PerRuntime(_) => vec![tokio::runtime::Handle::try_current()
+                .ok()
+                .filter(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread)],
+        };
+        let mut ring = IoRing { id, lanes: Vec::with_capacity(runtimes.len()) };
+        for (i, runtime) in runtimes.into_iter().enumerate() {
+            // On error, dropping `ring` stops the lanes made so far.
+            ring.lanes.push(Lane::new(file.clone(), entries, opts, runtime, (id, i))?);
+        }
+        Ok(ring)
+    }
+
+    /// The lane for a submission from this thread.
+    fn lane(&self) -> &Shared {
+        &self.lanes[self.lane_index()].shared
+    }
+
+    fn lane_index(&self) -> usize {
+        match LANE.get() {
+            Some((id, i)) if id == self.id => i,
+            _ => 0,
+        }
+    }
+}
+
+impl Lane {
+    fn new(
+        file: Arc<File>,
+        entries: u32,
+        opts: &IoOptions,
+        runtime: Option<tokio::runtime::Handle>,
+        lane: (u64, usize),
+    ) -> io::Result<Lane> {
         let mut ring = IoUring::new(entries)?;
         // SAFETY: eventfd returns a new fd we own, or -1 (checked).
         let raw = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
@@ -333,12 +394,6 @@ impl IoRing {
                 closing: false,
             }),
         });
-        let runtime = match &opts.reaper {
-            Reaper::Runtime(h) => Some(h.clone()),
-            Reaper::Auto => tokio::runtime::Handle::try_current()
-                .ok()
-                .filter(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread),
-        };
         let reaper_thread = match runtime {
             Some(h) => {
                 let _enter = h.enter();
@@ -351,14 +406,16 @@ impl IoRing {
                     )
                 }
                 .map_err(io::Error::from)?;
-                h.spawn(reap_task(shared.clone(), afd));
+                h.spawn(reap_task(shared.clone(), afd, lane));
                 None
             }
             None => Some(spawn_reaper_thread(shared.clone())?),
         };
-        Ok(IoRing { shared, reaper_thread })
+        Ok(Lane { shared, reaper_thread })
     }
+}
 
+impl IoRing {
     /// Reads or writes `segs` between the pool and `buf`; resolves with the buffer and
     /// the first error (a short transfer is retried; end of file is `UnexpectedEof`).
     /// Panics if a segment lies outside the buffer (an engine bug).
@@ -380,7 +437,7 @@ impl IoRing {
                 flush_id: 0,
                 done: Some(RwDone::Rw(done)),
             };
-            self.shared.start(f, (0..n).map(|i| i as u32));
+            self.lane().start(f, (0..n).map(|i| i as u32));
         }
         rx
     }
@@ -397,12 +454,12 @@ impl IoRing {
             flush_id: 0,
             done: Some(RwDone::Fsync(done)),
         };
-        self.shared.start(f, std::iter::once(FSYNC_SEG));
+        self.lane().start(f, std::iter::once(FSYNC_SEG));
         rx
     }
 }
 
-impl Drop for IoRing {
+impl Drop for Lane {
     /// Waits for every request still in the kernel (their buffers must outlive them),
     /// closes this ring's handle on the file, and stops the reaper.
     fn drop(&mut self) {
@@ -660,7 +717,7 @@ impl AsRawFd for EventFd {
 }
 
 /// Reaper on a tokio runtime: woken through the runtime's own epoll.
-async fn reap_task(shared: Arc<Shared>, afd: tokio::io::unix::AsyncFd<EventFd>) {
+async fn reap_task(shared: Arc<Shared>, afd: tokio::io::unix::AsyncFd<EventFd>, lane: (u64, usize)) {
     /// Hands the reaping to a thread if the task is dropped (runtime shutdown) while
     /// the ring still has work or may get more.
     struct Handover(Option<Arc<Shared>>);
@@ -675,6 +732,9 @@ async fn reap_task(shared: Arc<Shared>, afd: tokio::io::unix::AsyncFd<EventFd>) 
     }
     let mut handover = Handover(Some(shared.clone()));
     loop {
+        // This thread reaps the lane: its submissions go there (set on every wake-up,
+        // as a multi-threaded runtime may move the task).
+        LANE.set(Some(lane));
         let mut ready = match afd.readable().await {
             Ok(r) => r,
             Err(e) => {
@@ -762,6 +822,61 @@ mod tests {
     use super::*;
 
     #[test]
+    fn each_runtime_thread_submits_to_the_lane_it_reaps() {
+        // Two current-thread runtimes on threads of their own, one lane each: a task on
+        // the second submits to the second lane (reaped there); any other thread submits
+        // to the first. Data written through one lane reads back through the other.
+        let dir = tempfile::tempdir().unwrap();
+        let (f, _) = open_pool_file(&dir.path().join("f"), true).unwrap();
+        f.set_len(1 << 20).unwrap();
+        let runtime = || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            let handle = rt.handle().clone();
+            let (stop, stopped) = oneshot::channel::<()>();
+            let t = std::thread::spawn(move || {
+                rt.block_on(async {
+                    let _ = stopped.await;
+                })
+            });
+            (handle, stop, t)
+        };
+        let (a, stop_a, ta) = runtime();
+        let (b, stop_b, tb) = runtime();
+        let opts = IoOptions { reaper: Reaper::PerRuntime(vec![a.clone(), b.clone()]), ..Default::default() };
+        let ring = Arc::new(IoRing::new(Arc::new(f), 8, &opts).unwrap());
+        assert_eq!(ring.lanes.len(), 2);
+        assert!(ring.lanes.iter().all(|l| l.reaper_thread.is_none()), "both reaped by their runtimes");
+        let on = |h: &tokio::runtime::Handle, block: u8, write: bool| {
+            let (tx, rx) = std::sync::mpsc::channel();
+            let ring = ring.clone();
+            h.spawn(async move {
+                tokio::task::yield_now().await; // the reaper task has been polled
+                let seg = Segment { file_offset: u64::from(block) * 4096, buf_offset: 0, len: 4096 };
+                let mut buf = AlignedBuf::zeroed(4096);
+                buf.full_mut().fill(if write { block } else { 0xee });
+                let dir = if write { Dir::Write { dsync: false } } else { Dir::Read };
+                let (back, r) = ring.rw(dir, buf, vec![seg]).await.unwrap();
+                r.unwrap();
+                tx.send((ring.lane_index(), back.full()[0])).unwrap();
+            });
+            rx.recv().unwrap()
+        };
+        assert_eq!(on(&b, 3, true), (1, 3), "written through the second lane");
+        assert_eq!(on(&a, 5, true), (0, 5), "written through the first lane");
+        assert_eq!(ring.lane_index(), 0, "a plain thread submits to the first lane");
+        let seg = |block: u64| vec![Segment { file_offset: block * 4096, buf_offset: 0, len: 4096 }];
+        let (back, r) = ring.rw(Dir::Read, AlignedBuf::zeroed(4096), seg(3)).blocking_recv().unwrap();
+        r.unwrap();
+        assert!(back.full().iter().all(|&x| x == 3));
+        assert_eq!(on(&b, 5, false), (1, 5), "read through the second lane");
+        ring.fdatasync().blocking_recv().unwrap().unwrap();
+        drop(ring);
+        let _ = (stop_a.send(()), stop_b.send(()));
+        ta.join().unwrap();
+        tb.join().unwrap();
+    }
+
+    #[test]
     fn ring_writes_reads_and_syncs() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("f");
@@ -793,7 +908,7 @@ mod tests {
         f.set_len(1 << 20).unwrap();
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
         let ring = Arc::new(rt.block_on(async { IoRing::new(Arc::new(f), 8, &IoOptions::default()).unwrap() }));
-        assert!(ring.reaper_thread.is_none(), "reaper is a runtime task");
+        assert!(ring.lanes[0].reaper_thread.is_none(), "reaper is a runtime task");
         let tasks: Vec<_> = (0..64u8)
             .map(|i| {
                 let ring = ring.clone();
