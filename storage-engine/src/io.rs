@@ -1,9 +1,9 @@
 //! Storage I/O on io_uring, and the aligned buffers it reads into and writes from.
 //!
 //! Lives here: [`AlignedBuf`] (a 4 KiB-aligned heap buffer with a byte *view*), and
-//! [`IoRing`], one io_uring that executes reads, writes and `fdatasync` on the pool
-//! file, submitted from the caller's thread and reaped on the tokio runtime (or a
-//! thread of its own). This is the only module of the engine with `unsafe`.
+//! [`IoRing`], an io_uring (or one per data-plane runtime) that executes reads, writes
+//! and `fdatasync` on the pool file, submitted from the caller's thread and reaped on a
+//! tokio runtime (or a thread of its own). This is the only module of the engine with `unsafe`.
 //! Not here: what the I/O means (mappings, logs, checkpoints live in the other modules).
 //!
 //! # Buffer ownership
@@ -285,7 +285,8 @@ pub struct IoOptions {
     pub faults: Option<Arc<Faults>>,
 }
 
-/// An io_uring on one file, shared by every thread of the process.
+/// An io_uring on one file, shared by every thread of the process; with
+/// [`Reaper::PerRuntime`], one io_uring (*lane*) per runtime, behind the same calls.
 ///
 /// # Who submits, who reaps
 /// The caller's thread pushes the submission queue entries and enters the kernel itself
