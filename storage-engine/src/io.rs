@@ -33,7 +33,7 @@ use crate::testing::{Faults, IoLog};
 pub const ALIGN: usize = 4096;
 
 /// An initialised heap buffer aligned to [`ALIGN`] bytes (zeroed, or recycled with an
-/// earlier request's bytes: [`AlignedBuf::recycled`]), with a *view*: the byte
+/// earlier request's bytes: `AlignedBuf::recycled`), with a *view*: the byte
 /// range `[start, start + len)` that `as_ref`/`as_mut` expose. The engine reads and
 /// writes whole 4 KiB blocks through the full capacity and hands out the view.
 pub struct AlignedBuf {

@@ -1,7 +1,7 @@
 //! ferrovol's storage engine: a *pool* (one file or block device) carved into
 //! thin-provisioned *volumes*.
 //!
-//! Lives here: the on-disk format ([`format`]), the pool with its volumes, allocator,
+//! Lives here: the on-disk format ([`format`](mod@format)), the pool with its volumes, allocator,
 //! redo log and checkpoints ([`Pool`]), the per-volume data path ([`Volume`]), the
 //! offline checker ([`check`]) and io_uring I/O ([`io`]).
 //! Not here: any network protocol. The NBD server and the management API live in the
