@@ -111,6 +111,11 @@ struct ServeArgs {
     /// flight and disconnect; requests they send meanwhile get NBD_ESHUTDOWN.
     #[arg(long, default_value_t = 2)]
     shutdown_grace: u64,
+    /// Open the pool even if one superblock slot is damaged and may have held the newer
+    /// generation: the pool is opened from the other slot, losing whatever was committed
+    /// after it. Without it such a pool is refused (the error says so).
+    #[arg(long)]
+    accept_superblock_rollback: bool,
     /// NBD data-plane threads, each with its own io_uring; a connection stays on the one
     /// serving the fewest connections when it is accepted. One thread batches the most
     /// requests per wake-up and was fastest on a 2-core host with its clients on the
@@ -236,6 +241,9 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 }
             };
             out!("{}", report.summary);
+            for w in &report.warnings {
+                out!("warning: {w}");
+            }
             if report.problems.is_empty() {
                 out!("clean");
                 Ok(ExitCode::SUCCESS)
@@ -469,6 +477,7 @@ async fn serve(data_dir: &Path, mgmt_socket: &Path, args: ServeArgs) -> anyhow::
             reaper: storage_engine::Reaper::PerRuntime(dataplane.handles.clone()),
             ..Default::default()
         },
+        accept_superblock_rollback: args.accept_superblock_rollback,
     };
     // Listen first, so a busy port or socket leaves no new pool file behind. The NBD
     // listeners belong to the data-plane runtime, the management socket to this one.

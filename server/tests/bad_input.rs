@@ -327,10 +327,7 @@ fn flipped_superblock_bits_are_refused() {
     made_pool(&td);
     let pool = td.data().join("pool.img");
     for slot in [0u64, 4096] {
-        let mut b = [0u8; 1];
-        use std::os::unix::fs::FileExt;
-        std::fs::File::open(&pool).unwrap().read_exact_at(&mut b, slot + 40).unwrap(); // in unit_size
-        overwrite(&pool, slot + 40, &[b[0] ^ 0x10]);
+        flip_bit(&pool, slot + 40); // in unit_size
     }
     let before = sha256(&pool);
     let msg = serve_fails(&td.data(), &[]);
@@ -340,28 +337,103 @@ fn flipped_superblock_bits_are_refused() {
     assert!(msg.to_lowercase().contains("checksum") || msg.to_lowercase().contains("corrupt"), "check: {msg}");
 }
 
+/// Generation field of the superblock slot at byte `slot` of `pool`.
+fn slot_generation(pool: &Path, slot: u64) -> u64 {
+    use std::os::unix::fs::FileExt;
+    let mut b = [0u8; 8];
+    std::fs::File::open(pool).unwrap().read_exact_at(&mut b, slot + 80).unwrap();
+    u64::from_le_bytes(b)
+}
+
+/// (older, newer) superblock slot offsets of `pool`.
+fn slots_by_age(pool: &Path) -> (u64, u64) {
+    let (g0, g1) = (slot_generation(pool, 0), slot_generation(pool, 4096));
+    assert_ne!(g0, g1, "both superblock slots have generation {g0}");
+    if g0 < g1 {
+        (0, 4096)
+    } else {
+        (4096, 0)
+    }
+}
+
+fn flip_bit(pool: &Path, offset: u64) {
+    use std::os::unix::fs::FileExt;
+    let mut b = [0u8; 1];
+    std::fs::File::open(pool).unwrap().read_exact_at(&mut b, offset).unwrap();
+    overwrite(pool, offset, &[b[0] ^ 0x10]);
+}
+
 #[test]
-fn damaged_old_superblock_slot_is_tolerated() {
-    // A damaged non-current superblock slot does not stop the pool from opening with its data intact.
+fn damaged_older_superblock_slot_is_tolerated_with_a_warning() {
+    // A flipped bit in the older slot (its generation field intact, one below the valid
+    // slot's): the pool opens with its data, `check` is clean but warns, and the next
+    // checkpoint rewrites the slot.
     let td = TestDir::new();
     made_pool(&td);
     let pool = td.data().join("pool.img");
-    use std::os::unix::fs::FileExt;
-    let f = std::fs::File::open(&pool).unwrap();
-    let gen = |slot: u64| {
-        let mut b = [0u8; 8];
-        f.read_exact_at(&mut b, slot + 80).unwrap();
-        u64::from_le_bytes(b)
-    };
-    let (g0, g1) = (gen(0), gen(4096));
-    assert_ne!(g0, g1, "both superblock slots have generation {g0}");
-    let old = if g0 < g1 { 0 } else { 4096 };
-    overwrite(&pool, old, &random_bytes(4096));
-    check_clean(&td.data());
+    let (old, _) = slots_by_age(&pool);
+    flip_bit(&pool, old + 40); // in unit_size: the checksum fails
+    let out = cli_ok(&td.data(), &["check"]);
+    assert!(out.lines().any(|l| l.trim() == "clean"), "{out}");
+    let slot = if old == 0 { 0 } else { 1 };
+    assert!(
+        out.contains(&format!("warning: superblock slot {slot} is damaged (superblock checksum mismatch)")),
+        "check does not warn about the damaged slot:\n{out}"
+    );
     let mut s = Server::start_with(&td.data(), "128MiB", &[]);
     qemu_io_ok(&s.uri("vol"), &["read -P 0x33 0 4M", "read -P 0 4M 60M"]);
     s.stop();
+    let out = cli_ok(&td.data(), &["check"]);
+    assert!(!out.contains("warning"), "the damaged slot was not rewritten:\n{out}");
     check_clean(&td.data());
+}
+
+#[test]
+fn damaged_newer_superblock_slot_is_refused_unless_a_rollback_is_accepted() {
+    // One flipped bit in the newer slot: opening from the older slot could silently lose
+    // what was committed after it, so serve and check refuse, say why, name the way out,
+    // and change nothing; with --accept-superblock-rollback the pool opens.
+    let td = TestDir::new();
+    made_pool(&td);
+    let pool = td.data().join("pool.img");
+    let (_, new) = slots_by_age(&pool);
+    flip_bit(&pool, new + 40);
+    let before = sha256(&pool);
+    let msg = serve_fails(&td.data(), &[]);
+    let slot = if new == 0 { 0 } else { 1 };
+    assert!(msg.contains(&format!("superblock slot {slot} is damaged")), "serve: {msg}");
+    assert!(msg.contains("may hold a newer generation"), "serve: {msg}");
+    assert!(msg.contains("--accept-superblock-rollback"), "serve does not name the way out: {msg}");
+    assert_eq!(sha256(&pool), before, "serve modified a pool it refused");
+    let msg = cli_err(&td.data(), &["check"]);
+    assert!(msg.contains("PROBLEM") && msg.contains("may hold a newer generation"), "check: {msg}");
+    assert_eq!(sha256(&pool), before, "check modified the pool");
+    // Accepted: opens from the valid slot and serves what that state holds.
+    let mut s = Server::start_with(&td.data(), "128MiB", &["--accept-superblock-rollback"]);
+    let log = std::fs::read_to_string(&s.log).unwrap();
+    assert!(log.contains("WARN") && log.contains("opened from slot"), "no warning logged:\n{log}");
+    s.stop();
+    check_clean(&td.data());
+}
+
+#[test]
+fn unrecognisable_superblock_slot_is_refused_unless_a_rollback_is_accepted() {
+    // The older slot overwritten with random bytes: nothing shows it was the older one,
+    // so the pool is refused as above; accepting the rollback opens it, here with every
+    // byte (the damaged slot was in fact the older one), and rewrites the slot.
+    let td = TestDir::new();
+    made_pool(&td);
+    let pool = td.data().join("pool.img");
+    let (old, _) = slots_by_age(&pool);
+    overwrite(&pool, old, &random_bytes(4096));
+    let msg = serve_fails(&td.data(), &[]);
+    assert!(msg.contains("may hold a newer generation"), "serve: {msg}");
+    let mut s = Server::start_with(&td.data(), "128MiB", &["--accept-superblock-rollback"]);
+    qemu_io_ok(&s.uri("vol"), &["read -P 0x33 0 4M", "read -P 0 4M 60M"]);
+    s.stop();
+    check_clean(&td.data());
+    let out = cli_ok(&td.data(), &["check"]);
+    assert!(!out.contains("warning"), "the damaged slot was not rewritten:\n{out}");
 }
 
 #[test]

@@ -473,26 +473,73 @@ pub(crate) fn validate_superblock(sb: &Superblock, size: u64) -> Result<Geometry
     Ok(g)
 }
 
-/// Picks the current superblock from the two slots. Errors name what is wrong.
-pub(crate) fn read_superblock(read: &mut ReadAt<'_>, size: u64) -> Result<(Superblock, Geometry)> {
+/// Picks the current superblock from the two slots (on-disk-format.md 7.1); returns it,
+/// its geometry and, when one slot was damaged but the pool opens anyway, a warning
+/// naming it.
+///
+/// Both slots are always written (at create, then alternately by every checkpoint), so
+/// one invalid slot means damage, and a damaged slot may have held the newer
+/// generation: opening from the other would silently roll the pool back. So when only
+/// one slot is valid (generation `G`), the other is tolerated only if it is
+/// recognisably the older one (its magic intact and its generation field reading
+/// `G - 1`), or if it is all zeros with `G == 0` (a pool whose creation was cut short);
+/// otherwise the open fails unless `accept_rollback`.
+///
+/// Errors: [`ErrorKind::Corrupt`](crate::ErrorKind::Corrupt) naming each slot's problem.
+pub(crate) fn read_superblock(
+    read: &mut ReadAt<'_>,
+    size: u64,
+    accept_rollback: bool,
+) -> Result<(Superblock, Geometry, Option<String>)> {
     if size < 2 * BLOCK_SIZE {
         return Err(Error::corrupt(format!("file is {size} bytes: too small to be a pool")));
     }
-    let mut best: Option<(Superblock, Geometry)> = None;
-    let mut errors = Vec::new();
-    for (slot, &off) in SUPERBLOCK_OFFSETS.iter().enumerate() {
+    let mut slots = Vec::with_capacity(2);
+    for &off in SUPERBLOCK_OFFSETS.iter() {
         let bytes = read(off, size_of::<Superblock>()).map_err(|e| Error::io("read superblock", e))?;
         let sb = Superblock::read_from_bytes(&bytes).expect("256 bytes");
-        match validate_superblock(&sb, size) {
-            Ok(g) => {
-                if best.as_ref().is_none_or(|(b, _)| sb.generation.get() > b.generation.get()) {
-                    best = Some((sb, g));
-                }
-            }
-            Err(e) => errors.push(format!("slot {slot}: {}", e.message())),
-        }
+        let checked = validate_superblock(&sb, size);
+        slots.push((sb, checked));
     }
-    best.ok_or_else(|| Error::corrupt(errors.join("; ")))
+    let (v, d) = match (&slots[0].1, &slots[1].1) {
+        (Ok(_), Ok(_)) => {
+            let newer = usize::from(slots[1].0.generation.get() > slots[0].0.generation.get());
+            let (sb, g) = slots.swap_remove(newer);
+            return Ok((sb, g.expect("valid"), None));
+        }
+        (Err(a), Err(b)) => {
+            return Err(Error::corrupt(format!("slot 0: {}; slot 1: {}", a.message(), b.message())));
+        }
+        (Ok(_), Err(_)) => (0, 1),
+        (Err(_), Ok(_)) => (1, 0),
+    };
+    let gen = slots[v].0.generation.get();
+    let damaged = &slots[d].0;
+    let problem = slots[d].1.as_ref().err().map(|e| e.message().to_owned()).unwrap_or_default();
+    let read_gen = damaged.generation.get();
+    let note = format!("superblock slot {d} is damaged ({problem})");
+    let warning = if damaged.magic == SUPERBLOCK_MAGIC && read_gen.checked_add(1) == Some(gen) {
+        format!(
+            "{note}; its generation field reads {read_gen}, one older than slot {v}'s {gen}: opened from slot {v}, \
+             and the next checkpoint rewrites slot {d}"
+        )
+    } else if gen == 0 && damaged.as_bytes().iter().all(|&b| b == 0) {
+        format!("{note}: never written (the pool's creation was cut short); opened from slot {v}, generation 0")
+    } else if accept_rollback {
+        format!(
+            "{note} and may have held a newer generation than slot {v} ({gen}); opened from slot {v} as asked \
+             (accept a superblock rollback): whatever was committed after generation {gen} is lost"
+        )
+    } else {
+        return Err(Error::corrupt(format!(
+            "{note} and may hold a newer generation than slot {v}, which is valid (generation {gen}; the damaged \
+             slot's generation field reads {read_gen}). Opening from slot {v} could silently lose what was committed \
+             after generation {gen}, so the pool is not opened. If that loss is acceptable, open it with a superblock \
+             rollback accepted (`ferrovol serve --accept-superblock-rollback`); otherwise restore the pool from a copy"
+        )));
+    };
+    let (sb, g) = slots.swap_remove(v);
+    Ok((sb, g.expect("valid"), Some(warning)))
 }
 
 /// The log's position after loading: where the next batch goes.
@@ -518,6 +565,8 @@ pub(crate) struct Loaded {
     pub refcount_mismatches: Vec<(u64, u32, u32)>,
     /// Log batches replayed.
     pub batches: u64,
+    /// A damaged superblock slot the pool was opened despite ([`read_superblock`]).
+    pub superblock_warning: Option<String>,
 }
 
 /// The refcount each of `units` data units should have by the mappings `maps`: the
@@ -537,8 +586,8 @@ pub(crate) fn derive_refcounts<'a>(maps: impl IntoIterator<Item = &'a MapTable>,
 }
 
 /// Reads the superblock, the checkpoint and replays the log. Never writes.
-pub(crate) fn load(read: &mut ReadAt<'_>, size: u64) -> Result<Loaded> {
-    let (sb, geo) = read_superblock(read, size)?;
+pub(crate) fn load(read: &mut ReadAt<'_>, size: u64, accept_rollback: bool) -> Result<Loaded> {
+    let (sb, geo, superblock_warning) = read_superblock(read, size, accept_rollback)?;
     // Holds the stored refcounts and the checkpoint's units as they are read.
     let mut alloc = Allocator::new(geo.unit_count as usize);
     let mut volumes = BTreeMap::new();
@@ -710,7 +759,7 @@ pub(crate) fn load(read: &mut ReadAt<'_>, size: u64) -> Result<Loaded> {
         log.pos = at + blocks * BLOCK_SIZE;
     }
     state.alloc.release_all();
-    Ok(Loaded { sb, geo, state, log, checkpoint_units, refcount_mismatches, batches })
+    Ok(Loaded { sb, geo, state, log, checkpoint_units, refcount_mismatches, batches, superblock_warning })
 }
 
 fn put_page(vol: &mut VolumeMeta, index: u64, page: Arc<MapPage>, unit_size: u64) -> std::result::Result<(), ()> {

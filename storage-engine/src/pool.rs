@@ -73,11 +73,21 @@ pub struct PoolOptions {
     pub unit_size: u32,
     /// How the pool's io_uring is set up (not stored in the pool).
     pub io: IoOptions,
+    /// Open the pool from its one valid superblock slot even when the other slot is
+    /// damaged and may have held the newer generation, accepting the loss of whatever
+    /// was committed after the valid one (on-disk-format.md 7.1). Off by default: such
+    /// a pool is refused with [`ErrorKind::Corrupt`].
+    pub accept_superblock_rollback: bool,
 }
 
 impl Default for PoolOptions {
     fn default() -> Self {
-        PoolOptions { size: DEFAULT_POOL_SIZE, unit_size: DEFAULT_UNIT_SIZE, io: IoOptions::default() }
+        PoolOptions {
+            size: DEFAULT_POOL_SIZE,
+            unit_size: DEFAULT_UNIT_SIZE,
+            io: IoOptions::default(),
+            accept_superblock_rollback: false,
+        }
     }
 }
 
@@ -358,6 +368,9 @@ fn lock(file: &File, exclusive: bool, path: &Path) -> Result<()> {
 pub struct CheckReport {
     /// Problems found; empty means the pool is consistent.
     pub problems: Vec<String>,
+    /// Damage the pool opens despite, with no loss (a damaged older superblock slot,
+    /// which the next checkpoint rewrites).
+    pub warnings: Vec<String>,
     /// Volumes, units mapped, units free, units of metadata, log batches replayed.
     pub summary: String,
 }
@@ -373,8 +386,9 @@ pub fn check(path: &Path) -> Result<CheckReport> {
     lock(&file, false, path)?;
     let size = io::device_size(&file).map_err(|e| Error::io("size of pool", e))?;
     let mut read = read_at_file(&file);
-    let loaded = journal::load(&mut read, size)?;
+    let loaded = journal::load(&mut read, size, false)?;
     let mut problems = Vec::new();
+    let warnings: Vec<String> = loaded.superblock_warning.iter().cloned().collect();
     for (u, stored, derived) in &loaded.refcount_mismatches {
         problems
             .push(format!("checkpoint refcount of data unit {u} is {stored} but {derived} mapping pages reference it"));
@@ -442,7 +456,7 @@ pub fn check(path: &Path) -> Result<CheckReport> {
         loaded.geo.unit_size / 1024,
         loaded.batches
     );
-    Ok(CheckReport { problems, summary })
+    Ok(CheckReport { problems, warnings, summary })
 }
 
 impl Pool {
@@ -451,7 +465,7 @@ impl Pool {
     /// Errors: see [`Pool::open`] and [`Pool::create`].
     pub fn open_or_create(path: &Path, opts: &PoolOptions) -> Result<Pool> {
         if path.exists() {
-            Pool::open_with(path, &opts.io)
+            Pool::open_inner(path, &opts.io, opts.accept_superblock_rollback)
         } else {
             Pool::create(path, opts)
         }
@@ -463,7 +477,7 @@ impl Pool {
     ///
     /// Errors: as [`Pool::open`] and [`Pool::create`].
     pub fn open_or_format_device(path: &Path, opts: &PoolOptions) -> Result<Pool> {
-        match Pool::open_with(path, &opts.io) {
+        match Pool::open_inner(path, &opts.io, opts.accept_superblock_rollback) {
             Err(e)
                 if e.kind() == ErrorKind::Corrupt
                     && e.message().matches("superblock magic is missing").count() == 2 =>
@@ -581,8 +595,9 @@ impl Pool {
     /// Nothing is written before all of it validated.
     ///
     /// Errors: [`ErrorKind::Corrupt`] naming what is wrong (not a pool, checksum
-    /// mismatch with its location, unsupported version, inconsistent refcounts);
-    /// [`ErrorKind::Io`].
+    /// mismatch with its location, unsupported version, inconsistent refcounts, one
+    /// superblock slot damaged when it may have held the newer generation: see
+    /// [`PoolOptions::accept_superblock_rollback`]); [`ErrorKind::Io`].
     pub fn open(path: &Path) -> Result<Pool> {
         Pool::open_with(path, &IoOptions::default())
     }
@@ -591,6 +606,18 @@ impl Pool {
     ///
     /// Errors: as [`Pool::open`].
     pub fn open_with(path: &Path, io: &IoOptions) -> Result<Pool> {
+        Pool::open_inner(path, io, false)
+    }
+
+    /// [`Pool::open`] with `opts`' io_uring set-up and superblock rollback choice (the
+    /// size and unit size are ignored).
+    ///
+    /// Errors: as [`Pool::open`].
+    pub fn open_with_options(path: &Path, opts: &PoolOptions) -> Result<Pool> {
+        Pool::open_inner(path, &opts.io, opts.accept_superblock_rollback)
+    }
+
+    fn open_inner(path: &Path, io: &IoOptions, accept_superblock_rollback: bool) -> Result<Pool> {
         let (file, direct) =
             io::open_pool_file(path, false).map_err(|e| Error::io(format!("open {}", path.display()), e))?;
         lock(&file, true, path)?;
@@ -603,8 +630,11 @@ impl Pool {
                 bytes_read += len as u64;
                 read_file(off, len)
             };
-            journal::load(&mut read, size).map_err(|e| e.op("open pool"))?
+            journal::load(&mut read, size, accept_superblock_rollback).map_err(|e| e.op("open pool"))?
         };
+        if let Some(w) = &loaded.superblock_warning {
+            tracing::warn!(path = %path.display(), "{w}");
+        }
         if let Some((u, stored, derived)) = loaded.refcount_mismatches.first() {
             return Err(Error::corrupt(format!(
                 "checkpoint refcount of data unit {u} is {stored} but {derived} mapping pages reference it ({} mismatches); run `ferrovol check`",
