@@ -60,8 +60,9 @@ enum Cmd {
     #[command(subcommand)]
     Pool(PoolCmd),
     /// Verify a stopped pool: checksums, mappings against refcounts, free space.
-    /// Exits 1 naming each problem found, 2 if the pool cannot be checked (in use,
-    /// missing, unreadable).
+    /// Exits 1 naming each problem found (a file that holds no pool, or one too damaged
+    /// to load, included), 2 if the pool cannot be checked (in use, missing,
+    /// unreadable). Damage that loses nothing is printed as `warning:` lines.
     Check {
         /// Pool file or block device (default: <data-dir>/pool.img).
         #[arg(long)]
@@ -132,27 +133,39 @@ struct ServeArgs {
 enum VolumeCmd {
     /// Create a thin volume (exported over NBD under its name).
     Create {
+        /// Volume name (also its NBD export name): 1 to 128 of A-Z a-z 0-9 . _ -, not
+        /// starting with . or -
         name: String,
-        /// Virtual size, a multiple of 4096 bytes (e.g. 10GiB; K, M, G, T are powers of 1024).
+        /// Virtual size, a multiple of 4096 bytes, at most 1 PiB (e.g. 10GiB; K, M, G, T,
+        /// P are powers of 1024, so 10GB is 10 GiB too).
         #[arg(long, value_parser = parse_size)]
         size: u64,
     },
     /// List volumes with virtual size and allocated bytes.
     List {
+        /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
     },
-    /// Show one volume.
+    /// Show one volume (or VOLUME@SNAPSHOT).
     Info {
+        /// Volume name, or VOLUME@SNAPSHOT.
         name: String,
+        /// Print JSON (with exclusive and shared bytes) instead of text.
         #[arg(long)]
         json: bool,
     },
-    /// Delete a volume and free its space.
-    Delete { name: String },
-    /// Grow a volume (shrinking is refused).
-    Resize {
+    /// Delete a volume and free the space only it held (its snapshots and clones keep
+    /// theirs).
+    Delete {
+        /// Volume name.
         name: String,
+    },
+    /// Grow a volume online (shrinking is refused); new NBD connections see the new size.
+    Resize {
+        /// Volume name.
+        name: String,
+        /// New virtual size, a multiple of 4096 bytes, not below the current one.
         #[arg(long, value_parser = parse_size)]
         size: u64,
     },
@@ -161,6 +174,7 @@ enum VolumeCmd {
         /// VOLUME@SNAPSHOT or VOLUME.
         #[arg(long)]
         from: String,
+        /// Name of the new volume.
         name: String,
     },
 }
@@ -168,21 +182,34 @@ enum VolumeCmd {
 #[derive(Subcommand)]
 enum SnapshotCmd {
     /// Take a read-only, crash-consistent snapshot (exported as VOLUME@SNAPSHOT).
-    Create { volume: String, snapshot: String },
-    /// List snapshots (of VOLUME, or all) with mapped, exclusive and shared bytes.
+    Create {
+        /// Volume to snapshot.
+        volume: String,
+        /// Snapshot name (same rules as volume names).
+        snapshot: String,
+    },
+    /// List snapshots (of VOLUME, or all) with allocated, exclusive and shared bytes.
     List {
+        /// Only this volume's snapshots.
         volume: Option<String>,
+        /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
     },
     /// Delete a snapshot.
-    Delete { volume: String, snapshot: String },
+    Delete {
+        /// Volume the snapshot belongs to.
+        volume: String,
+        /// Snapshot name.
+        snapshot: String,
+    },
     /// Byte ranges that differ between two snapshots (or a snapshot and its volume).
     Diff {
         /// VOLUME@SNAPSHOT (or VOLUME).
         from: String,
         /// VOLUME@SNAPSHOT (or VOLUME).
         to: String,
+        /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
     },

@@ -469,6 +469,30 @@ fn foreign_file_is_refused_and_left_unchanged() {
 }
 
 #[test]
+fn a_pool_file_that_cannot_be_created_is_not_left_behind() {
+    // A pool file the file system cannot size (1 PiB on ext4: EFBIG) fails the start
+    // with the reason, and leaves no empty pool.img for the next start to call corrupt.
+    let td = TestDir::new();
+    std::fs::create_dir_all(td.data()).unwrap();
+    let port = free_port().to_string();
+    let o = output(Command::new("timeout").args(["-k", "5", "20", BIN, "--data-dir"]).arg(td.data()).args([
+        "serve",
+        "--pool-size",
+        "1PiB",
+        "--listen",
+        &format!("127.0.0.1:{port}"),
+    ]));
+    let msg = text(&o);
+    assert!(!o.status.success(), "serve started on a 1 PiB pool file:\n{msg}");
+    assert!(msg.contains("size pool file") || msg.contains("too large"), "no reason given:\n{msg}");
+    assert!(!td.data().join("pool.img").exists(), "a failed create left pool.img behind:\n{msg}");
+    let mut s = Server::start_with(&td.data(), "128MiB", &[]);
+    s.create_volume("v", "16MiB");
+    s.stop();
+    check_clean(&td.data());
+}
+
+#[test]
 fn truncated_pool_is_refused() {
     // A pool file cut short of its recorded size is refused and left unchanged.
     let td = TestDir::new();
@@ -634,6 +658,8 @@ fn name_errors_say_which_name_and_operation() {
     s.cli_ok(&["snapshot", "create", "v", "s1"]);
     let cases: &[(&[&str], &[&str], &[&str])] = &[
         (&["snapshot", "create", "v", "x@y"], &["create snapshot", "name 'x@y' is invalid"], &["volume name"]),
+        // a control character is shown escaped, not passed to the terminal
+        (&["volume", "create", "a\u{1}b\nc", "--size", "1GiB"], &["name 'a\\u{1}b\\nc' is invalid"], &["\u{1}"]),
         (
             &["volume", "resize", "v@s1", "--size", "2GiB"],
             &["resize volume", "snapshot cannot be resized"],

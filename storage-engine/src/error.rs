@@ -142,14 +142,17 @@ impl Error {
     }
 }
 
-/// `name` as error messages show it: whole if it could be a valid name (128 bytes or
+/// `name` as error messages show it, control characters escaped: whole if it could be a valid name (128 bytes or
 /// fewer), else its first 64 characters and its length, so that a message about a
 /// 10,000-byte name stays short (a gRPC status travels in an HTTP/2 header).
 pub fn shown_name(name: &str) -> String {
+    // Control characters and the like are escaped, so that they can neither hide in a
+    // terminal nor split a log line.
+    let escape = |s: &str| s.escape_debug().to_string();
     if name.len() <= 128 {
-        name.to_owned()
+        escape(name)
     } else {
         let head: String = name.chars().take(64).collect();
-        format!("{head}… ({} bytes)", name.len())
+        format!("{}… ({} bytes)", escape(&head), name.len())
     }
 }

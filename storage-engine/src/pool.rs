@@ -520,10 +520,18 @@ impl Pool {
         let (file, _direct) =
             io::open_pool_file(path, !is_dev).map_err(|e| Error::io(format!("create {}", path.display()), e))?;
         lock(&file, true, path)?;
+        // A new file that does not become a pool is removed, so that the next start does
+        // not find an empty or partial file and call it corrupt.
+        let discard = |e: Error| {
+            if !is_dev {
+                let _ = std::fs::remove_file(path);
+            }
+            e
+        };
         let size = if is_dev {
             io::device_size(&file).map_err(|e| Error::io("size of device", e))?
         } else {
-            file.set_len(opts.size).map_err(|e| Error::io("size pool file", e))?;
+            file.set_len(opts.size).map_err(|e| discard(Error::io("size pool file", e)))?;
             opts.size
         };
         let log_size = (size / 64).clamp(4 * MAX_BATCH_BYTES as u64, 64 << 20) / BLOCK_SIZE * BLOCK_SIZE;
@@ -574,18 +582,21 @@ impl Pool {
             pad: 0.into(),
         };
         let file = Arc::new(file);
-        let ring =
-            IoRing::new(file.clone(), 256, &IoOptions::default()).map_err(|e| Error::io("set up io_uring", e))?;
+        let ring = IoRing::new(file.clone(), 256, &IoOptions::default())
+            .map_err(|e| discard(Error::io("set up io_uring", e)))?;
         // Zero the first log block so no stale batch of a former pool can look current,
         // then write both superblock slots (generations 0 and 1).
-        write_blocks(&ring, LOG_OFFSET, &[0u8; BLOCK_SIZE as usize])?;
-        for g in 0..2u64 {
-            sb.generation = g.into();
-            sb.crc = sb.compute_crc().into();
-            write_blocks(&ring, SUPERBLOCK_OFFSETS[(g % 2) as usize], sb.as_bytes())?;
-        }
-        sync(&ring)?;
+        let formatted = (|| {
+            write_blocks(&ring, LOG_OFFSET, &[0u8; BLOCK_SIZE as usize])?;
+            for g in 0..2u64 {
+                sb.generation = g.into();
+                sb.crc = sb.compute_crc().into();
+                write_blocks(&ring, SUPERBLOCK_OFFSETS[(g % 2) as usize], sb.as_bytes())?;
+            }
+            sync(&ring)
+        })();
         drop(ring);
+        formatted.map_err(discard)?;
         drop(file); // releases the lock for open()
         tracing::info!(path = %path.display(), size, unit_size = unit, "created pool");
         Pool::open_with(path, &opts.io)
