@@ -482,7 +482,8 @@ pub(crate) fn validate_superblock(sb: &Superblock, size: u64) -> Result<Geometry
 /// generation: opening from the other would silently roll the pool back. So when only
 /// one slot is valid (generation `G`), the other is tolerated only if it is
 /// recognisably the older one (its magic intact and its generation field reading
-/// `G - 1`), or if it is all zeros with `G == 0` (a pool whose creation was cut short);
+/// `G - 1`), or if it is all zeros with `G` 0 or 1 (a pool whose creation was cut
+/// short: it names no checkpoint);
 /// otherwise the open fails unless `accept_rollback`.
 ///
 /// Errors: [`ErrorKind::Corrupt`](crate::ErrorKind::Corrupt) naming each slot's problem.
@@ -523,8 +524,10 @@ pub(crate) fn read_superblock(
             "{note}; its generation field reads {read_gen}, one older than slot {v}'s {gen}: opened from slot {v}, \
              and the next checkpoint rewrites slot {d}"
         )
-    } else if gen == 0 && damaged.as_bytes().iter().all(|&b| b == 0) {
-        format!("{note}: never written (the pool's creation was cut short); opened from slot {v}, generation 0")
+    } else if gen <= 1 && damaged.as_bytes().iter().all(|&b| b == 0) {
+        // Creation writes generation 0 and 1 (both naming no checkpoint) with one sync
+        // after both: either may be missing after a cut, and neither holds anything.
+        format!("{note}: never written (the pool's creation was cut short); opened from slot {v}, generation {gen}")
     } else if accept_rollback {
         format!(
             "{note} and may have held a newer generation than slot {v} ({gen}); opened from slot {v} as asked \
@@ -865,6 +868,75 @@ mod tests {
         let back: Vec<Record> =
             split_records(&buf).unwrap().into_iter().map(|(k, b)| Record::decode(k, b).unwrap()).collect();
         assert_eq!(back, recs);
+    }
+
+    /// The superblock slots of a 64 MiB pool image, with generations 0 and 1.
+    fn created_slots() -> Vec<u8> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("pool.img");
+        let opts = crate::PoolOptions { size: 64 << 20, ..Default::default() };
+        crate::Pool::create(&path, &opts).unwrap().close().unwrap();
+        let mut img = std::fs::read(&path).unwrap();
+        img.truncate(2 * BLOCK_SIZE as usize);
+        // As creation leaves them (the open and close since moved them on).
+        set_generation(&mut img, 0, 0);
+        set_generation(&mut img, BLOCK_SIZE as usize, 1);
+        img
+    }
+
+    /// `read_superblock` over `slots` (the first 8 KiB of a 64 MiB pool).
+    fn pick(slots: &[u8], accept_rollback: bool) -> Result<(u64, Option<String>)> {
+        let mut read = |off: u64, len: usize| Ok(slots[off as usize..off as usize + len].to_vec());
+        read_superblock(&mut read, 64 << 20, accept_rollback).map(|(sb, _, w)| (sb.generation.get(), w))
+    }
+
+    /// Rewrites the slot at `off` of `slots` with generation `gen` (checksum updated).
+    fn set_generation(slots: &mut [u8], off: usize, gen: u64) {
+        let mut sb = Superblock::read_from_bytes(&slots[off..off + size_of::<Superblock>()]).unwrap();
+        sb.generation = gen.into();
+        sb.crc = sb.compute_crc().into();
+        slots[off..off + size_of::<Superblock>()].copy_from_slice(sb.as_bytes());
+    }
+
+    #[test]
+    fn a_damaged_superblock_slot_opens_only_when_it_cannot_have_been_newer() {
+        let base = created_slots();
+        let (s0, s1) = (0usize, BLOCK_SIZE as usize);
+        // Both valid: the higher generation.
+        let mut img = base.clone();
+        set_generation(&mut img, s0, 6);
+        set_generation(&mut img, s1, 7);
+        assert_eq!(pick(&img, false).unwrap(), (7, None));
+        // The older slot (6) damaged, its generation field intact: opens with a warning.
+        let mut older = img.clone();
+        older[s0 + 40] ^= 0x10;
+        let (gen, warning) = pick(&older, false).unwrap();
+        assert_eq!(gen, 7);
+        assert!(warning.unwrap().contains("slot 0 is damaged (superblock checksum mismatch)"));
+        // The newer slot (7) damaged: refused, unless a rollback to 6 is accepted.
+        let mut newer = img.clone();
+        newer[s1 + 40] ^= 0x10;
+        let e = pick(&newer, false).unwrap_err();
+        assert!(e.message().contains("slot 1 is damaged") && e.message().contains("may hold a newer generation"));
+        let (gen, warning) = pick(&newer, true).unwrap();
+        assert_eq!(gen, 6);
+        assert!(warning.unwrap().contains("whatever was committed after generation 6 is lost"));
+        // A damaged slot whose generation field does not read one below: refused.
+        let mut unknown = img.clone();
+        unknown[s0..s0 + 8].copy_from_slice(b"XXXXXXXX");
+        assert!(pick(&unknown, false).is_err());
+        // A create cut short: one slot never written, the other generation 0 or 1.
+        for (zeroed, gen) in [(s1, 0), (s0, 1)] {
+            let mut cut = base.clone();
+            cut[zeroed..zeroed + BLOCK_SIZE as usize].fill(0);
+            let (g, warning) = pick(&cut, false).unwrap();
+            assert_eq!(g, gen);
+            assert!(warning.unwrap().contains("creation was cut short"));
+        }
+        // The same zeroed slot beside a later generation is damage, not a cut create.
+        let mut late = img.clone();
+        late[s0..s0 + BLOCK_SIZE as usize].fill(0);
+        assert!(pick(&late, false).is_err());
     }
 
     #[test]
