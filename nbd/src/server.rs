@@ -3,9 +3,9 @@
 //!
 //! Lives here: [`ServerConfig`], [`Server`] (the registry, the config, the live
 //! connection counts that the caps apply to and the runtimes connections are placed
-//! on), its accept loops on TCP and Unix listeners and [`Server::serve_connection`] (handshake under a timeout, then the
-//! transmission phase), and the free functions [`serve_tcp`], [`serve_unix`] and
-//! [`serve_connection`] for a server of one listener.
+//! on), its accept loops on TCP and Unix listeners and [`Server::serve_connection`]
+//! (handshake under a timeout, then the transmission phase), and the free functions
+//! [`serve_tcp`], [`serve_unix`] and [`serve_connection`] for a server of one listener.
 //! Not here: the option haggling itself (`handshake`), request handling (`transmission`),
 //! wire encoding (`proto`).
 
