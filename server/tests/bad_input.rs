@@ -417,6 +417,26 @@ fn damaged_newer_superblock_slot_is_refused_unless_a_rollback_is_accepted() {
 }
 
 #[test]
+fn a_rollback_whose_checkpoint_was_reused_says_the_pool_cannot_be_rolled_back() {
+    // The older slot's checkpoint units were reused for data once the newer checkpoint
+    // was durable: even with the rollback accepted the pool cannot open, and the message
+    // says why instead of only naming a bad checkpoint chunk.
+    let td = TestDir::new();
+    let mut s = Server::start_with(&td.data(), "1GiB", &[]);
+    s.kill9();
+    s.restart(); // the checkpoint at open frees the first one's units
+    s.create_volume("b", "64MiB");
+    qemu_io_ok(&s.uri("b"), &["write -P 0x5a 0 64M", "flush"]);
+    s.kill9();
+    let pool = td.data().join("pool.img");
+    let (_, new) = slots_by_age(&pool);
+    flip_bit(&pool, new + 40);
+    let msg = serve_fails(&td.data(), &["--accept-superblock-rollback"]);
+    assert!(msg.contains("fails its header or checksum"), "{msg}");
+    assert!(msg.contains("cannot be rolled back"), "the message does not say why: {msg}");
+}
+
+#[test]
 fn unrecognisable_superblock_slot_is_refused_unless_a_rollback_is_accepted() {
     // The older slot overwritten with random bytes: nothing shows it was the older one,
     // so the pool is refused as above; accepting the rollback opens it, here with every

@@ -591,6 +591,25 @@ pub(crate) fn derive_refcounts<'a>(maps: impl IntoIterator<Item = &'a MapTable>,
 /// Reads the superblock, the checkpoint and replays the log. Never writes.
 pub(crate) fn load(read: &mut ReadAt<'_>, size: u64, accept_rollback: bool) -> Result<Loaded> {
     let (sb, geo, superblock_warning) = read_superblock(read, size, accept_rollback)?;
+    match load_from(read, sb, geo) {
+        Ok(loaded) => Ok(Loaded { superblock_warning, ..loaded }),
+        // A checkpoint that does not load after falling back from a damaged slot: say so,
+        // as its units may have been reused once the newer checkpoint was durable.
+        Err(e) if e.kind() == crate::ErrorKind::Corrupt && superblock_warning.is_some() => {
+            Err(Error::corrupt(format!(
+                "{}. That checkpoint is the older one, named by the only valid superblock slot; once a newer \
+                 checkpoint is durable the older one's units may be reused, so the pool cannot be rolled back to \
+                 it: restore the pool from a copy. ({})",
+                e.message(),
+                superblock_warning.unwrap()
+            )))
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// [`load`] after the superblock: the checkpoint `sb` names, then the log.
+fn load_from(read: &mut ReadAt<'_>, sb: Superblock, geo: Geometry) -> Result<Loaded> {
     // Holds the stored refcounts and the checkpoint's units as they are read.
     let mut alloc = Allocator::new(geo.unit_count as usize);
     let mut volumes = BTreeMap::new();
@@ -762,7 +781,7 @@ pub(crate) fn load(read: &mut ReadAt<'_>, size: u64, accept_rollback: bool) -> R
         log.pos = at + blocks * BLOCK_SIZE;
     }
     state.alloc.release_all();
-    Ok(Loaded { sb, geo, state, log, checkpoint_units, refcount_mismatches, batches, superblock_warning })
+    Ok(Loaded { sb, geo, state, log, checkpoint_units, refcount_mismatches, batches, superblock_warning: None })
 }
 
 fn put_page(vol: &mut VolumeMeta, index: u64, page: Arc<MapPage>, unit_size: u64) -> std::result::Result<(), ()> {
