@@ -423,6 +423,7 @@ fn a_rollback_whose_checkpoint_was_reused_says_the_pool_cannot_be_rolled_back() 
     // says why instead of only naming a bad checkpoint chunk.
     let td = TestDir::new();
     let mut s = Server::start_with(&td.data(), "1GiB", &[]);
+    s.cli_ok(&["pool", "status"]); // the pool is created and open
     s.kill9();
     s.restart(); // the checkpoint at open frees the first one's units
     s.create_volume("b", "64MiB");
@@ -506,10 +507,28 @@ fn a_pool_file_that_cannot_be_created_is_not_left_behind() {
     assert!(!o.status.success(), "serve started on a 1 PiB pool file:\n{msg}");
     assert!(msg.contains("size pool file") || msg.contains("too large"), "no reason given:\n{msg}");
     assert!(!td.data().join("pool.img").exists(), "a failed create left pool.img behind:\n{msg}");
+    assert!(!td.data().join("pool.img.creating").exists(), "a failed create left its temporary file:\n{msg}");
     let mut s = Server::start_with(&td.data(), "128MiB", &[]);
     s.create_volume("v", "16MiB");
     s.stop();
     check_clean(&td.data());
+}
+
+#[test]
+fn a_kill_during_pool_creation_leaves_nothing_that_blocks_the_next_start() {
+    // The sockets accept before the pool exists, so a kill right after the start lands
+    // during creation some of the time: the next start must create or open the pool,
+    // never find a half-made pool.img and call it corrupt.
+    for _ in 0..5 {
+        let td = TestDir::new();
+        let mut s = Server::start_with(&td.data(), "1GiB", &[]);
+        s.kill9();
+        s.restart();
+        s.create_volume("v", "16MiB");
+        s.stop();
+        check_clean(&td.data());
+        assert!(!td.data().join("pool.img.creating").exists());
+    }
 }
 
 #[test]

@@ -363,6 +363,22 @@ fn lock(file: &File, exclusive: bool, path: &Path) -> Result<()> {
     }
 }
 
+/// Where [`Pool::create`] formats a new pool file before moving it to `path`.
+fn creating_path(path: &Path) -> std::path::PathBuf {
+    let mut name = path.file_name().unwrap_or_default().to_owned();
+    name.push(".creating");
+    path.with_file_name(name)
+}
+
+/// `fsync` of the directory holding `path`, so that a rename into it is durable.
+fn sync_parent_dir(path: &Path) -> std::io::Result<()> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    File::open(dir)?.sync_all()
+}
+
 /// Result of [`check`].
 #[derive(Debug, Clone)]
 pub struct CheckReport {
@@ -490,7 +506,9 @@ impl Pool {
     }
 
     /// Creates a pool: a new sparse file of `opts.size` bytes, or an existing block
-    /// device (its whole size). Refuses to overwrite an existing regular file.
+    /// device (its whole size). Refuses to overwrite an existing regular file. A new
+    /// file is formatted as `<path>.creating` and renamed to `path` once durable, so an
+    /// interrupted create leaves no file at `path`.
     ///
     /// Errors: [`ErrorKind::AlreadyExists`] for an existing file,
     /// [`ErrorKind::InvalidArgument`] for a bad unit size or a pool too small,
@@ -517,17 +535,28 @@ impl Pool {
             }
             Err(_) => false,
         };
+        // A new file is formatted under a temporary name beside `path` and moved into
+        // place only once both superblocks are durable: a crash or kill during creation
+        // never leaves a file at `path` that is not a pool (which every later start would
+        // call corrupt). A leftover of such a crash is reused; its lock keeps two
+        // creators apart.
+        let creating = (!is_dev).then(|| creating_path(path));
+        let target = creating.as_deref().unwrap_or(path);
         let (file, _direct) =
-            io::open_pool_file(path, !is_dev).map_err(|e| Error::io(format!("create {}", path.display()), e))?;
-        lock(&file, true, path)?;
-        // A new file that does not become a pool is removed, so that the next start does
-        // not find an empty or partial file and call it corrupt.
-        let discard = |e: Error| {
-            if !is_dev {
-                let _ = std::fs::remove_file(path);
+            io::open_pool_file(target, !is_dev).map_err(|e| Error::io(format!("create {}", target.display()), e))?;
+        lock(&file, true, target)?;
+        let remove_creating = || {
+            if let Some(c) = &creating {
+                let _ = std::fs::remove_file(c);
             }
+        };
+        let discard = |e: Error| {
+            remove_creating();
             e
         };
+        if !is_dev {
+            file.set_len(0).map_err(|e| discard(Error::io("truncate a leftover pool file", e)))?;
+        }
         let size = if is_dev {
             io::device_size(&file).map_err(|e| Error::io("size of device", e))?
         } else {
@@ -539,9 +568,7 @@ impl Pool {
         let data_offset = (LOG_OFFSET + log_size).div_ceil(unit) * unit;
         let unit_count = size.saturating_sub(data_offset) / unit;
         if unit_count < 64 || unit_count >= u64::from(u32::MAX) {
-            if !is_dev {
-                let _ = std::fs::remove_file(path);
-            }
+            remove_creating();
             // The bounds in bytes, for this unit size (the log's size grows with the pool's).
             let offset_for = |log: u64| (LOG_OFFSET + log).div_ceil(unit) * unit;
             let message = if unit_count < 64 {
@@ -597,6 +624,17 @@ impl Pool {
         })();
         drop(ring);
         formatted.map_err(discard)?;
+        if let Some(c) = &creating {
+            // Only this creator holds the lock on `c`, and `path` did not exist above.
+            if path.exists() {
+                return Err(discard(Error::new(
+                    ErrorKind::AlreadyExists,
+                    format!("{} appeared while the pool was created; refusing to overwrite it", path.display()),
+                )));
+            }
+            std::fs::rename(c, path).map_err(|e| discard(Error::io(format!("create {}", path.display()), e)))?;
+            sync_parent_dir(path).map_err(|e| Error::io(format!("sync the directory of {}", path.display()), e))?;
+        }
         drop(file); // releases the lock for open()
         tracing::info!(path = %path.display(), size, unit_size = unit, "created pool");
         Pool::open_with(path, &opts.io)

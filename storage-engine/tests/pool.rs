@@ -296,3 +296,22 @@ fn a_too_small_pool_is_refused_with_the_smallest_size_that_works() {
     assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
     Pool::create(&path, &opts(min)).unwrap().close().unwrap();
 }
+
+#[test]
+fn a_create_cut_short_leaves_no_pool_file_and_its_leftover_is_reused() {
+    // A create formats `<path>.creating` and renames it only once durable: the leftover
+    // of a create that was killed (here: junk in that file) is no pool, no file sits at
+    // the pool's path, and the next create takes the leftover over and removes it.
+    let dir = tempfile::tempdir().unwrap();
+    let p = pool_path(dir.path());
+    let leftover = dir.path().join("pool.img.creating");
+    std::fs::write(&leftover, vec![0x5au8; 3 * MIB as usize]).unwrap();
+    assert!(!p.exists());
+    let pool = create(dir.path(), 16 * MIB);
+    assert!(!leftover.exists(), "the leftover was not taken over");
+    assert_eq!(std::fs::metadata(&p).unwrap().len(), 16 * MIB);
+    let rt = rt();
+    rt.block_on(pool.create_volume("a", MIB)).unwrap();
+    pool.close().unwrap();
+    assert!(storage_engine::check(&p).unwrap().problems.is_empty());
+}
