@@ -512,12 +512,12 @@ async fn serve(data_dir: &Path, mgmt_socket: &Path, args: ServeArgs) -> anyhow::
     let tcp = std::net::TcpListener::bind(args.listen)
         .and_then(|l| {
             l.set_nonblocking(true)?;
-            let _rt = dataplane.handle.enter();
+            let _rt = dataplane.handle().enter();
             tokio::net::TcpListener::from_std(l)
         })
         .with_context(|| format!("bind NBD on {}", args.listen))?;
     let unix = {
-        let _rt = dataplane.handle.enter();
+        let _rt = dataplane.handle().enter();
         bind_unix(&nbd_sock)?
     };
     let mgmt_listener = bind_unix(mgmt_socket)?;
@@ -532,7 +532,7 @@ async fn serve(data_dir: &Path, mgmt_socket: &Path, args: ServeArgs) -> anyhow::
     let p = pool_path.clone();
     let format = args.format;
     let pool = dataplane
-        .handle
+        .handle()
         .spawn_blocking(move || {
             use std::os::unix::fs::FileTypeExt;
             let is_dev = std::fs::metadata(&p).map(|m| m.file_type().is_block_device()).unwrap_or(false);
@@ -583,7 +583,7 @@ async fn serve(data_dir: &Path, mgmt_socket: &Path, args: ServeArgs) -> anyhow::
             stopped(stop_rx.clone()),
         ))
     });
-    let dp = &dataplane.handle;
+    let dp = dataplane.handle();
     let tcp_task = dp.spawn(nbd_server.clone().serve_tcp(tcp, stopped(stop_rx.clone())));
     let unix_task = dp.spawn(nbd_server.clone().serve_unix(unix, stopped(stop_rx.clone())));
     let mgmt_task = tokio::spawn(
@@ -631,9 +631,7 @@ async fn serve(data_dir: &Path, mgmt_socket: &Path, args: ServeArgs) -> anyhow::
 /// hand-off. The first also owns the listeners. Management requests run on the main
 /// runtime.
 struct DataPlane {
-    /// The first thread's runtime (listeners, opening the pool).
-    handle: tokio::runtime::Handle,
-    /// Every thread's runtime, the first included.
+    /// Every thread's runtime; the first also owns the listeners and opens the pool.
     handles: Vec<tokio::runtime::Handle>,
     stops: Vec<tokio::sync::oneshot::Sender<()>>,
     threads: Vec<std::thread::JoinHandle<()>>,
@@ -655,7 +653,12 @@ impl DataPlane {
                 });
             })?);
         }
-        Ok(DataPlane { handle: handles[0].clone(), handles, stops, threads })
+        Ok(DataPlane { handles, stops, threads })
+    }
+
+    /// The first thread's runtime (listeners, opening the pool).
+    fn handle(&self) -> &tokio::runtime::Handle {
+        &self.handles[0]
     }
 
     /// Stops the runtimes (dropping whatever tasks are left) once the pool is closed.

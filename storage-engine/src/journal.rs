@@ -483,8 +483,7 @@ pub(crate) fn validate_superblock(sb: &Superblock, size: u64) -> Result<Geometry
 /// one slot is valid (generation `G`), the other is tolerated only if it is
 /// recognisably the older one (its magic intact and its generation field reading
 /// `G - 1`), or if it is all zeros with `G` 0 or 1 (a pool whose creation was cut
-/// short: it names no checkpoint);
-/// otherwise the open fails unless `accept_rollback`.
+/// short: it names no checkpoint); otherwise the open fails unless `accept_rollback`.
 ///
 /// Errors: [`ErrorKind::Corrupt`](crate::ErrorKind::Corrupt) naming each slot's problem.
 pub(crate) fn read_superblock(

@@ -658,14 +658,6 @@ impl Pool {
         Pool::open_inner(path, io, false)
     }
 
-    /// [`Pool::open`] with `opts`' io_uring set-up and superblock rollback choice (the
-    /// size and unit size are ignored).
-    ///
-    /// Errors: as [`Pool::open`].
-    pub fn open_with_options(path: &Path, opts: &PoolOptions) -> Result<Pool> {
-        Pool::open_inner(path, &opts.io, opts.accept_superblock_rollback)
-    }
-
     fn open_inner(path: &Path, io: &IoOptions, accept_superblock_rollback: bool) -> Result<Pool> {
         let (file, direct) =
             io::open_pool_file(path, false).map_err(|e| Error::io(format!("open {}", path.display()), e))?;
@@ -1269,15 +1261,13 @@ impl PoolInner {
         let unfinished = FailOnDrop(Some(self));
         let result = async {
             let plan = plan?;
-            let writes = self.writes_since_sync.swap(0, Ordering::SeqCst);
-            if writes > 0 || !records.is_empty() {
+            if self.data_sync_needed(&records) {
                 let r = self.ring.fdatasync().await.map_err(|_| worker_gone())?;
                 r.map_err(|e| Error::io("fdatasync pool", e))?;
             }
             // Every batch write is waited for, even after one fails: none may land
             // after the lock is released.
-            let rxs: Vec<_> =
-                plan.writes.iter().map(|(off, b)| write_blocks_async(&self.ring, *off, &[b], true)).collect();
+            let rxs = self.submit_batches(&plan);
             let mut first_error = None;
             for rx in rxs {
                 if let Err(e) = log_write_done(rx.await) {
@@ -1333,11 +1323,10 @@ impl PoolInner {
             // are already applied in memory) and empties the log.
             return self.checkpoint_locked(log, 0);
         };
-        let writes = self.writes_since_sync.swap(0, Ordering::SeqCst);
-        if writes > 0 || !records.is_empty() {
+        if self.data_sync_needed(&records) {
             sync(&self.ring)?;
         }
-        let rxs: Vec<_> = plan.writes.iter().map(|(off, b)| write_blocks_async(&self.ring, *off, &[b], true)).collect();
+        let rxs = self.submit_batches(&plan);
         // Every batch write is waited for, even after one fails.
         let mut first_error = None;
         for rx in rxs {
@@ -1395,6 +1384,18 @@ impl PoolInner {
             pos += len;
         }
         Ok(Some(LogPlan { writes, end: pos }))
+    }
+
+    /// Whether C2's `fdatasync` is needed before `records` are written: data was written
+    /// since the last one, or records will point at data (resets the write count).
+    fn data_sync_needed(&self, records: &[u8]) -> bool {
+        let writes = self.writes_since_sync.swap(0, Ordering::SeqCst);
+        writes > 0 || !records.is_empty()
+    }
+
+    /// C3: submits `plan`'s batch writes, each with `RWF_DSYNC` (durable on completion).
+    fn submit_batches(&self, plan: &LogPlan) -> Vec<oneshot::Receiver<io::RwResult>> {
+        plan.writes.iter().map(|(off, b)| write_blocks_async(&self.ring, *off, &[b], true)).collect()
     }
 
     /// C3's end and C4, once the batches of `plan` are durable: advance the log, mark
@@ -1633,14 +1634,8 @@ fn committer(pool: std::sync::Weak<PoolInner>, commits: Arc<Commits>) {
             }
             return;
         };
-        let result = if inner.failed.load(Ordering::SeqCst) {
-            Err(ErrorKind::Failed)
-        } else {
-            inner.commit_cycle().map_err(|e| {
-                inner.fail(&e);
-                ErrorKind::Failed
-            })
-        };
+        // A failed pool is refused, and a failing cycle fails the pool, inside.
+        let result = inner.commit_cycle().map_err(|_| ErrorKind::Failed);
         // Release the pool before answering, so a caller that drops its last handle
         // after the flush closes the pool file at once.
         drop(inner);
