@@ -124,10 +124,18 @@ pub fn json(s: &str) -> serde_json::Value {
     serde_json::from_str(s).unwrap_or_else(|e| panic!("not JSON ({e}): {s}"))
 }
 
-/// True if nobody holds an exclusive lock on `pool` (flock(1) gets a shared one).
+/// True if nobody holds an exclusive lock on `pool`, nor on `<pool>.creating` (where a
+/// new pool is formatted), flock(1) getting a shared one. A missing file counts as
+/// unlocked and is never created: flock(1) opens with O_CREAT, and a 0-byte `pool.img`
+/// left by the check would be refused as corrupt by the next start.
 pub fn pool_unlocked(pool: &Path) -> bool {
     require("flock");
-    output(Command::new("flock").args(["--nonblock", "--shared"]).arg(pool).arg("true")).status.success()
+    let mut creating = pool.as_os_str().to_owned();
+    creating.push(".creating");
+    [pool, Path::new(&creating)]
+        .iter()
+        .filter(|p| p.exists())
+        .all(|p| output(Command::new("flock").args(["--nonblock", "--shared"]).arg(p).arg("true")).status.success())
 }
 
 /// Waits up to 10 s for the exclusive lock on `pool` to go away.
