@@ -3,7 +3,7 @@
 //! Lives here: [`MemExport`] (a `Vec<u8>` behind a mutex, with per-4-KiB-block
 //! allocation tracking so that reads and block status report holes), and
 //! [`MemRegistry`]. Test knobs: a read delay that depends on the offset, a poisoned range
-//! whose reads fail with `NBD_EIO`, and counters of flushes and of the largest write
+//! whose reads fail with `NBD_EIO`, a range whose reads panic, and counters of flushes and of the largest write
 //! buffer ever allocated.
 //! [`fuzz_handshake`] and [`fuzz_transmission`] feed arbitrary client bytes to a
 //! server over an in-memory stream (used by `fuzz/` and by the corpus replay test).
@@ -37,6 +37,8 @@ pub struct MemExport {
     pub read_delay: Option<DelayFn>,
     /// Reads overlapping this byte range fail with `Eio`.
     pub poison: Option<Range<u64>>,
+    /// Reads overlapping this byte range panic (an export bug), after the read delay.
+    pub panic_on_read: Option<Range<u64>>,
     /// Largest `len` passed to `alloc_write_buf`, in bytes.
     pub max_write_alloc: AtomicU64,
     /// Number of `flush` calls.
@@ -59,6 +61,7 @@ impl MemExport {
             description: "in-memory test export".to_string(),
             read_delay: None,
             poison: None,
+            panic_on_read: None,
             max_write_alloc: AtomicU64::new(0),
             flushes: AtomicU64::new(0),
         }
@@ -147,6 +150,9 @@ impl Export for MemExport {
             if offset < p.end && p.start < end {
                 return Err(Errno::Eio);
             }
+        }
+        if let Some(p) = &self.panic_on_read {
+            assert!(!(offset < p.end && p.start < end), "read of a range set to panic");
         }
         let state = self.state.lock().unwrap();
         let data = state.data[offset as usize..end as usize].to_vec();

@@ -16,13 +16,17 @@
 //! contract makes completed writes durable on flush. `NBD_CMD_DISC` stops reading, waits
 //! for every in-flight request, writes their replies and closes.
 
+use std::future::Future;
 use std::ops::Range;
+use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::future::FutureExt;
+use futures_util::stream::{FuturesUnordered, StreamExt};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
-use tokio::task::JoinSet;
 
 use crate::error::Error;
 use crate::export::{Errno, Export, Extent, ReadData};
@@ -511,81 +515,89 @@ impl Budget {
     }
 }
 
-/// Reads requests until `NBD_CMD_DISC`, end of stream, a protocol violation or the
-/// writer going away; then waits for every spawned request and drops the last sender so
-/// that the writer finishes.
-async fn read_requests<E, R>(
-    reader: &mut R,
-    negotiated: Negotiated<E>,
+/// A request's run against the export, ending with its reply handed to the writer.
+type Running = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// What one pass of [`RequestReader::next`] produced.
+enum Intake {
+    /// A validated request, to run concurrently with the ones in flight.
+    Run(Running),
+    /// Nothing to run: the request was answered without the export (rejected), or the
+    /// server began shutting down.
+    Next,
+    /// Stop reading requests, for this reason.
+    Stop(Result<(), Error>),
+}
+
+/// The reading side of one connection: everything [`RequestReader::next`] needs to
+/// take one request off the stream.
+struct RequestReader<'a, E: Export, R> {
+    reader: &'a mut R,
+    export: Arc<E>,
+    params: Params,
+    budget: Budget,
     tx: mpsc::Sender<Outgoing<E::ReadBuf>>,
-    config: &ServerConfig,
-    mut shutting_down: watch::Receiver<bool>,
-) -> Result<(), Error>
-where
-    E: Export,
-    R: AsyncRead + Unpin,
-{
-    // Set once the server shuts down: new requests get ESHUTDOWN until then.
-    let mut close_at: Option<tokio::time::Instant> = None;
-    let Negotiated { export, params, .. } = negotiated;
-    let structured = params.structured;
-    let budget = Budget::new(config);
-    let mut tasks: JoinSet<()> = JoinSet::new();
+    config: &'a ServerConfig,
+    shutting_down: watch::Receiver<bool>,
+    /// Set once the server shuts down: new requests get ESHUTDOWN until then.
+    close_at: Option<tokio::time::Instant>,
+}
 
-    let mut result = 'read: loop {
-        while let Some(joined) = tasks.try_join_next() {
-            if joined.is_err() {
-                break 'read Err(Error::HandlerPanicked);
-            }
-        }
-
+impl<E: Export, R: AsyncRead + Unpin> RequestReader<'_, E, R> {
+    /// Reads one request (its header, and a WRITE's payload), validates it, and waits
+    /// for its share of the connection's budget. A rejected request is answered here.
+    async fn next(&mut self) -> Intake {
+        let structured = self.params.structured;
         let mut header = [0u8; REQUEST_HEADER_LEN];
-        let got = tokio::select! {
-            // The writer failed: nothing more can be answered.
-            _ = tx.closed() => None,
-            _ = shutting_down.wait_for(|s| *s), if close_at.is_none() => {
-                close_at = Some(tokio::time::Instant::now() + config.shutdown_grace);
-                continue;
+        let got = {
+            let close_at = self.close_at;
+            tokio::select! {
+                // The writer failed: nothing more can be answered.
+                _ = self.tx.closed() => None,
+                _ = self.shutting_down.wait_for(|s| *s), if close_at.is_none() => {
+                    self.close_at = Some(tokio::time::Instant::now() + self.config.shutdown_grace);
+                    return Intake::Next;
+                }
+                _ = sleep_until_some(close_at) => {
+                    tracing::info!("closing a connection: the server is shutting down");
+                    return Intake::Stop(Ok(()));
+                }
+                _ = idle_expired(&self.budget, self.config.idle_timeout) => {
+                    let idle = self.config.idle_timeout.unwrap_or_default();
+                    tracing::info!(?idle, "closing an idle connection");
+                    return Intake::Stop(Err(Error::IdleTimeout(idle)));
+                }
+                got = read_full_or_eof(self.reader, &mut header) => Some(got),
             }
-            _ = tokio::time::sleep_until(close_at.unwrap_or_else(tokio::time::Instant::now)), if close_at.is_some() => {
-                tracing::info!("closing a connection: the server is shutting down");
-                break Ok(());
-            }
-            _ = idle_expired(&budget, config.idle_timeout) => {
-                let idle = config.idle_timeout.unwrap_or_default();
-                tracing::info!(?idle, "closing an idle connection");
-                break Err(Error::IdleTimeout(idle));
-            }
-            got = read_full_or_eof(reader, &mut header) => Some(got),
         };
         let Some(got) = got else {
-            break Ok(());
+            return Intake::Stop(Ok(()));
         };
         match got {
             Ok(true) => {}
             Ok(false) => {
                 tracing::debug!("client closed the connection without NBD_CMD_DISC");
-                break Ok(());
+                return Intake::Stop(Ok(()));
             }
-            Err(e) => break Err(e.into()),
+            Err(e) => return Intake::Stop(Err(e.into())),
         }
         let request = match Request::parse(&header) {
             Ok(r) => r,
-            Err(e) => break Err(Error::protocol(format!("request header: {e}"))),
+            Err(e) => return Intake::Stop(Err(Error::protocol(format!("request header: {e}")))),
         };
         tracing::trace!(?request, "request received");
         if request.command == Command::Disc {
-            break Ok(());
+            return Intake::Stop(Ok(()));
         }
 
         let handle = request.handle;
-        let checked = match close_at {
+        let checked = match self.close_at {
             Some(_) => Err(Rejection { errno: Errno::Eshutdown, message: "the server is shutting down" }),
-            None => check(&request, &params, export.size()),
+            None => check(&request, &self.params, self.export.size()),
         };
         let payload = checked.as_ref().map_or(0, Op::payload_bytes);
-        let Some(permits) = budget.acquire(payload).await else {
-            break Ok(());
+        let Some(permits) = self.budget.acquire(payload).await else {
+            return Intake::Stop(Ok(()));
         };
 
         let op = match checked {
@@ -593,21 +605,18 @@ where
             Err(rejection) => {
                 tracing::debug!(?request, ?rejection, "request rejected");
                 if request.command == Command::Write {
-                    if let Err(e) = discard(reader, request.length).await {
-                        break Err(e.into());
+                    if let Err(e) = discard(self.reader, request.length).await {
+                        return Intake::Stop(Err(e.into()));
                     }
                 }
                 let reply = error_reply(structured, handle, rejection.errno, rejection.message);
-                if tx.send(Outgoing { reply, _permits: permits }).await.is_err() {
-                    break Ok(());
-                }
-                continue;
+                return answer(&self.tx, Outgoing { reply, _permits: permits }).await;
             }
         };
 
-        let export = Arc::clone(&export);
-        let tx = tx.clone();
-        if let Op::Write { offset, len, fua } = op {
+        let export = Arc::clone(&self.export);
+        let tx = self.tx.clone();
+        let run: Running = if let Op::Write { offset, len, fua } = op {
             let mut buf = export.alloc_write_buf(offset, len);
             if buf.as_mut().len() != len as usize {
                 tracing::warn!(
@@ -615,44 +624,115 @@ where
                     got = buf.as_mut().len(),
                     "export returned a write buffer of the wrong length"
                 );
-                if let Err(e) = discard(reader, len).await {
-                    break Err(e.into());
+                if let Err(e) = discard(self.reader, len).await {
+                    return Intake::Stop(Err(e.into()));
                 }
                 let reply = error_reply(structured, handle, Errno::Eio, "internal error: write buffer");
-                if tx.send(Outgoing { reply, _permits: permits }).await.is_err() {
-                    break Ok(());
-                }
-                continue;
+                return answer(&self.tx, Outgoing { reply, _permits: permits }).await;
             }
-            if let Err(e) = reader.read_exact(buf.as_mut()).await {
-                break Err(e.into());
+            if let Err(e) = self.reader.read_exact(buf.as_mut()).await {
+                return Intake::Stop(Err(e.into()));
             }
-            tasks.spawn(async move {
+            Box::pin(async move {
                 let result = export.write(offset, buf, fua).await;
                 let reply = done(structured, handle, result, "write failed");
                 // A send error means the writer is gone; the reader stops on its own.
                 let _ = tx.send(Outgoing { reply, _permits: permits }).await;
-            });
+            })
         } else if let Op::Read { offset, len, df } = op {
-            tasks.spawn(async move {
+            Box::pin(async move {
                 let reply = execute_read(&*export, structured, handle, offset, len, df).await;
                 let _ = tx.send(Outgoing { reply, _permits: permits }).await;
-            });
+            })
         } else {
-            tasks.spawn(async move {
+            Box::pin(async move {
                 let reply = execute(&*export, structured, handle, op).await;
                 let _ = tx.send(Outgoing { reply, _permits: permits }).await;
-            });
+            })
+        };
+        Intake::Run(run)
+    }
+}
+
+/// Hands a reply made without the export to the writer.
+async fn answer<B>(tx: &mpsc::Sender<Outgoing<B>>, out: Outgoing<B>) -> Intake {
+    match tx.send(out).await {
+        Ok(()) => Intake::Next,
+        Err(_) => Intake::Stop(Ok(())),
+    }
+}
+
+/// Resolves at `at`; never if `at` is `None`.
+async fn sleep_until_some(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Reads requests until `NBD_CMD_DISC`, end of stream, a protocol violation or the
+/// writer going away; then waits for every request in flight and drops the last
+/// sender so that the writer finishes.
+///
+/// Requests run concurrently inside this future (a set of futures polled here), not as
+/// tasks of their own: the connection's one task reads, runs and answers them, so a
+/// request costs no spawn, and a completion wakes only this task. A request's future
+/// is polled as soon as it is woken, before the next request is read.
+async fn read_requests<E, R>(
+    reader: &mut R,
+    negotiated: Negotiated<E>,
+    tx: mpsc::Sender<Outgoing<E::ReadBuf>>,
+    config: &ServerConfig,
+    shutting_down: watch::Receiver<bool>,
+) -> Result<(), Error>
+where
+    E: Export,
+    R: AsyncRead + Unpin,
+{
+    let Negotiated { export, params, .. } = negotiated;
+    let mut requests = RequestReader {
+        reader,
+        export,
+        params,
+        budget: Budget::new(config),
+        tx,
+        config,
+        shutting_down,
+        close_at: None,
+    };
+    let mut running: FuturesUnordered<futures_util::future::CatchUnwind<AssertUnwindSafe<Running>>> =
+        FuturesUnordered::new();
+
+    let mut result = loop {
+        let step = {
+            let intake = requests.next();
+            tokio::pin!(intake);
+            loop {
+                tokio::select! {
+                    biased;
+                    Some(ran) = running.next(), if !running.is_empty() => {
+                        if ran.is_err() {
+                            break Intake::Stop(Err(Error::HandlerPanicked));
+                        }
+                    }
+                    step = &mut intake => break step,
+                }
+            }
+        };
+        match step {
+            Intake::Run(run) => running.push(AssertUnwindSafe(run).catch_unwind()),
+            Intake::Next => {}
+            Intake::Stop(r) => break r,
         }
     };
 
     // Finish everything in flight (their replies still go out), then let the writer end.
-    while let Some(joined) = tasks.join_next().await {
-        if joined.is_err() {
+    while let Some(ran) = running.next().await {
+        if ran.is_err() {
             result = Err(Error::HandlerPanicked);
         }
     }
-    drop(tx);
+    drop(requests);
     result
 }
 

@@ -231,6 +231,32 @@ async fn bad_magic_still_answers_requests_in_flight() {
 }
 
 #[tokio::test]
+async fn a_panicking_handler_ends_only_its_connection() {
+    // A read of the first block panics inside the export; one of block 1 is slow.
+    let mut export =
+        MemExport::new(SIZE).with_read_delay(|off| Duration::from_millis(if off == BLOCK { 200 } else { 0 }));
+    export.panic_on_read = Some(0..BLOCK);
+    let registry = disk_registry(export);
+    let (mut other, other_task, _) =
+        open_with(Arc::clone(&registry), ServerConfig::default(), "disk", false, false).await;
+    let (mut c, task, _) = open_with(registry, ServerConfig::default(), "disk", false, false).await;
+    send_write(&mut c, 0, 1, BLOCK, &pattern(8, 7)).await;
+    assert_eq!(simple_reply(&mut c, 1, 0).await.0, 0);
+    send_request(&mut c, Command::Read, 0, 2, BLOCK, 8).await;
+    send_request(&mut c, Command::Read, 0, 3, 0, 8).await;
+    // The slow read, in flight when its neighbour panicked, is still answered.
+    assert_eq!(simple_reply(&mut c, 2, 8).await, (0, pattern(8, 7)));
+    expect_closed(&mut c).await;
+    assert!(matches!(finish(task).await, Err(nbd::Error::HandlerPanicked)));
+    // The other connection to the same export goes on.
+    send_write(&mut other, 0, 1, 2 * BLOCK, &pattern(8, 9)).await;
+    assert_eq!(simple_reply(&mut other, 1, 0).await.0, 0);
+    send_request(&mut other, Command::Read, 0, 2, 2 * BLOCK, 8).await;
+    assert_eq!(simple_reply(&mut other, 2, 8).await, (0, pattern(8, 9)));
+    disconnect(other, other_task).await;
+}
+
+#[tokio::test]
 async fn unknown_command_and_bad_flags_are_einval() {
     for structured in [false, true] {
         let (mut c, task, _) = open(structured, false).await;
