@@ -3,9 +3,9 @@
 //!
 //! Lives here: the request reader (parses headers, validates each request against the
 //! negotiated state and the export size read at that moment, receives or discards WRITE
-//! payloads, and spawns one task per accepted request), the reply writer (the only owner
-//! of the socket's write half, writing replies in completion order), the per-connection
-//! backpressure (a request-count and a payload-byte budget), and the building of simple
+//! payloads, and runs each accepted request as a future polled inside the connection's
+//! task), the reply writer (the only owner of the socket's write half, writing replies
+//! in completion order), the per-connection backpressure (a request-count and a payload-byte budget), and the building of simple
 //! and structured replies (`NBD_REPLY_TYPE_OFFSET_DATA`, `NBD_REPLY_TYPE_OFFSET_HOLE`,
 //! `NBD_REPLY_TYPE_BLOCK_STATUS`, `NBD_REPLY_TYPE_ERROR`).
 //! Not here: option haggling (`handshake`), byte layouts (`proto`).
@@ -346,9 +346,9 @@ fn block_descriptors(extents: &[Extent], len: u32, req_one: bool) -> Vec<BlockDe
     out
 }
 
-/// Runs one validated READ and builds its reply. Apart from [`execute`] so that the task
-/// of a read, the most frequent request, holds only the read's state: a task's future is
-/// moved into its allocation when spawned, and `execute`'s holds the largest of every
+/// Runs one validated READ and builds its reply. Apart from [`execute`] so that the boxed
+/// future of a read, the most frequent request, holds only the read's state: a request's
+/// future is moved into its own allocation, and `execute`'s holds the largest of every
 /// operation's futures.
 async fn execute_read<E: Export>(
     export: &E,
