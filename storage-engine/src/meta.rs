@@ -361,6 +361,12 @@ pub struct Allocator {
     pub used: u64,
     /// Units holding checkpoint metadata.
     pub meta: u64,
+    /// Bytes by which the next checkpoint may exceed the last one: 32 per data unit
+    /// allocated (a page entry and a refcount entry), every entry of a mapping page
+    /// copied when it stopped being shared, and the page references of new snapshots
+    /// and clones. Never decreased between checkpoints (an upper bound); a checkpoint
+    /// takes it when it captures the state.
+    pub meta_growth: u64,
 }
 
 impl Allocator {
@@ -383,6 +389,7 @@ impl Allocator {
             settling: Arc::new(StripedCounts::new()),
             used: 0,
             meta: 0,
+            meta_growth: 0,
         }
     }
 
@@ -502,6 +509,7 @@ impl Allocator {
         let u = self.take_free()?;
         self.set_rc(u, 1);
         self.used += 1;
+        self.meta_growth += 32;
         Some(u)
     }
 

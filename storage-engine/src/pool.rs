@@ -279,15 +279,19 @@ fn now() -> u32 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs() as u32).unwrap_or(0)
 }
 
-/// Units to keep free so a checkpoint can always be written: twice an estimate of its
-/// size (72 bytes per used unit: a 16-byte page entry, a 16-byte refcount entry and up
-/// to a 36-byte framed page header if every unit sits in its own page, rounded up;
-/// 256 bytes per volume),
-/// plus slack.
-fn meta_reserve(used: u64, volumes: u64, unit_size: u64) -> u64 {
-    let payload = unit_size - size_of::<ChunkHeader>() as u64;
-    let est = used * 72 + volumes * 256 + 4096;
-    2 * est.div_ceil(payload) + 4
+/// Checkpoint bytes a chunk of a `unit_size`-byte unit is sure to hold: records never
+/// span chunks, so a chunk may end short by up to the largest record, a full mapping
+/// page (with 16 KiB units, half the payload).
+fn chunk_fill(unit_size: u64) -> u64 {
+    let largest = size_of::<RecordHeader>() + size_of::<PageRec>() + PAGE_ENTRIES * size_of::<PageEntry>();
+    unit_size - size_of::<ChunkHeader>() as u64 - largest as u64
+}
+
+/// An estimate in units of a checkpoint's size from the pool's use: 72 bytes per used
+/// unit (a 16-byte page entry, a 16-byte refcount entry and up to a 36-byte framed page
+/// header if every unit sits in its own page, rounded up) and 256 bytes per volume.
+fn checkpoint_estimate(used: u64, volumes: u64, unit_size: u64) -> u64 {
+    (used * 72 + volumes * 256 + 4096).div_ceil(chunk_fill(unit_size))
 }
 
 /// Refuses a new volume `name` while snapshots of a deleted volume of that name remain
@@ -869,6 +873,10 @@ impl Pool {
                 return Err(Error::new(ErrorKind::NotFound, format!("'{source}' was deleted")));
             }
             let map = src.map.read();
+            // The new volume's record, and a reference to each page it shares.
+            let pages = map.pages().iter().filter(|p| p.is_some()).count() as u64;
+            let growth = 64 + target.len() as u64 + 24 * pages;
+            self.inner.take_meta_room(&mut self.inner.alloc.lock(), growth)?;
             let id = self.inner.next_volume.fetch_add(1, Ordering::SeqCst);
             let created = now();
             let size = src.size.load(Ordering::SeqCst);
@@ -1116,11 +1124,45 @@ impl PoolInner {
         }
     }
 
-    /// Units an allocating write must leave free.
+    /// Units the next checkpoint may need, at most: the estimate from the pool's use,
+    /// or the last checkpoint (which also counts shared-page references and names) plus
+    /// what the state grew by since, whichever is larger.
+    fn checkpoint_need(&self, a: &Allocator) -> u64 {
+        let next = a.meta + a.meta_growth.div_ceil(chunk_fill(self.geo.unit_size));
+        checkpoint_estimate(a.used, self.volumes_len_hint(), self.geo.unit_size).max(next)
+    }
+
+    /// Units an allocating write must leave free: three times what the next checkpoint
+    /// may need, plus slack. Two of them let each checkpoint be written while the last
+    /// one stays (until the new one is durable); the third is room, in a pool whose
+    /// data is full, for metadata that grows without allocating data: snapshots, and
+    /// trims that copy mapping pages shared with them ([`Self::take_meta_room`]).
     pub fn reserve(&self, a: &Allocator) -> u64 {
-        // The estimate from used units, or twice the last checkpoint (which also
-        // counts shared-page references and names), whichever is larger.
-        meta_reserve(a.used, self.volumes_len_hint(), self.geo.unit_size).max(2 * a.meta + 4)
+        3 * self.checkpoint_need(a) + 8
+    }
+
+    /// Counts `bytes` of metadata that a change adds without allocating data (a new
+    /// snapshot or clone, a trim that copies a shared mapping page), or refuses the
+    /// change if it could leave the pool unable to write its checkpoints. The next
+    /// checkpoint (`need` units, grown by `bytes`) is written beside the last one
+    /// (`meta` units); once it is durable the last one is freed, and what is then free
+    /// must hold the checkpoint after it, of the same size if nothing else changes:
+    /// `free - need + meta >= need`, with 4 units to spare. Without this, such changes
+    /// in a full pool grew the metadata until the pool closed cleanly and could never
+    /// be opened again.
+    ///
+    /// Errors: [`ErrorKind::NoSpace`].
+    pub fn take_meta_room(&self, a: &mut Allocator, bytes: u64) -> Result<()> {
+        a.meta_growth += bytes;
+        if a.free_count() + a.meta <= 2 * self.checkpoint_need(a) + 4 {
+            a.meta_growth -= bytes;
+            return Err(Error::new(
+                ErrorKind::NoSpace,
+                "the pool is too full for the metadata this change adds (its next checkpoint must fit); \
+                 delete snapshots or volumes to free space",
+            ));
+        }
+        Ok(())
     }
 
     fn volumes_len_hint(&self) -> u64 {
@@ -1425,10 +1467,12 @@ impl PoolInner {
     /// [`Self::checkpoint`] with the log lock held by the caller.
     fn checkpoint_locked(&self, log: &mut LogState, seq_jump: u64) -> Result<()> {
         // 1. A consistent snapshot: all volume maps, the allocator and the journal.
-        let (snapshot, pending, upto) = {
+        let (snapshot, pending, upto, growth) = {
             let vols = self.volumes.read();
             let maps: Vec<_> = vols.values().map(|v| (v.clone(), v.map.read())).collect();
             let alloc = self.alloc.lock();
+            // Covered by this checkpoint once it is durable; what grows meanwhile is not.
+            let growth = alloc.meta_growth;
             let mut j = self.journal.lock();
             j.bytes.clear(); // captured by the snapshot itself
             let volumes = maps
@@ -1458,7 +1502,7 @@ impl PoolInner {
                 alloc: copy,
                 unit_size: self.geo.unit_size,
             };
-            (st, alloc.pending_mark(), self.records_logged.load(Ordering::SeqCst))
+            (st, alloc.pending_mark(), self.records_logged.load(Ordering::SeqCst), growth)
         };
         self.writes_since_sync.store(0, Ordering::SeqCst);
         // 2. Encode and write the chunks one at a time, each into a freshly allocated
@@ -1548,6 +1592,7 @@ impl PoolInner {
         for u in old {
             a.free_meta(u);
         }
+        a.meta_growth = a.meta_growth.saturating_sub(growth);
         a.release_pending(pending, &self.pins);
         drop(a);
         self.records_durable.fetch_max(upto, Ordering::SeqCst);

@@ -842,6 +842,15 @@ impl Volume {
                 u = page_end;
                 continue;
             }
+            // A page shared with a snapshot or clone is copied by the first change: the
+            // next checkpoint must still fit in the pool with the copy.
+            if map.page_shared(u) && (u..page_end).any(|x| map.get(x).is_mapped()) {
+                let page = map.pages()[(u / page_units) as usize].as_ref().map_or(0, |p| u64::from(p.mapped));
+                // Counted again (as the copy is made) by `incref_all`.
+                let mut a = self.pool.alloc.lock();
+                self.pool.take_meta_room(&mut a, 16 * page + 64).map_err(|e| self.err(e, "trim", offset))?;
+                a.meta_growth -= 16 * page + 64;
+            }
             while u < page_end {
                 let e = map.get(u);
                 if e.is_mapped() {
@@ -976,7 +985,12 @@ fn set_entry(map: &mut MapTable, lunit: u64, e: Entry) -> Vec<u32> {
     copied
 }
 
+/// Takes one more reference to each data unit of a copied mapping page, and counts the
+/// copy's entries (16 bytes each) and page header toward the next checkpoint's size.
 fn incref_all(a: &mut crate::meta::Allocator, units: Vec<u32>) {
+    if !units.is_empty() {
+        a.meta_growth += 16 * units.len() as u64 + 64;
+    }
     for u in units {
         a.incref(u);
     }

@@ -301,6 +301,72 @@ fn pool_full_with_snapshot_refuses_copy_on_write_only() {
     assert_clean(dir.path());
 }
 
+/// Snapshots, and trims that copy a mapping page shared with a snapshot, add metadata
+/// without allocating data. In a full pool that growth must stop while the next
+/// checkpoint still fits beside the last one: before, it went on until the pool closed
+/// cleanly and could never be opened again ("no free unit for the checkpoint").
+#[test]
+fn metadata_growth_in_a_full_pool_leaves_room_for_the_checkpoint() {
+    const UNIT: u64 = 16 * 1024;
+    const PAGE: u64 = 512 * UNIT; // volume bytes one mapping page covers
+    let dir = tempfile::tempdir().unwrap();
+    let rt = rt();
+    let opts = storage_engine::PoolOptions { size: 128 * MIB, unit_size: UNIT as u32, ..Default::default() };
+    let pool = Pool::create(&pool_path(dir.path()), &opts).unwrap();
+    rt.block_on(pool.create_volume("v", 512 * MIB)).unwrap();
+    let v = pool.volume("v").unwrap();
+    let mut filled = 0;
+    while rt.block_on(write(&v, filled, &[0xab; MIB as usize], false)).is_ok() {
+        filled += MIB;
+    }
+    assert!(filled > 64 * MIB, "only {filled} bytes fit");
+    // Each round: a snapshot, then a 4 KiB trim in every mapping page of the volume,
+    // which copies each page (the snapshot shares them all).
+    let (mut rounds_done, mut refused) = (0, 0);
+    for round in 1..=24u64 {
+        match rt.block_on(pool.create_snapshot("v", &format!("s{round}"))) {
+            Ok(_) => {}
+            Err(e) if e.kind() == ErrorKind::NoSpace => {
+                refused += 1;
+                continue;
+            }
+            Err(e) => panic!("snapshot {round}: {e}"),
+        }
+        for page in 0..filled.div_ceil(PAGE) {
+            match rt.block_on(v.trim(page * PAGE + round * 4096, 4096, false)) {
+                Ok(()) => {}
+                Err(e) if e.kind() == ErrorKind::NoSpace => refused += 1,
+                Err(e) => panic!("trim in round {round}: {e}"),
+            }
+        }
+        rt.block_on(pool.flush()).unwrap();
+        rounds_done += 1;
+    }
+    assert!(refused > 0, "the metadata never ran short after {rounds_done} rounds: the test shows nothing");
+    assert!(rounds_done >= 1, "a snapshot of the full volume was refused from the start");
+    drop(v);
+    pool.close().unwrap();
+    assert_clean(dir.path());
+    // The pool opens again (its checkpoint at open fits), and the first snapshot still
+    // holds every byte the trims took from the volume.
+    let pool = Pool::open(&pool_path(dir.path())).unwrap();
+    let s1 = pool.volume("v@s1").unwrap();
+    assert_eq!(rt.block_on(read(&s1, 2 * 4096, 4096)), vec![0xab; 4096]);
+    let v = pool.volume("v").unwrap();
+    assert_eq!(rt.block_on(read(&v, 4096, 4096)), vec![0; 4096], "the first round's trim was lost");
+    drop((s1, v));
+    // Deleting snapshots gives the room back.
+    for round in 1..=24u64 {
+        let _ = rt.block_on(pool.delete_snapshot("v", &format!("s{round}")));
+    }
+    let v = pool.volume("v").unwrap();
+    rt.block_on(v.trim(0, PAGE, false)).unwrap();
+    rt.block_on(pool.create_snapshot("v", "again")).unwrap();
+    drop(v);
+    pool.close().unwrap();
+    assert_clean(dir.path());
+}
+
 /// A new volume cannot take the name of a deleted volume whose snapshots remain (they
 /// would look like its own); once they are deleted, the name is free.
 #[test]
