@@ -32,7 +32,7 @@ use crate::testing::{Faults, IoLog};
 /// Alignment of every [`AlignedBuf`], in bytes: enough for O_DIRECT on 4Kn devices.
 pub const ALIGN: usize = 4096;
 
-/// An initialised heap buffer aligned to [`ALIGN`] bytes (zeroed, or recycled with an
+/// An initialised buffer aligned to [`ALIGN`] bytes (zeroed, or recycled with an
 /// earlier request's bytes: `AlignedBuf::recycled`), with a *view*: the byte
 /// range `[start, start + len)` that `as_ref`/`as_mut` expose. The engine reads and
 /// writes whole 4 KiB blocks through the full capacity and hands out the view.
@@ -71,15 +71,43 @@ impl AlignedBuf {
         let mut b = BufCache::take(cap).unwrap_or_else(|| AlignedBuf::fresh(cap));
         // Test builds make the bytes visibly not zero, so that a caller relying on
         // zeroes it never wrote fails its tests instead of leaking bytes in production.
-        if cfg!(debug_assertions) {
+        // Not beyond the cached sizes: those buffers are always fresh mappings (zero),
+        // whose pages must stay untouched until used.
+        if cfg!(debug_assertions) && b.cap <= BufCache::LARGEST {
             b.full_mut().fill(0xa5);
         }
         b
     }
 
     /// A newly allocated zeroed buffer, with the capacity [`BufCache`] gives `cap`.
+    ///
+    /// One larger than [`BufCache::LARGEST`] (never cached) is an anonymous mapping of
+    /// its own: the kernel backs its zero pages only as they are written. The
+    /// allocator's `alloc_zeroed` writes every byte of an over-aligned block, so a
+    /// 32 MiB write whose payload has not arrived yet held 32 MiB resident: a client
+    /// sending WRITE headers and stalling made the server hold 33 MiB per connection.
     fn fresh(cap: usize) -> AlignedBuf {
         let rounded = BufCache::capacity_for(cap);
+        if rounded > BufCache::LARGEST {
+            // SAFETY: a new private anonymous mapping: no file, no address hint; the
+            // result is checked against MAP_FAILED before use.
+            let raw = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    rounded,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            if raw != libc::MAP_FAILED {
+                let ptr = NonNull::new(raw.cast::<u8>()).expect("mmap returns a non-null address");
+                return AlignedBuf { ptr, cap: rounded, start: 0, len: cap };
+            }
+            let layout = Layout::from_size_align(rounded, ALIGN).expect("buffer size overflows");
+            alloc::handle_alloc_error(layout);
+        }
         let layout = Layout::from_size_align(rounded, ALIGN).expect("buffer size overflows");
         // SAFETY: the layout has a non-zero size (rounded >= ALIGN).
         let raw = unsafe { alloc::alloc_zeroed(layout) };
@@ -122,6 +150,12 @@ impl AlignedBuf {
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
         if BufCache::give(self.ptr, self.cap) {
+            return;
+        }
+        if self.cap > BufCache::LARGEST {
+            // SAFETY: buffers of this capacity are mappings made in `fresh` with exactly
+            // this length, never cached (give returned false), unmapped once here.
+            unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.cap) };
             return;
         }
         let layout = Layout::from_size_align(self.cap, ALIGN).expect("layout was valid at allocation");
