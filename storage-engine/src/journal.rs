@@ -293,8 +293,7 @@ impl State {
                 flags: (if v.snapshot { VOLUME_FLAG_SNAPSHOT } else { 0 }).into(),
             };
             w.push(REC_VOLUME, &[r.as_bytes(), v.name.as_bytes()])?;
-            for (index, page) in v.map.pages().iter().enumerate() {
-                let Some(page) = page else { continue };
+            for (index, page) in v.map.pages() {
                 let key = Arc::as_ptr(page);
                 if let Some(&pid) = page_ids.get(&key) {
                     let r = PageRefRec { volume: id.into(), page_index: (index as u64).into(), page_id: pid.into() };
@@ -569,6 +568,9 @@ pub(crate) struct Loaded {
     pub batches: u64,
     /// A damaged superblock slot the pool was opened despite ([`read_superblock`]).
     pub superblock_warning: Option<String>,
+    /// Valid batches of later sequence numbers beyond the end of the replayed log
+    /// ([`batches_beyond`]).
+    pub log_warning: Option<String>,
 }
 
 /// The refcount each of `units` data units should have by the mappings `maps`: the
@@ -578,7 +580,7 @@ pub(crate) fn derive_refcounts<'a>(maps: impl IntoIterator<Item = &'a MapTable>,
     let mut derived = Allocator::new(units);
     let mut seen: std::collections::HashSet<*const MapPage> = Default::default();
     for map in maps {
-        for p in map.pages().iter().flatten() {
+        for (_, p) in map.pages() {
             if seen.insert(Arc::as_ptr(p)) {
                 p.units().for_each(|u| derived.incref(u));
             }
@@ -780,12 +782,65 @@ fn load_from(read: &mut ReadAt<'_>, sb: Superblock, geo: Geometry) -> Result<Loa
         log.pos = at + blocks * BLOCK_SIZE;
     }
     state.alloc.release_all();
-    Ok(Loaded { sb, geo, state, log, checkpoint_units, refcount_mismatches, batches, superblock_warning: None })
+    let log_warning = batches_beyond(read, &geo, &log)?;
+    Ok(Loaded {
+        sb,
+        geo,
+        state,
+        log,
+        checkpoint_units,
+        refcount_mismatches,
+        batches,
+        superblock_warning: None,
+        log_warning,
+    })
+}
+
+/// Looks through the whole log region for valid batches (magic, pool, checksum) whose
+/// sequence number is past the last one replayed: the replay stopped at a damaged or
+/// missing batch with such batches behind it. A crash while a commit writes several
+/// batches at once can leave exactly that (a later batch of the same, never
+/// acknowledged, commit completed while an earlier one was torn), so it is not refused;
+/// but a damaged batch of an earlier, acknowledged commit looks the same, and then
+/// every commit after it was dropped. The format cannot tell the two apart (batches do
+/// not say which commit they belong to), so this says which it may be. Reads the log
+/// once, a MiB at a time.
+fn batches_beyond(read: &mut ReadAt<'_>, geo: &Geometry, log: &LogCursor) -> Result<Option<String>> {
+    const PIECE: u64 = 1 << 20;
+    let (mut found, mut last) = (0u64, 0u64);
+    let mut off = 0;
+    while off < geo.log_size {
+        let len = PIECE.min(geo.log_size - off);
+        let piece = read(geo.log_offset + off, len as usize).map_err(|e| Error::io("read log", e))?;
+        for (i, block) in piece.chunks_exact(BLOCK_SIZE as usize).enumerate() {
+            let (h, _) = BatchHeader::read_from_prefix(block).expect("block holds a header");
+            if h.magic.get() != LOG_MAGIC || h.pool_tag.get() != geo.pool_tag() || h.seq.get() <= log.seq {
+                continue;
+            }
+            let pos = off + i as u64 * BLOCK_SIZE;
+            if read_batch(read, geo, pos, h.seq.get())?.is_some() {
+                found += 1;
+                last = last.max(h.seq.get());
+            }
+        }
+        off += len;
+    }
+    Ok((found > 0).then(|| {
+        format!(
+            "the log replay stopped at a damaged or missing batch (sequence {}), and {found} valid batch(es) \
+             with later sequence numbers (up to {last}) lie beyond it and were not replayed. If the server \
+             was stopped while committing, they belong to that unacknowledged commit and nothing \
+             acknowledged is lost; otherwise the log was damaged and the commits from sequence {} on \
+             (acknowledged flushes among them) were lost",
+            log.seq + 1,
+            log.seq + 1
+        )
+    }))
 }
 
 fn put_page(vol: &mut VolumeMeta, index: u64, page: Arc<MapPage>, unit_size: u64) -> std::result::Result<(), ()> {
     let pages = vol.size.div_ceil(unit_size).div_ceil(PAGE_ENTRIES as u64);
-    if index >= pages || vol.map.pages().get(index as usize).is_some_and(|p| p.is_some()) {
+    if index >= pages || vol.map.page(index as usize).is_some() {
         return Err(());
     }
     vol.map.put_page(index as usize, page);

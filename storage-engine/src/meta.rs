@@ -179,15 +179,24 @@ impl Default for MapPage {
     }
 }
 
+/// Mapping pages per leaf of a [`MapTable`]: a leaf (4 KiB of page pointers) covers
+/// 512 pages, 262,144 logical units.
+const LEAF_PAGES: usize = 512;
+
+/// One leaf of a [`MapTable`]: page pointers by `page index % LEAF_PAGES`.
+type Leaf = [Option<Arc<MapPage>>; LEAF_PAGES];
+
 /// A volume's mapping: pages indexed by `lunit / 512`; an absent page is all unmapped.
 ///
-/// The vector of page pointers reaches only as far as the last present page, not the
-/// volume's size: a 1 TiB volume written in its first GiB holds 32 pointer slots, not
-/// 32,768 (8 bytes each). The volume checks ranges against its size; the table takes
-/// any logical unit.
+/// The pages sit in a two-level table: leaves of 512 page pointers, present only where
+/// a page is, under a vector of leaf pointers that reaches only as far as the last
+/// present leaf. A 1 TiB volume written in its first GiB holds one 4 KiB leaf; one
+/// written only at its last byte holds one leaf and 8 bytes per 16 GiB before it
+/// (with 64 KiB units), not 8 bytes per 32 MiB. The volume checks ranges against its
+/// size; the table takes any logical unit.
 #[derive(Clone, Default)]
 pub struct MapTable {
-    pages: Vec<Option<Arc<MapPage>>>,
+    leaves: Vec<Option<Box<Leaf>>>,
 }
 
 impl MapTable {
@@ -196,13 +205,19 @@ impl MapTable {
         MapTable::default()
     }
 
+    /// The page of index `p` (logical units `p * 512 ..`), if present.
+    #[inline]
+    pub fn page(&self, p: usize) -> Option<&Arc<MapPage>> {
+        self.leaves.get(p / LEAF_PAGES)?.as_ref()?[p % LEAF_PAGES].as_ref()
+    }
+
     /// Entry of `lunit` (unmapped when out of the table).
     #[inline]
     pub fn get(&self, lunit: u64) -> Entry {
         let (p, i) = split(lunit);
-        match self.pages.get(p) {
-            Some(Some(page)) => page.entries[i],
-            _ => Entry::EMPTY,
+        match self.page(p) {
+            Some(page) => page.entries[i],
+            None => Entry::EMPTY,
         }
     }
 
@@ -210,7 +225,41 @@ impl MapTable {
     #[inline]
     pub fn page_shared(&self, lunit: u64) -> bool {
         let (p, _) = split(lunit);
-        matches!(self.pages.get(p), Some(Some(page)) if page.is_shared())
+        self.page(p).is_some_and(|page| page.is_shared())
+    }
+
+    /// The slot of page `p`, creating its leaf when `create`; `None` if the leaf is
+    /// absent and not created.
+    fn slot_mut(&mut self, p: usize, create: bool) -> Option<&mut Option<Arc<MapPage>>> {
+        let l = p / LEAF_PAGES;
+        if l >= self.leaves.len() {
+            if !create {
+                return None;
+            }
+            self.leaves.resize_with(l + 1, || None);
+        }
+        let leaf = &mut self.leaves[l];
+        if leaf.is_none() {
+            if !create {
+                return None;
+            }
+            *leaf = Some(Box::new([const { None }; LEAF_PAGES]));
+        }
+        leaf.as_mut().map(|leaf| &mut leaf[p % LEAF_PAGES])
+    }
+
+    /// Drops page `p`'s slot content, and its leaf once empty, and trailing absent leaves.
+    fn clear_slot(&mut self, p: usize) {
+        let l = p / LEAF_PAGES;
+        if let Some(Some(leaf)) = self.leaves.get_mut(l) {
+            leaf[p % LEAF_PAGES] = None;
+            if leaf.iter().all(|s| s.is_none()) {
+                self.leaves[l] = None;
+            }
+        }
+        while let Some(None) = self.leaves.last() {
+            self.leaves.pop();
+        }
     }
 
     /// Sets the entry of `lunit`. If another table shares its page, the page is copied
@@ -218,13 +267,9 @@ impl MapTable {
     /// each gain one). Returns the previous entry.
     pub fn set(&mut self, lunit: u64, e: Entry, on_copy: &mut dyn FnMut(u32)) -> Entry {
         let (p, i) = split(lunit);
-        if p >= self.pages.len() {
-            if !e.is_mapped() {
-                return Entry::EMPTY;
-            }
-            self.pages.resize(p + 1, None);
-        }
-        let slot = &mut self.pages[p];
+        let Some(slot) = self.slot_mut(p, e.is_mapped()) else {
+            return Entry::EMPTY;
+        };
         if slot.is_none() {
             if !e.is_mapped() {
                 return Entry::EMPTY;
@@ -248,30 +293,30 @@ impl MapTable {
             _ => {}
         }
         if page.mapped == 0 {
-            *slot = None;
-            while let Some(None) = self.pages.last() {
-                self.pages.pop();
-            }
+            self.clear_slot(p);
         }
         old
     }
 
-    /// The pages, for checkpoints and walks.
-    pub fn pages(&self) -> &[Option<Arc<MapPage>>] {
-        &self.pages
+    /// The present pages with their indexes, in order: for checkpoints and walks.
+    pub fn pages(&self) -> impl Iterator<Item = (usize, &Arc<MapPage>)> + '_ {
+        self.leaves.iter().enumerate().filter_map(|(l, leaf)| leaf.as_ref().map(|leaf| (l, leaf))).flat_map(
+            |(l, leaf)| {
+                leaf.iter().enumerate().filter_map(move |(i, page)| page.as_ref().map(|pg| (l * LEAF_PAGES + i, pg)))
+            },
+        )
     }
 
     /// Installs a page read from a checkpoint.
     pub fn put_page(&mut self, index: usize, page: Arc<MapPage>) {
-        if index >= self.pages.len() {
-            self.pages.resize(index + 1, None);
+        if let Some(slot) = self.slot_mut(index, true) {
+            *slot = Some(page);
         }
-        self.pages[index] = Some(page);
     }
 
     /// Every mapped entry with its logical unit, in order.
     pub fn mapped(&self) -> impl Iterator<Item = (u64, Entry)> + '_ {
-        self.pages.iter().enumerate().filter_map(|(p, page)| page.as_ref().map(|pg| (p, pg))).flat_map(|(p, pg)| {
+        self.pages().flat_map(|(p, pg)| {
             pg.entries
                 .iter()
                 .enumerate()
@@ -286,30 +331,36 @@ impl MapTable {
     pub fn release_all(&mut self) -> (Vec<u32>, Vec<u32>) {
         let mut units = Vec::new();
         let mut unshared = Vec::new();
-        for page in self.pages.drain(..).flatten() {
-            match page.owners.fetch_sub(1, Ordering::AcqRel) {
-                1 => units.extend(page.units()),
-                2 => unshared.extend(page.units()),
-                _ => {}
+        for leaf in self.leaves.drain(..).flatten() {
+            for page in leaf.into_iter().flatten() {
+                match page.owners.fetch_sub(1, Ordering::AcqRel) {
+                    1 => units.extend(page.units()),
+                    2 => unshared.extend(page.units()),
+                    _ => {}
+                }
             }
         }
         (units, unshared)
     }
 
     /// A new table sharing every page with this one (no data or entries copied):
-    /// the basis of snapshots and clones.
+    /// the basis of snapshots and clones. Costs the leaves (4 KiB per 512 pages).
     pub fn share(&self) -> MapTable {
-        let pages = self
-            .pages
+        let leaves = self
+            .leaves
             .iter()
-            .map(|slot| {
-                slot.as_ref().map(|page| {
-                    page.owners.fetch_add(1, Ordering::AcqRel);
-                    page.clone()
+            .map(|leaf| {
+                leaf.as_ref().map(|leaf| {
+                    Box::new(std::array::from_fn(|i| {
+                        leaf[i].as_ref().map(|page| {
+                            page.owners.fetch_add(1, Ordering::AcqRel);
+                            page.clone()
+                        })
+                    }))
                 })
             })
             .collect();
-        MapTable { pages }
+        MapTable { leaves }
     }
 }
 
@@ -627,7 +678,7 @@ mod tests {
         t.set(1500, Entry { punit: 7, bitmap: 1 }, &mut |u| copied.push(u));
         t.set(1501, Entry { punit: 8, bitmap: 1 }, &mut |u| copied.push(u));
         assert_eq!(t.get(1500).punit, 7);
-        assert!(t.pages()[2].is_some());
+        assert!(t.page(2).is_some());
         let mut shared = t.share();
         assert!(t.page_shared(1500) && shared.page_shared(1501));
         t.set(1500, Entry::EMPTY, &mut |u| copied.push(u));
@@ -639,6 +690,25 @@ mod tests {
         let mut third = shared.share();
         assert_eq!(shared.release_all(), (vec![], vec![7, 8]), "left to one owner: may be exclusive now");
         assert_eq!(third.release_all(), (vec![7, 8], vec![]));
+    }
+
+    #[test]
+    fn a_far_mapping_costs_one_leaf_and_a_pointer_per_leaf_before_it() {
+        // One entry 1000 TiB into a volume of 64 KiB units: page 32,000,000.
+        let lunit = (1000u64 << 40) >> 16;
+        let mut t = MapTable::new();
+        t.set(lunit, Entry { punit: 3, bitmap: 1 }, &mut |_| {});
+        let (p, _) = split(lunit);
+        assert_eq!(t.leaves.len(), p / LEAF_PAGES + 1, "leaf pointers reach the last leaf only");
+        assert_eq!(t.leaves.iter().flatten().count(), 1, "one leaf present");
+        assert_eq!(t.pages().map(|(i, _)| i).collect::<Vec<_>>(), vec![p]);
+        assert_eq!(t.get(lunit).punit, 3);
+        assert_eq!(t.get(lunit - 1), Entry::EMPTY);
+        let shared = t.share();
+        assert!(t.page_shared(lunit) && shared.leaves.iter().flatten().count() == 1);
+        t.set(lunit, Entry::EMPTY, &mut |_| {});
+        assert!(t.leaves.is_empty(), "the last page gone takes its leaf and the pointers");
+        assert_eq!(shared.get(lunit).punit, 3, "the sharer keeps its page");
     }
 
     #[test]

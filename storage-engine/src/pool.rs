@@ -388,8 +388,10 @@ fn sync_parent_dir(path: &Path) -> std::io::Result<()> {
 pub struct CheckReport {
     /// Problems found; empty means the pool is consistent.
     pub problems: Vec<String>,
-    /// Damage the pool opens despite, with no loss (a damaged older superblock slot,
-    /// which the next checkpoint rewrites).
+    /// What the pool opens despite: damage with no loss (a damaged older superblock
+    /// slot, which the next checkpoint rewrites), and valid log batches behind the end
+    /// of the replayed log, which a crash during a commit leaves but a damaged batch of
+    /// an earlier commit also does (then the commits after it were lost).
     pub warnings: Vec<String>,
     /// Volumes, units mapped, units free, units of metadata, log batches replayed.
     pub summary: String,
@@ -408,7 +410,7 @@ pub fn check(path: &Path) -> Result<CheckReport> {
     let mut read = read_at_file(&file);
     let loaded = journal::load(&mut read, size, false)?;
     let mut problems = Vec::new();
-    let warnings: Vec<String> = loaded.superblock_warning.iter().cloned().collect();
+    let warnings: Vec<String> = loaded.superblock_warning.iter().chain(loaded.log_warning.iter()).cloned().collect();
     for (u, stored, derived) in &loaded.refcount_mismatches {
         problems
             .push(format!("checkpoint refcount of data unit {u} is {stored} but {derived} mapping pages reference it"));
@@ -677,7 +679,7 @@ impl Pool {
             };
             journal::load(&mut read, size, accept_superblock_rollback).map_err(|e| e.op("open pool"))?
         };
-        if let Some(w) = &loaded.superblock_warning {
+        for w in loaded.superblock_warning.iter().chain(loaded.log_warning.iter()) {
             tracing::warn!(path = %path.display(), "{w}");
         }
         if let Some((u, stored, derived)) = loaded.refcount_mismatches.first() {
@@ -874,7 +876,7 @@ impl Pool {
             }
             let map = src.map.read();
             // The new volume's record, and a reference to each page it shares.
-            let pages = map.pages().iter().filter(|p| p.is_some()).count() as u64;
+            let pages = map.pages().count() as u64;
             let growth = 64 + target.len() as u64 + 24 * pages;
             self.inner.take_meta_room(&mut self.inner.alloc.lock(), growth)?;
             let id = self.inner.next_volume.fetch_add(1, Ordering::SeqCst);
@@ -933,19 +935,18 @@ impl Pool {
         let (ma, mb) = (va.map.read().clone(), vb.map.read().clone());
         let bpu = self.inner.geo.blocks_per_unit();
         let us = self.inner.geo.unit_size;
-        let pages = ma.pages().len().max(mb.pages().len());
+        // Pages present on either side, in order.
+        let present: std::collections::BTreeSet<usize> = ma.pages().chain(mb.pages()).map(|(p, _)| p).collect();
         let mut out: Vec<(u64, u64)> = Vec::new();
         let mut push = |off: u64, len: u64| match out.last_mut() {
             Some((o, l)) if *o + *l == off => *l += len,
             _ => out.push((off, len)),
         };
-        for p in 0..pages {
-            let pa = ma.pages().get(p).and_then(|x| x.as_ref());
-            let pb = mb.pages().get(p).and_then(|x| x.as_ref());
-            match (pa, pb) {
-                (None, None) => continue,
-                (Some(x), Some(y)) if Arc::ptr_eq(x, y) => continue,
-                _ => {}
+        for p in present {
+            if let (Some(x), Some(y)) = (ma.page(p), mb.page(p)) {
+                if Arc::ptr_eq(x, y) {
+                    continue;
+                }
             }
             for i in 0..PAGE_ENTRIES as u64 {
                 let lunit = p as u64 * PAGE_ENTRIES as u64 + i;
@@ -1093,7 +1094,7 @@ impl Pool {
 impl PoolInner {
     pub fn info(&self, v: &VolState) -> VolumeInfo {
         let (mut mapped, mut exclusive) = (0u64, 0u64);
-        for page in v.map.read().pages().iter().flatten() {
+        for (_, page) in v.map.read().pages() {
             mapped += u64::from(page.mapped);
             if !page.is_shared() {
                 exclusive += page.units().filter(|&u| self.refcounts.is_exclusive(u)).count() as u64;

@@ -829,7 +829,7 @@ impl Volume {
         while u < u1 {
             // One page per lock hold, so a huge trim does not stall other I/O.
             let page_end = ((u / page_units + 1) * page_units).min(u1);
-            if self.vol.map.read().pages().get((u / page_units) as usize).is_none_or(|p| p.is_none()) {
+            if self.vol.map.read().page((u / page_units) as usize).is_none() {
                 u = page_end;
                 continue;
             }
@@ -838,14 +838,14 @@ impl Volume {
             if self.vol.deleted.load(Ordering::Acquire) {
                 return Err(self.deleted("trim", offset));
             }
-            if map.pages().get((u / page_units) as usize).is_none_or(|p| p.is_none()) {
+            if map.page((u / page_units) as usize).is_none() {
                 u = page_end;
                 continue;
             }
             // A page shared with a snapshot or clone is copied by the first change: the
             // next checkpoint must still fit in the pool with the copy.
             if map.page_shared(u) && (u..page_end).any(|x| map.get(x).is_mapped()) {
-                let page = map.pages()[(u / page_units) as usize].as_ref().map_or(0, |p| u64::from(p.mapped));
+                let page = map.page((u / page_units) as usize).map_or(0, |p| u64::from(p.mapped));
                 // Counted again (as the copy is made) by `incref_all`.
                 let mut a = self.pool.alloc.lock();
                 self.pool.take_meta_room(&mut a, 16 * page + 64).map_err(|e| self.err(e, "trim", offset))?;
@@ -934,7 +934,7 @@ impl Volume {
         let mut pos = offset;
         while pos < end && ext.len() < 65_536 {
             let lunit = pos / us;
-            if map.pages().get((pos / page_bytes) as usize).is_none_or(|p| p.is_none()) {
+            if map.page((pos / page_bytes) as usize).is_none() {
                 let next = ((pos / page_bytes + 1) * page_bytes).min(end);
                 push_extent(&mut ext, next - pos, false);
                 pos = next;

@@ -315,3 +315,54 @@ fn a_create_cut_short_leaves_no_pool_file_and_its_leftover_is_reused() {
     pool.close().unwrap();
     assert!(storage_engine::check(&p).unwrap().problems.is_empty());
 }
+
+/// A damaged log batch of an acknowledged commit ends the replay there, and the format
+/// cannot tell it from a torn batch of an unacknowledged one: the valid batches of the
+/// later commits behind it must at least be reported, by `check` and at open, instead of
+/// being dropped in silence. A crash alone reports nothing.
+#[test]
+fn a_damaged_log_batch_before_later_commits_is_reported() {
+    use std::os::unix::fs::FileExt;
+    let dir = tempfile::tempdir().unwrap();
+    let rt = rt();
+    let pool = create(dir.path(), 64 * MIB);
+    rt.block_on(pool.create_volume("v", 16 * MIB)).unwrap();
+    let v = pool.volume("v").unwrap();
+    for (i, off) in [0, MIB, 2 * MIB].into_iter().enumerate() {
+        rt.block_on(write(&v, off, &[0x11 * (i as u8 + 1); 65536], false)).unwrap();
+        rt.block_on(v.flush()).unwrap(); // one commit, one log batch
+    }
+    drop(v);
+    drop(pool); // a crash: the three commits are in the log only
+    let r = storage_engine::check(&pool_path(dir.path())).unwrap();
+    assert!(r.problems.is_empty() && r.warnings.is_empty(), "after a crash: {r:?}");
+
+    // The log batches of this pool, by sequence number: the last three are the writes'.
+    let f = std::fs::OpenOptions::new().read(true).write(true).open(pool_path(dir.path())).unwrap();
+    let mut batches = Vec::new();
+    let mut block = [0u8; 4096];
+    for at in (0..64 * MIB).step_by(4096) {
+        f.read_exact_at(&mut block, at).unwrap();
+        if u32::from_le_bytes(block[0..4].try_into().unwrap()) == storage_engine::format::LOG_MAGIC {
+            batches.push((u64::from_le_bytes(block[8..16].try_into().unwrap()), at));
+        }
+    }
+    batches.sort();
+    assert!(batches.len() >= 3, "log batches found: {batches:?}");
+    let (_, second) = batches[batches.len() - 2];
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, second + 40).unwrap();
+    f.write_all_at(&[b[0] ^ 1], second + 40).unwrap();
+    drop(f);
+
+    let r = storage_engine::check(&pool_path(dir.path())).unwrap();
+    assert!(r.problems.is_empty(), "{r:?}");
+    assert!(
+        r.warnings.iter().any(|w| w.contains("1 valid batch(es) with later sequence numbers")),
+        "the commit behind the damaged batch is not reported: {r:?}"
+    );
+    // The pool still opens (the same picture may be a torn commit after a crash).
+    let pool = Pool::open(&pool_path(dir.path())).unwrap();
+    let v = pool.volume("v").unwrap();
+    assert_eq!(rt.block_on(read(&v, 0, 4096)), vec![0x11; 4096], "the commit before the damage is kept");
+}
