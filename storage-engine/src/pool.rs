@@ -878,7 +878,7 @@ impl Pool {
             // The new volume's record, and a reference to each page it shares.
             let pages = map.pages().count() as u64;
             let growth = 64 + target.len() as u64 + 24 * pages;
-            self.inner.take_meta_room(&mut self.inner.alloc.lock(), growth)?;
+            self.inner.take_meta_room(&mut self.inner.alloc.lock(), growth, vols.len() as u64 + 1)?;
             let id = self.inner.next_volume.fetch_add(1, Ordering::SeqCst);
             let created = now();
             let size = src.size.load(Ordering::SeqCst);
@@ -1128,9 +1128,9 @@ impl PoolInner {
     /// Units the next checkpoint may need, at most: the estimate from the pool's use,
     /// or the last checkpoint (which also counts shared-page references and names) plus
     /// what the state grew by since, whichever is larger.
-    fn checkpoint_need(&self, a: &Allocator) -> u64 {
+    fn checkpoint_need(&self, a: &Allocator, volumes: u64) -> u64 {
         let next = a.meta + a.meta_growth.div_ceil(chunk_fill(self.geo.unit_size));
-        checkpoint_estimate(a.used, self.volumes_len_hint(), self.geo.unit_size).max(next)
+        checkpoint_estimate(a.used, volumes, self.geo.unit_size).max(next)
     }
 
     /// Units an allocating write must leave free: three times what the next checkpoint
@@ -1139,7 +1139,7 @@ impl PoolInner {
     /// data is full, for metadata that grows without allocating data: snapshots, and
     /// trims that copy mapping pages shared with them ([`Self::take_meta_room`]).
     pub fn reserve(&self, a: &Allocator) -> u64 {
-        3 * self.checkpoint_need(a) + 8
+        3 * self.checkpoint_need(a, self.volumes_len_hint()) + 8
     }
 
     /// Counts `bytes` of metadata that a change adds without allocating data (a new
@@ -1152,10 +1152,12 @@ impl PoolInner {
     /// in a full pool grew the metadata until the pool closed cleanly and could never
     /// be opened again.
     ///
+    /// `volumes` is the number of volumes and snapshots after the change.
+    ///
     /// Errors: [`ErrorKind::NoSpace`].
-    pub fn take_meta_room(&self, a: &mut Allocator, bytes: u64) -> Result<()> {
+    pub fn take_meta_room(&self, a: &mut Allocator, bytes: u64, volumes: u64) -> Result<()> {
         a.meta_growth += bytes;
-        if a.free_count() + a.meta <= 2 * self.checkpoint_need(a) + 4 {
+        if a.free_count() + a.meta <= 2 * self.checkpoint_need(a, volumes) + 4 {
             a.meta_growth -= bytes;
             return Err(Error::new(
                 ErrorKind::NoSpace,
@@ -1166,7 +1168,7 @@ impl PoolInner {
         Ok(())
     }
 
-    fn volumes_len_hint(&self) -> u64 {
+    pub(crate) fn volumes_len_hint(&self) -> u64 {
         // Called with a volume map lock held; the registry lock may be held by a writer
         // waiting on that map lock, so never block on it here.
         self.volumes.try_read().map(|v| v.len() as u64).unwrap_or(1024)

@@ -848,7 +848,8 @@ impl Volume {
                 let page = map.page((u / page_units) as usize).map_or(0, |p| u64::from(p.mapped));
                 // Counted again (as the copy is made) by `incref_all`.
                 let mut a = self.pool.alloc.lock();
-                self.pool.take_meta_room(&mut a, 16 * page + 64).map_err(|e| self.err(e, "trim", offset))?;
+                let volumes = self.pool.volumes_len_hint();
+                self.pool.take_meta_room(&mut a, 16 * page + 64, volumes).map_err(|e| self.err(e, "trim", offset))?;
                 a.meta_growth -= 16 * page + 64;
             }
             while u < page_end {
