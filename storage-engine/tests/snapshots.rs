@@ -275,8 +275,8 @@ fn a_thousand_snapshots_survive_a_crash() {
 fn pool_full_with_snapshot_refuses_copy_on_write_only() {
     let dir = tempfile::tempdir().unwrap();
     let rt = rt();
-    let pool = create(dir.path(), 16 * MIB);
-    rt.block_on(pool.create_volume("v", 64 * MIB)).unwrap();
+    let pool = create(dir.path(), 64 * MIB);
+    rt.block_on(pool.create_volume("v", 128 * MIB)).unwrap();
     let v = pool.volume("v").unwrap();
     let mut units = 0u64;
     while rt.block_on(write(&v, units * 65536, &[units as u8 | 1; 65536], false)).is_ok() {
@@ -284,6 +284,10 @@ fn pool_full_with_snapshot_refuses_copy_on_write_only() {
     }
     assert!(units > 50, "{units} units fit");
     rt.block_on(pool.create_snapshot("v", "s")).unwrap();
+    // Snapshots of a full pool take metadata room only, which the reserve keeps.
+    for i in 0..20 {
+        rt.block_on(pool.create_snapshot("v", &format!("more-{i}"))).unwrap();
+    }
     let e = rt.block_on(write(&v, 0, &[0xee; 4096], false)).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::NoSpace, "{e}");
     let snap = pool.volume("v@s").unwrap();
@@ -294,6 +298,9 @@ fn pool_full_with_snapshot_refuses_copy_on_write_only() {
     }
     drop(snap);
     rt.block_on(pool.delete_snapshot("v", "s")).unwrap();
+    for i in 0..20 {
+        rt.block_on(pool.delete_snapshot("v", &format!("more-{i}"))).unwrap();
+    }
     rt.block_on(write(&v, 0, &[0xee; 4096], false)).unwrap();
     assert_eq!(rt.block_on(read(&v, 0, 4096)), vec![0xee; 4096]);
     drop(v);
