@@ -416,7 +416,7 @@ pub struct Allocator {
     /// allocated (a page entry and a refcount entry), every entry of a mapping page
     /// copied when it stopped being shared, and the page references of new snapshots
     /// and clones. Never decreased between checkpoints (an upper bound); a checkpoint
-    /// takes it when it captures the state.
+    /// subtracts what it captured once it is durable.
     pub meta_growth: u64,
 }
 
