@@ -397,26 +397,13 @@ pub struct CheckReport {
     pub summary: String,
 }
 
-/// Verifies a stopped pool without writing to it: superblock, checkpoint and log
-/// checksums, mappings against refcounts, and free-space accounting.
-///
-/// Errors: the file cannot be opened or read, or is not a pool at all
-/// ([`ErrorKind::Corrupt`]); inconsistencies that do not stop loading are listed in
-/// the report instead.
-pub fn check(path: &Path) -> Result<CheckReport> {
-    let file = File::open(path).map_err(|e| Error::io(format!("open {}", path.display()), e))?;
-    lock(&file, false, path)?;
-    let size = io::device_size(&file).map_err(|e| Error::io("size of pool", e))?;
-    let mut read = read_at_file(&file);
-    let loaded = journal::load(&mut read, size, false)?;
+/// What is wrong with the loaded volumes that checksums cannot catch (a record written
+/// wrong, or damage whose checksum was recomputed): invalid or duplicate names, sizes
+/// that are not a multiple of 4096 or past 1 PiB, mappings past a volume's end, and
+/// written-block bits past a unit's blocks. Run by [`check`], and by open, which
+/// refuses such a pool rather than serve and keep the damage.
+fn volume_problems(st: &State, bpu: u64) -> Vec<String> {
     let mut problems = Vec::new();
-    let warnings: Vec<String> = loaded.superblock_warning.iter().chain(loaded.log_warning.iter()).cloned().collect();
-    for (u, stored, derived) in &loaded.refcount_mismatches {
-        problems
-            .push(format!("checkpoint refcount of data unit {u} is {stored} but {derived} mapping pages reference it"));
-    }
-    let st = &loaded.state;
-    let bpu = loaded.geo.blocks_per_unit();
     let mut names = std::collections::HashSet::new();
     for (id, v) in &st.volumes {
         let name_ok = match v.name.split_once('@') {
@@ -442,6 +429,29 @@ pub fn check(path: &Path) -> Result<CheckReport> {
             }
         }
     }
+    problems
+}
+
+/// Verifies a stopped pool without writing to it: superblock, checkpoint and log
+/// checksums, mappings against refcounts, and free-space accounting.
+///
+/// Errors: the file cannot be opened or read, or is not a pool at all
+/// ([`ErrorKind::Corrupt`]); inconsistencies that do not stop loading are listed in
+/// the report instead.
+pub fn check(path: &Path) -> Result<CheckReport> {
+    let file = File::open(path).map_err(|e| Error::io(format!("open {}", path.display()), e))?;
+    lock(&file, false, path)?;
+    let size = io::device_size(&file).map_err(|e| Error::io("size of pool", e))?;
+    let mut read = read_at_file(&file);
+    let loaded = journal::load(&mut read, size, false)?;
+    let mut problems = Vec::new();
+    let warnings: Vec<String> = loaded.superblock_warning.iter().chain(loaded.log_warning.iter()).cloned().collect();
+    for (u, stored, derived) in &loaded.refcount_mismatches {
+        problems
+            .push(format!("checkpoint refcount of data unit {u} is {stored} but {derived} mapping pages reference it"));
+    }
+    let st = &loaded.state;
+    problems.extend(volume_problems(st, loaded.geo.blocks_per_unit()));
     let derived = journal::derive_refcounts(st.volumes.values().map(|v| &v.map), loaded.geo.unit_count as usize);
     let a = &st.alloc;
     let (mut used, mut meta, mut free) = (0u64, 0u64, 0u64);
@@ -681,6 +691,14 @@ impl Pool {
         };
         for w in loaded.superblock_warning.iter().chain(loaded.log_warning.iter()) {
             tracing::warn!(path = %path.display(), "{w}");
+        }
+        let damaged = volume_problems(&loaded.state, loaded.geo.blocks_per_unit());
+        if let Some(first) = damaged.first() {
+            return Err(Error::corrupt(format!(
+                "{first} ({} problem(s) in the volumes' records); run `ferrovol check`",
+                damaged.len()
+            ))
+            .op("open pool"));
         }
         if let Some((u, stored, derived)) = loaded.refcount_mismatches.first() {
             return Err(Error::corrupt(format!(

@@ -366,3 +366,56 @@ fn a_damaged_log_batch_before_later_commits_is_reported() {
     let v = pool.volume("v").unwrap();
     assert_eq!(rt.block_on(read(&v, 0, 4096)), vec![0x11; 4096], "the commit before the damage is kept");
 }
+
+/// A volume record damaged with its checksum recomputed (here: a size that is not a
+/// multiple of 4096) passes every checksum; `check` names it, and open refuses the pool
+/// with the same words instead of serving it and keeping the damage.
+#[test]
+fn a_volume_record_damaged_under_a_valid_checksum_is_refused_at_open() {
+    use std::os::unix::fs::FileExt;
+    use storage_engine::format::{crc, ChunkHeader, Superblock, SUPERBLOCK_OFFSETS};
+    use zerocopy::{FromBytes, IntoBytes};
+    let dir = tempfile::tempdir().unwrap();
+    let rt = rt();
+    let pool = create(dir.path(), 64 * MIB);
+    rt.block_on(pool.create_volume("corruptme", 16 * MIB)).unwrap();
+    let v = pool.volume("corruptme").unwrap();
+    rt.block_on(write(&v, 0, &[7; 4096], false)).unwrap();
+    drop(v);
+    pool.close().unwrap(); // everything in the checkpoint, the log empty
+
+    let path = pool_path(dir.path());
+    let f = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
+    let mut slot = [0u8; 256];
+    let sb = SUPERBLOCK_OFFSETS
+        .iter()
+        .map(|&at| {
+            f.read_exact_at(&mut slot, at).unwrap();
+            Superblock::read_from_prefix(&slot).unwrap().0
+        })
+        .max_by_key(|sb| sb.generation.get())
+        .unwrap();
+    let chunk_at = sb.data_offset.get() + sb.checkpoint_unit.get() * u64::from(sb.unit_size.get());
+    let mut chunk = vec![0u8; sb.unit_size.get() as usize];
+    f.read_exact_at(&mut chunk, chunk_at).unwrap();
+    let (mut h, _) = ChunkHeader::read_from_prefix(&chunk).unwrap();
+    let hl = size_of::<ChunkHeader>();
+    let plen = h.payload_len.get() as usize;
+    let name = chunk[hl..hl + plen].windows(9).position(|w| w == b"corruptme").expect("the volume record") + hl;
+    // The record's VolumeRec (24 bytes) ends where the name starts; its size is at 8.
+    let size_at = name - 24 + 8;
+    chunk[size_at..size_at + 8].copy_from_slice(&(16 * MIB + 1).to_le_bytes());
+    h.crc = 0.into();
+    let sum = crc32c::crc32c_append(crc(h.as_bytes()), &chunk[hl..hl + plen]);
+    chunk[4..8].copy_from_slice(&sum.to_le_bytes());
+    f.write_all_at(&chunk, chunk_at).unwrap();
+    drop(f);
+    let before = std::fs::read(&path).unwrap();
+
+    let r = storage_engine::check(&path).unwrap();
+    assert!(r.problems.iter().any(|p| p.contains("'corruptme' has an invalid size 16777217")), "{r:?}");
+    let e = Pool::open(&path).err().expect("a pool with a damaged volume record opened");
+    assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+    assert!(e.to_string().contains("'corruptme' has an invalid size 16777217"), "{e}");
+    assert!(std::fs::read(&path).unwrap() == before, "the refused pool was written to");
+}
