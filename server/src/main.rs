@@ -62,7 +62,8 @@ enum Cmd {
     /// Verify a stopped pool: checksums, mappings against refcounts, free space.
     /// Exits 1 naming each problem found (a file that holds no pool, or one too damaged
     /// to load, included), 2 if the pool cannot be checked (in use, missing,
-    /// unreadable). Damage that loses nothing is printed as `warning:` lines.
+    /// unreadable). What the pool opens despite is printed as `warning:` lines (a
+    /// damaged older superblock slot; valid log batches behind a damaged one).
     Check {
         /// Pool file or block device (default: <data-dir>/pool.img).
         #[arg(long)]

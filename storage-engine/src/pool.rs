@@ -1174,9 +1174,21 @@ impl PoolInner {
     ///
     /// Errors: [`ErrorKind::NoSpace`].
     pub fn take_meta_room(&self, a: &mut Allocator, bytes: u64, volumes: u64) -> Result<()> {
+        self.check_meta_room(a, bytes, volumes)?;
         a.meta_growth += bytes;
-        if a.free_count() + a.meta <= 2 * self.checkpoint_need(a, volumes) + 4 {
-            a.meta_growth -= bytes;
+        Ok(())
+    }
+
+    /// [`Self::take_meta_room`]'s check alone, for a change whose growth is counted
+    /// where it is made (a page copy, by `incref_all` in volume.rs).
+    ///
+    /// Errors: [`ErrorKind::NoSpace`].
+    pub fn check_meta_room(&self, a: &mut Allocator, bytes: u64, volumes: u64) -> Result<()> {
+        // Counted for the estimate only, and taken back before returning.
+        a.meta_growth += bytes;
+        let fits = a.free_count() + a.meta > 2 * self.checkpoint_need(a, volumes) + 4;
+        a.meta_growth -= bytes;
+        if !fits {
             return Err(Error::new(
                 ErrorKind::NoSpace,
                 "the pool is too full for the metadata this change adds (its next checkpoint must fit); \

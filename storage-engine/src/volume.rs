@@ -844,13 +844,13 @@ impl Volume {
             }
             // A page shared with a snapshot or clone is copied by the first change: the
             // next checkpoint must still fit in the pool with the copy.
+            // (`incref_all` counts the copy's growth when it is made.)
             if map.page_shared(u) && (u..page_end).any(|x| map.get(x).is_mapped()) {
-                let page = map.page((u / page_units) as usize).map_or(0, |p| u64::from(p.mapped));
-                // Counted again (as the copy is made) by `incref_all`.
-                let mut a = self.pool.alloc.lock();
+                let mapped = map.page((u / page_units) as usize).map_or(0, |p| u64::from(p.mapped));
                 let volumes = self.pool.volumes_len_hint();
-                self.pool.take_meta_room(&mut a, 16 * page + 64, volumes).map_err(|e| self.err(e, "trim", offset))?;
-                a.meta_growth -= 16 * page + 64;
+                self.pool
+                    .check_meta_room(&mut self.pool.alloc.lock(), page_copy_bytes(mapped), volumes)
+                    .map_err(|e| self.err(e, "trim", offset))?;
             }
             while u < page_end {
                 let e = map.get(u);
@@ -986,11 +986,17 @@ fn set_entry(map: &mut MapTable, lunit: u64, e: Entry) -> Vec<u32> {
     copied
 }
 
+/// Checkpoint bytes a copy of a mapping page with `mapped` entries adds: 16 per entry
+/// and 64 for its page record's header (rounded up).
+fn page_copy_bytes(mapped: u64) -> u64 {
+    16 * mapped + 64
+}
+
 /// Takes one more reference to each data unit of a copied mapping page, and counts the
-/// copy's entries (16 bytes each) and page header toward the next checkpoint's size.
+/// copy's bytes ([`page_copy_bytes`]) toward the next checkpoint's size.
 fn incref_all(a: &mut crate::meta::Allocator, units: Vec<u32>) {
     if !units.is_empty() {
-        a.meta_growth += 16 * units.len() as u64 + 64;
+        a.meta_growth += page_copy_bytes(units.len() as u64);
     }
     for u in units {
         a.incref(u);
