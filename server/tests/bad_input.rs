@@ -451,6 +451,8 @@ fn damaged_newer_superblock_slot_is_refused_unless_a_rollback_is_accepted() {
     assert_eq!(sha256(&pool), before, "check modified the pool");
     // Accepted: opens from the valid slot and serves what that state holds.
     let mut s = Server::start_with(&td.data(), "128MiB", &["--accept-superblock-rollback"]);
+    // The sockets accept before the pool is open; a management call is answered after.
+    s.cli_ok(&["pool", "status"]);
     let log = std::fs::read_to_string(&s.log).unwrap();
     assert!(log.contains("WARN") && log.contains("opened from slot"), "no warning logged:\n{log}");
     s.stop();
