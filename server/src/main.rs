@@ -63,7 +63,8 @@ enum Cmd {
     /// Exits 1 naming each problem found (a file that holds no pool, or one too damaged
     /// to load, included), 2 if the pool cannot be checked (in use, missing,
     /// unreadable). What the pool opens despite is printed as `warning:` lines (a
-    /// damaged older superblock slot; valid log batches behind a damaged one).
+    /// damaged older superblock slot; in a pool of format version 2 or older, valid log
+    /// batches behind a damaged one, an error from version 3 on).
     Check {
         /// Pool file or block device (default: <data-dir>/pool.img).
         #[arg(long)]

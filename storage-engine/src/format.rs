@@ -11,10 +11,13 @@ use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
 /// Magic at byte 0 of both superblock slots.
 pub const SUPERBLOCK_MAGIC: [u8; 8] = *b"FERROVOL";
 /// Format version written by this build. Version 2 added snapshots and clones
-/// (`REC_SHARE`, `VolumeRec::flags`, shared pages); a version 1 pool opens and is
-/// written as version 2 from its first checkpoint on, so builds that only know
-/// version 1 refuse it afterwards instead of misreading shared pages.
-pub const FORMAT_VERSION: u32 = 2;
+/// (`REC_SHARE`, `VolumeRec::flags`, shared pages); version 3 added
+/// [`BatchHeader::commit_index`], which lets replay tell a torn commit from a damaged
+/// acknowledged one. An older pool opens and is written as version 3 from its first
+/// checkpoint on (every open writes one), so older builds refuse it afterwards.
+pub const FORMAT_VERSION: u32 = 3;
+/// First format version whose log batches carry [`BatchHeader::commit_index`].
+pub const COMMIT_INDEX_VERSION: u32 = 3;
 /// Oldest format version this build reads.
 pub const MIN_READ_VERSION: u32 = 1;
 /// Size of the I/O block, in bytes: the granularity of the written-block bitmap, of
@@ -116,8 +119,13 @@ pub struct BatchHeader {
     pub pool_tag: U64,
     /// Bytes of records after the header.
     pub payload_len: U32,
-    /// Blocks occupied by the batch, header included.
-    pub blocks: U32,
+    /// Blocks occupied by the batch, header included (1 to 256).
+    pub blocks: U16,
+    /// Position of this batch among the batches of its commit, 0 for the first: the
+    /// commit began at sequence number `seq - commit_index`. Format version 3 on;
+    /// always 0 in versions 1 and 2, where this was the upper half of a 32-bit
+    /// `blocks`.
+    pub commit_index: U16,
 }
 const _: () = assert!(size_of::<BatchHeader>() == 32);
 

@@ -568,8 +568,8 @@ pub(crate) struct Loaded {
     pub batches: u64,
     /// A damaged superblock slot the pool was opened despite ([`read_superblock`]).
     pub superblock_warning: Option<String>,
-    /// Valid batches of later sequence numbers beyond the end of the replayed log
-    /// ([`batches_beyond`]).
+    /// Valid batches of later sequence numbers beyond the end of the replayed log, in a
+    /// pool of format version 1 or 2 ([`batches_beyond`]).
     pub log_warning: Option<String>,
 }
 
@@ -758,31 +758,48 @@ fn load_from(read: &mut ReadAt<'_>, sb: Superblock, geo: Geometry) -> Result<Loa
     drop(derived);
     let mut state = State { volumes, next_volume, alloc, unit_size: geo.unit_size };
     // Replay the log.
+    let version = sb.version.get();
     let mut log = LogCursor { head: sb.log_head.get(), pos: sb.log_head.get(), seq: sb.checkpoint_seq.get() };
     let mut batches = 0;
+    // The commit index the next batch may carry besides 0 (a new commit); the first
+    // batch after a checkpoint begins a commit.
+    let mut next_index = 0u16;
     loop {
-        let found = read_batch(read, &geo, log.pos, log.seq + 1)?.map(|b| (log.pos, b));
+        let found = read_batch(read, &geo, version, log.pos, log.seq + 1)?.map(|b| (log.pos, b));
         let found = match found {
             Some(f) => Some(f),
             None if !log.pos.is_multiple_of(geo.log_size) => {
                 let next_lap = log.pos + (geo.log_size - log.pos % geo.log_size);
-                read_batch(read, &geo, next_lap, log.seq + 1)?.map(|b| (next_lap, b))
+                read_batch(read, &geo, version, next_lap, log.seq + 1)?.map(|b| (next_lap, b))
             }
             None => None,
         };
-        let Some((at, (blocks, payload))) = found else { break };
-        if at + blocks * BLOCK_SIZE - log.head > geo.log_size {
+        let Some((at, batch)) = found else { break };
+        if at + batch.blocks * BLOCK_SIZE - log.head > geo.log_size {
             break; // would overlap the start of the live log: not a batch of this lap
         }
-        for (kind, body) in split_records(&payload)? {
+        if batch.commit_index != 0 && batch.commit_index != next_index {
+            return Err(Error::corrupt(format!(
+                "log batch {} says it is batch {} of its commit, but {}",
+                log.seq + 1,
+                batch.commit_index,
+                if batches == 0 {
+                    "it is the first batch after the checkpoint".to_string()
+                } else {
+                    format!("the batch before it was batch {} of its commit", next_index.wrapping_sub(1))
+                }
+            )));
+        }
+        for (kind, body) in split_records(&batch.payload)? {
             state.apply(Record::decode(kind, body)?)?;
         }
         batches += 1;
+        next_index = batch.commit_index.wrapping_add(1);
         log.seq += 1;
-        log.pos = at + blocks * BLOCK_SIZE;
+        log.pos = at + batch.blocks * BLOCK_SIZE;
     }
     state.alloc.release_all();
-    let log_warning = batches_beyond(read, &geo, &log)?;
+    let log_warning = batches_beyond(read, &geo, version, &log)?;
     Ok(Loaded {
         sb,
         geo,
@@ -797,17 +814,26 @@ fn load_from(read: &mut ReadAt<'_>, sb: Superblock, geo: Geometry) -> Result<Loa
 }
 
 /// Looks through the whole log region for valid batches (magic, pool, checksum) whose
-/// sequence number is past the last one replayed: the replay stopped at a damaged or
-/// missing batch with such batches behind it. A crash while a commit writes several
-/// batches at once can leave exactly that (a later batch of the same, never
-/// acknowledged, commit completed while an earlier one was torn), so it is not refused;
-/// but a damaged batch of an earlier, acknowledged commit looks the same, and then
-/// every commit after it was dropped. The format cannot tell the two apart (batches do
-/// not say which commit they belong to), so this says which it may be. Reads the log
-/// once, a MiB at a time.
-fn batches_beyond(read: &mut ReadAt<'_>, geo: &Geometry, log: &LogCursor) -> Result<Option<String>> {
+/// sequence number is past the last one replayed, `log.seq`: the replay stopped at a
+/// damaged or missing batch (`log.seq + 1`) with such batches behind it.
+///
+/// A crash while a commit writes its batches (all at once) can leave a later batch of
+/// that never acknowledged commit complete behind a torn one: that is the normal end
+/// of a log and says nothing. But a commit's batches are written only once every batch
+/// of the commit before it is durable, so a valid batch whose commit began after the
+/// missing one (`seq - commit_index > log.seq + 1`) proves that the missing batch was
+/// durable and has been damaged since, and every commit from it on, acknowledged
+/// flushes among them, would be lost. From format version 3 on that is corruption
+/// (`Err`, kind `Corrupt`, naming the sequence numbers). In older pools, whose
+/// batches do not say where their commit began, the two cannot be told apart, and any
+/// valid later batch is returned as a warning instead. Reads the log once, a MiB at a
+/// time.
+fn batches_beyond(read: &mut ReadAt<'_>, geo: &Geometry, version: u32, log: &LogCursor) -> Result<Option<String>> {
     const PIECE: u64 = 1 << 20;
+    let missing = log.seq + 1;
     let (mut found, mut last) = (0u64, 0u64);
+    // The earliest commit start found past the missing batch, and its batch's sequence.
+    let mut later_commit: Option<(u64, u64)> = None;
     let mut off = 0;
     while off < geo.log_size {
         let len = PIECE.min(geo.log_size - off);
@@ -818,22 +844,40 @@ fn batches_beyond(read: &mut ReadAt<'_>, geo: &Geometry, log: &LogCursor) -> Res
                 continue;
             }
             let pos = off + i as u64 * BLOCK_SIZE;
-            if read_batch(read, geo, pos, h.seq.get())?.is_some() {
+            let seq = h.seq.get();
+            if let Some(batch) = read_batch(read, geo, version, pos, seq)? {
                 found += 1;
-                last = last.max(h.seq.get());
+                last = last.max(seq);
+                let start = seq.saturating_sub(u64::from(batch.commit_index));
+                if start > missing && later_commit.is_none_or(|(s, _)| start < s) {
+                    later_commit = Some((start, seq));
+                }
             }
         }
         off += len;
     }
+    if version >= COMMIT_INDEX_VERSION {
+        return match later_commit {
+            Some((start, _)) => Err(Error::corrupt(format!(
+                "log batch {missing} is damaged or missing, but the commit that begins at batch {start} lies \
+                 intact behind it (valid batches up to {last}), and a commit is written only once the one \
+                 before it is durable: the log was damaged after the fact, and the commits from batch {missing} \
+                 on (acknowledged flushes among them) cannot be replayed. The pool is left as it is; restore it \
+                 from a copy"
+            ))),
+            // Later batches of the commit the missing batch belongs to: a torn commit,
+            // never acknowledged.
+            None => Ok(None),
+        };
+    }
     Ok((found > 0).then(|| {
         format!(
-            "the log replay stopped at a damaged or missing batch (sequence {}), and {found} valid batch(es) \
+            "the log replay stopped at a damaged or missing batch (sequence {missing}), and {found} valid batch(es) \
              with later sequence numbers (up to {last}) lie beyond it and were not replayed. If the server \
              was stopped while committing, they belong to that unacknowledged commit and nothing \
-             acknowledged is lost; otherwise the log was damaged and the commits from sequence {} on \
-             (acknowledged flushes among them) were lost",
-            log.seq + 1,
-            log.seq + 1
+             acknowledged is lost; otherwise the log was damaged and the commits from sequence {missing} on \
+             (acknowledged flushes among them) were lost. (This pool's format version {version} does not \
+             record where a commit begins; from its next open on it is version {FORMAT_VERSION}, which does.)"
         )
     }))
 }
@@ -847,14 +891,26 @@ fn put_page(vol: &mut VolumeMeta, index: u64, page: Arc<MapPage>, unit_size: u64
     Ok(())
 }
 
+/// A valid log batch read by [`read_batch`].
+struct Batch {
+    /// Blocks it occupies, header included.
+    blocks: u64,
+    /// Its [`BatchHeader::commit_index`] (0 before format version 3).
+    commit_index: u16,
+    /// Its records.
+    payload: Vec<u8>,
+}
+
 /// Reads the batch at absolute log position `pos` if it is valid and has sequence
-/// number `seq`: returns its size in blocks and its payload.
-fn read_batch(read: &mut ReadAt<'_>, geo: &Geometry, pos: u64, seq: u64) -> Result<Option<(u64, Vec<u8>)>> {
+/// number `seq` (section 4.5 of docs/on-disk-format.md); `version` is the pool's format
+/// version (before version 3 the commit index must be 0).
+fn read_batch(read: &mut ReadAt<'_>, geo: &Geometry, version: u32, pos: u64, seq: u64) -> Result<Option<Batch>> {
     let rel = pos % geo.log_size;
     let first = read(geo.log_offset + rel, BLOCK_SIZE as usize).map_err(|e| Error::io("read log", e))?;
     let (h, _) = BatchHeader::read_from_prefix(&first).expect("block holds a header");
     let blocks = u64::from(h.blocks.get());
     let plen = h.payload_len.get() as usize;
+    let commit_index = h.commit_index.get();
     if h.magic.get() != LOG_MAGIC
         || h.seq.get() != seq
         || h.pool_tag.get() != geo.pool_tag()
@@ -862,6 +918,7 @@ fn read_batch(read: &mut ReadAt<'_>, geo: &Geometry, pos: u64, seq: u64) -> Resu
         || blocks * BLOCK_SIZE > MAX_BATCH_BYTES as u64
         || rel + blocks * BLOCK_SIZE > geo.log_size
         || size_of::<BatchHeader>() + plen > (blocks * BLOCK_SIZE) as usize
+        || (version < COMMIT_INDEX_VERSION && commit_index != 0)
     {
         return Ok(None);
     }
@@ -876,11 +933,13 @@ fn read_batch(read: &mut ReadAt<'_>, geo: &Geometry, pos: u64, seq: u64) -> Resu
     if crc32c::crc32c_append(crc(hz.as_bytes()), payload) != h.crc.get() {
         return Ok(None); // torn or never completed: the end of the log
     }
-    Ok(Some((blocks, payload.to_vec())))
+    Ok(Some(Batch { blocks, commit_index, payload: payload.to_vec() }))
 }
 
-/// Encodes records into log batches (header + payload padded to whole blocks), with
-/// sequence numbers from `first_seq`. Each batch is at most [`MAX_BATCH_BYTES`].
+/// Encodes one commit's records into log batches (header + payload padded to whole
+/// blocks), with sequence numbers from `first_seq` and commit indexes from 0. Each
+/// batch is at most [`MAX_BATCH_BYTES`]. Errors: a malformed record, or more than
+/// 65,536 batches (64 GiB of records).
 pub(crate) fn encode_batches(records: &[u8], first_seq: u64, pool_tag: u64) -> Result<Vec<Vec<u8>>> {
     let max_payload = MAX_BATCH_BYTES - size_of::<BatchHeader>();
     let mut out = Vec::new();
@@ -907,7 +966,10 @@ pub(crate) fn encode_batches(records: &[u8], first_seq: u64, pool_tag: u64) -> R
             seq: seq.into(),
             pool_tag: pool_tag.into(),
             payload_len: (payload.len() as u32).into(),
-            blocks: (blocks as u32).into(),
+            blocks: (blocks as u16).into(),
+            commit_index: u16::try_from(out.len())
+                .map_err(|_| Error::corrupt("a commit of more than 65,536 log batches"))?
+                .into(),
         };
         h.crc = crc32c::crc32c_append(crc(h.as_bytes()), payload).into();
         let mut b = Vec::with_capacity(blocks * BLOCK_SIZE as usize);
@@ -1010,6 +1072,97 @@ mod tests {
         let mut late = img.clone();
         late[s0..s0 + BLOCK_SIZE as usize].fill(0);
         assert!(pick(&late, false).is_err());
+    }
+
+    /// A crash while a commit writes its batches can leave an early batch torn and a
+    /// later one of the same commit complete behind it: the normal end of a log, loaded
+    /// without a warning, with the batches before the torn one replayed. A batch of a
+    /// commit that began after the torn one proves damage and is refused, and so is a
+    /// batch whose commit index does not follow the batch before it.
+    #[test]
+    fn torn_commits_of_several_batches_load_and_later_commits_are_refused() {
+        use std::os::unix::fs::FileExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("pool.img");
+        let opts = crate::PoolOptions { size: 512 << 20, ..Default::default() };
+        crate::Pool::create(&path, &opts).unwrap().close().unwrap();
+        let file = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
+        let size = file.metadata().unwrap().len();
+        let loaded = load(&mut crate::pool::read_at_file(&file), size, false).unwrap();
+        let (geo, log) = (loaded.geo.clone(), loaded.log);
+        let mut clean_log = vec![0u8; geo.log_size as usize];
+        file.read_exact_at(&mut clean_log, geo.log_offset).unwrap();
+
+        // Commit A: a volume created and then grown 131,072 times (about 2.5 MiB of
+        // records, three batches); commit B after it: one more growth.
+        let id = 1000;
+        let mut a = Vec::new();
+        Record::Volume { volume: id, size: 4096, created: 0, name: "torn".into() }.encode(&mut a);
+        let growths = 1u64 << 17;
+        for k in 0..growths {
+            Record::VolumeResize { volume: id, size: 4096 * (k + 2) }.encode(&mut a);
+        }
+        let mut b = Vec::new();
+        Record::VolumeResize { volume: id, size: 4096 * (growths + 2) }.encode(&mut b);
+        let batches_a = encode_batches(&a, log.seq + 1, geo.pool_tag()).unwrap();
+        assert_eq!(batches_a.len(), 3);
+        let batches_b = encode_batches(&b, log.seq + 4, geo.pool_tag()).unwrap();
+        // Writes `batches` one after another from the log's end; `damaged` gets a payload
+        // byte flipped (a torn write).
+        let put = |batches: &[&Vec<u8>], damaged: Option<usize>| {
+            file.write_all_at(&clean_log, geo.log_offset).unwrap();
+            let mut pos = log.pos;
+            for (i, batch) in batches.iter().enumerate() {
+                let mut batch = batch.to_vec();
+                if damaged == Some(i) {
+                    batch[100] ^= 1;
+                }
+                assert!(pos % geo.log_size + batch.len() as u64 <= geo.log_size);
+                file.write_all_at(&batch, geo.log_offset + pos % geo.log_size).unwrap();
+                pos += batch.len() as u64;
+            }
+        };
+        let load_now = || load(&mut crate::pool::read_at_file(&file), size, false);
+        // The size of volume `id` after replay, or None.
+        let size_of_torn = |l: &Loaded| l.state.volumes.get(&id).map(|v| v.size);
+        let all: Vec<&Vec<u8>> = batches_a.iter().chain(&batches_b).collect();
+
+        // Intact: everything replays.
+        put(&all, None);
+        let l = load_now().unwrap();
+        assert_eq!((l.batches, size_of_torn(&l)), (4, Some(4096 * (growths + 2))));
+        assert!(l.log_warning.is_none());
+        // A torn at its first batch, its later batches complete: nothing of A, no warning.
+        put(&all[..3], Some(0));
+        let l = load_now().unwrap();
+        assert_eq!((l.batches, size_of_torn(&l)), (0, None));
+        assert!(l.log_warning.is_none(), "{:?}", l.log_warning);
+        // A torn at its second batch: the first one replays.
+        put(&all[..3], Some(1));
+        let l = load_now().unwrap();
+        assert_eq!(l.batches, 1);
+        assert!(size_of_torn(&l).is_some_and(|s| s > 4096 && s < 4096 * (growths + 1)));
+        assert!(l.log_warning.is_none(), "{:?}", l.log_warning);
+        // The same with commit B behind it: A was complete before B began, so its
+        // second batch was damaged afterwards.
+        put(&all, Some(1));
+        let e = load_now().err().expect("a commit behind a damaged batch was accepted");
+        assert_eq!(e.kind(), crate::ErrorKind::Corrupt);
+        let named = format!(
+            "log batch {} is damaged or missing, but the commit that begins at batch {}",
+            log.seq + 2,
+            log.seq + 4
+        );
+        assert!(e.message().contains(&named), "{e}");
+        // A's second batch alone, renumbered to follow the checkpoint: it says it is
+        // batch 1 of a commit whose batch 0 is not there.
+        let shifted = encode_batches(&a, log.seq, geo.pool_tag()).unwrap();
+        put(&[&shifted[1]], None);
+        let e = load_now().err().expect("a batch out of its commit's order was accepted");
+        assert!(
+            e.message().contains("says it is batch 1 of its commit, but it is the first batch after the checkpoint"),
+            "{e}"
+        );
     }
 
     #[test]

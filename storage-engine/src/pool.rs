@@ -337,7 +337,7 @@ fn validate_size(size: u64) -> Result<()> {
     Ok(())
 }
 
-fn read_at_file(file: &File) -> impl FnMut(u64, usize) -> std::io::Result<Vec<u8>> + '_ {
+pub(crate) fn read_at_file(file: &File) -> impl FnMut(u64, usize) -> std::io::Result<Vec<u8>> + '_ {
     use std::os::unix::fs::FileExt;
     move |off, len| {
         let mut v = vec![0u8; len];
@@ -389,9 +389,10 @@ pub struct CheckReport {
     /// Problems found; empty means the pool is consistent.
     pub problems: Vec<String>,
     /// What the pool opens despite: damage with no loss (a damaged older superblock
-    /// slot, which the next checkpoint rewrites), and valid log batches behind the end
-    /// of the replayed log, which a crash during a commit leaves but a damaged batch of
-    /// an earlier commit also does (then the commits after it were lost).
+    /// slot, which the next checkpoint rewrites), and, in a pool of format version 1 or
+    /// 2 only, valid log batches behind the end of the replayed log, which a crash
+    /// during a commit leaves but a damaged batch of an earlier commit also does (then
+    /// the commits after it were lost). From version 3 on the second case is an error.
     pub warnings: Vec<String>,
     /// Volumes, units mapped, units free, units of metadata, log batches replayed.
     pub summary: String,

@@ -316,14 +316,19 @@ fn a_create_cut_short_leaves_no_pool_file_and_its_leftover_is_reused() {
     assert!(storage_engine::check(&p).unwrap().problems.is_empty());
 }
 
-/// A damaged log batch of an acknowledged commit ends the replay there, and the format
-/// cannot tell it from a torn batch of an unacknowledged one: the valid batches of the
-/// later commits behind it must at least be reported, by `check` and at open, instead of
-/// being dropped in silence. A crash alone reports nothing.
+/// A damaged log batch of an acknowledged commit ends the replay there, and the commits
+/// behind it cannot be replayed. Each batch says where its commit began (format version
+/// 3), so a valid batch of a later commit behind the damage proves it: `check` and open
+/// refuse the pool, naming the batches, and write nothing. A pool of version 2, whose
+/// batches do not say it, opens with a warning instead (the same picture may be a torn
+/// commit). A crash alone reports nothing.
 #[test]
-fn a_damaged_log_batch_before_later_commits_is_reported() {
+fn a_damaged_log_batch_before_later_commits_is_refused() {
     use std::os::unix::fs::FileExt;
+    use storage_engine::format::{Superblock, SUPERBLOCK_OFFSETS};
+    use zerocopy::{FromBytes, IntoBytes};
     let dir = tempfile::tempdir().unwrap();
+    let path = pool_path(dir.path());
     let rt = rt();
     let pool = create(dir.path(), 64 * MIB);
     rt.block_on(pool.create_volume("v", 16 * MIB)).unwrap();
@@ -334,11 +339,11 @@ fn a_damaged_log_batch_before_later_commits_is_reported() {
     }
     drop(v);
     drop(pool); // a crash: the three commits are in the log only
-    let r = storage_engine::check(&pool_path(dir.path())).unwrap();
+    let r = storage_engine::check(&path).unwrap();
     assert!(r.problems.is_empty() && r.warnings.is_empty(), "after a crash: {r:?}");
 
     // The log batches of this pool, by sequence number: the last three are the writes'.
-    let f = std::fs::OpenOptions::new().read(true).write(true).open(pool_path(dir.path())).unwrap();
+    let f = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
     let mut batches = Vec::new();
     let mut block = [0u8; 4096];
     for at in (0..64 * MIB).step_by(4096) {
@@ -349,20 +354,37 @@ fn a_damaged_log_batch_before_later_commits_is_reported() {
     }
     batches.sort();
     assert!(batches.len() >= 3, "log batches found: {batches:?}");
-    let (_, second) = batches[batches.len() - 2];
+    let (seq, second) = batches[batches.len() - 2];
     let mut b = [0u8; 1];
     f.read_exact_at(&mut b, second + 40).unwrap();
     f.write_all_at(&[b[0] ^ 1], second + 40).unwrap();
-    drop(f);
+    let before = std::fs::read(&path).unwrap();
 
-    let r = storage_engine::check(&pool_path(dir.path())).unwrap();
+    let e = storage_engine::check(&path).expect_err("check passed a log with a commit behind a damaged batch");
+    assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+    let named = format!("log batch {seq} is damaged or missing, but the commit that begins at batch {}", seq + 1);
+    assert!(e.to_string().contains(&named), "{e}");
+    let e = Pool::open(&path).err().expect("a pool whose log lost an acknowledged commit opened");
+    assert!(e.to_string().contains(&named), "{e}");
+    assert!(std::fs::read(&path).unwrap() == before, "the refused pool was written to");
+
+    // The same log under a version 2 superblock: reported, and the pool opens.
+    for at in SUPERBLOCK_OFFSETS {
+        let mut slot = [0u8; 256];
+        f.read_exact_at(&mut slot, at).unwrap();
+        let (mut sb, _) = Superblock::read_from_prefix(&slot).unwrap();
+        sb.version = 2.into();
+        sb.crc = sb.compute_crc().into();
+        f.write_all_at(sb.as_bytes(), at).unwrap();
+    }
+    drop(f);
+    let r = storage_engine::check(&path).unwrap();
     assert!(r.problems.is_empty(), "{r:?}");
     assert!(
         r.warnings.iter().any(|w| w.contains("1 valid batch(es) with later sequence numbers")),
         "the commit behind the damaged batch is not reported: {r:?}"
     );
-    // The pool still opens (the same picture may be a torn commit after a crash).
-    let pool = Pool::open(&pool_path(dir.path())).unwrap();
+    let pool = Pool::open(&path).unwrap();
     let v = pool.volume("v").unwrap();
     assert_eq!(rt.block_on(read(&v, 0, 4096)), vec![0x11; 4096], "the commit before the damage is kept");
 }
