@@ -219,7 +219,7 @@ enum SnapshotCmd {
 
 #[derive(Subcommand)]
 enum PoolCmd {
-    /// Capacity, used, metadata and free bytes.
+    /// Capacity, used, metadata and free bytes (and the part of free reserved for metadata).
     Status {
         #[arg(long)]
         json: bool,
@@ -445,18 +445,20 @@ async fn pool_status(socket: &Path, json: bool) -> anyhow::Result<()> {
             "{}",
             serde_json::json!({
                 "uuid": s.uuid, "path": s.path, "capacity_bytes": s.capacity_bytes, "used_bytes": s.used_bytes,
-                "metadata_bytes": s.metadata_bytes, "free_bytes": s.free_bytes, "unit_size_bytes": s.unit_size_bytes,
+                "metadata_bytes": s.metadata_bytes, "free_bytes": s.free_bytes, "reserved_bytes": s.reserved_bytes,
+                "unit_size_bytes": s.unit_size_bytes,
                 "volume_count": s.volume_count, "direct_io": s.direct_io, "failed": s.failed, "nbd_endpoints": s.nbd_endpoints,
             })
         );
     } else {
         out!("pool {} at {}", s.uuid, s.path);
         out!(
-            "capacity {}  used {}  metadata {}  free {}",
+            "capacity {}  used {}  metadata {}  free {} (of which {} reserved for metadata)",
             human(s.capacity_bytes),
             human(s.used_bytes),
             human(s.metadata_bytes),
-            human(s.free_bytes)
+            human(s.free_bytes),
+            human(s.reserved_bytes)
         );
         out!(
             "unit size {}  volumes and snapshots {}  O_DIRECT {}  failed {}",

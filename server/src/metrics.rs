@@ -53,6 +53,7 @@ pub struct Metrics {
     pool_metadata: Gauge,
     pool_free: Gauge,
     pool_freeing: Gauge,
+    pool_reserved: Gauge,
     pool_failed: Gauge,
     nbd_connections: Gauge,
     /// Names that have series, so that those of deleted volumes can be dropped.
@@ -84,6 +85,7 @@ impl Metrics {
             pool_metadata: Gauge::default(),
             pool_free: Gauge::default(),
             pool_freeing: Gauge::default(),
+            pool_reserved: Gauge::default(),
             pool_failed: Gauge::default(),
             nbd_connections: Gauge::default(),
             labelled: Default::default(),
@@ -106,6 +108,11 @@ impl Metrics {
             "pool_freeing_bytes",
             "bytes freed by deletes and trims waiting for the commit that makes them allocatable",
             m.pool_freeing.clone(),
+        );
+        r.register(
+            "pool_reserved_bytes",
+            "of the free bytes, those held back for metadata checkpoints (writes past them get ENOSPC)",
+            m.pool_reserved.clone(),
         );
         r.register("pool_failed", "1 when the pool refuses writes after an I/O error", m.pool_failed.clone());
         r.register("nbd_connections", "NBD connections open", m.nbd_connections.clone());
@@ -160,6 +167,7 @@ impl Metrics {
         self.pool_metadata.set(s.metadata as i64);
         self.pool_free.set(s.free as i64);
         self.pool_freeing.set(s.freeing as i64);
+        self.pool_reserved.set(s.reserved as i64);
         self.forget_deleted(pool);
         self.pool_failed.set(i64::from(s.failed));
         self.nbd_connections.set(connections as i64);

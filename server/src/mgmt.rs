@@ -153,6 +153,7 @@ impl Management for ManagementService {
             direct_io: s.direct_io,
             failed: s.failed,
             nbd_endpoints: self.endpoints.clone(),
+            reserved_bytes: s.reserved,
         }))
     }
 }

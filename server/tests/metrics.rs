@@ -50,6 +50,8 @@ fn metrics_count_volume_io_and_pool_usage() {
     assert!(sample(&text, "ferrovol_pool_capacity_bytes").is_some_and(|c| c > 1e9));
     assert!(sample(&text, "ferrovol_nbd_connections").is_some());
     assert!(sample(&text, "ferrovol_pool_freeing_bytes").is_some(), "freeing gauge:\n{text}");
+    let (free, reserved) = (sample(&text, "ferrovol_pool_free_bytes"), sample(&text, "ferrovol_pool_reserved_bytes"));
+    assert!(reserved.is_some_and(|r| r > 0.0 && Some(r) < free), "reserved gauge:\n{text}");
 
     s.cli_ok(&["volume", "delete", "m"]);
     let text = scrape(port);

@@ -201,6 +201,10 @@ fn concurrent_writers_hit_enospc_and_pool_stays_consistent() {
     let meta = st["metadata_bytes"].as_u64().unwrap();
     assert!(used <= capacity, "used {used} > capacity {capacity}");
     assert_eq!(used + free + meta, capacity, "used + free + metadata != capacity: {st}");
+    // What stopped the writers is the metadata reserve: free space beyond it is less
+    // than a few writes' worth.
+    let reserved = st["reserved_bytes"].as_u64().unwrap();
+    assert!(reserved > 0 && reserved <= free && free - reserved < MIB, "free and reserved at ENOSPC: {st}");
     let allocated: u64 = s.volumes().as_array().unwrap().iter().map(|v| v["allocated_bytes"].as_u64().unwrap()).sum();
     assert_eq!(allocated, used, "volumes' allocated bytes vs pool used bytes: {st}");
 

@@ -132,6 +132,11 @@ pub struct PoolStatus {
     /// not yet durable: they become allocatable after the next commit (reclaim is
     /// no more than this wait; nothing is copied or rewritten).
     pub freeing: u64,
+    /// Of `free`, the bytes data writes may not allocate: the metadata reserve, room
+    /// for the next checkpoints (docs/on-disk-format.md, section 9). It grows with
+    /// the metadata; `free - reserved` is what writes to unmapped ranges can still
+    /// take, and a write that needs more gets `ENOSPC`.
+    pub reserved: u64,
     /// Data-unit size.
     pub unit_size: u32,
     /// Number of volumes, snapshots included (each snapshot is a read-only volume).
@@ -1052,6 +1057,9 @@ impl Pool {
 
     /// Space accounting of the pool.
     pub fn status(&self) -> PoolStatus {
+        // The registry before the allocator, never while holding it: deletes and
+        // snapshots take the allocator while holding the registry.
+        let volumes = self.inner.volumes.read().len() as u64;
         let a = self.inner.alloc.lock();
         let us = self.inner.geo.unit_size;
         let unit_count = a.unit_count();
@@ -1063,8 +1071,9 @@ impl Pool {
             metadata: a.meta * us,
             free: (unit_count - a.used - a.meta) * us,
             freeing: a.pending_free.len() as u64 * us,
+            reserved: self.inner.reserve(&a).min(unit_count - a.used - a.meta) * us,
             unit_size: us as u32,
-            volumes: self.inner.volumes.read().len() as u64,
+            volumes,
             direct_io: self.inner.direct,
             failed: self.inner.failed.load(Ordering::SeqCst),
         }

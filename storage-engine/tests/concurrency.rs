@@ -88,3 +88,53 @@ fn a_partial_block_write_keeps_a_concurrent_full_block_write() {
     check(&v, "live");
     check(&reopen(pool, v, dir.path()), "after reopen");
 }
+
+/// Pool status, as a metrics scrape or a management client asks for it, runs while
+/// snapshots and volumes are created and deleted: it must never wait on the volume
+/// registry while holding the allocator, since a delete or snapshot holds the
+/// registry and then takes the allocator (a deadlock that stopped both).
+#[test]
+fn pool_status_beside_snapshots_and_deletes_never_deadlocks() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let dir = tempfile::tempdir().unwrap();
+    let rt = rt();
+    let (pool, v) = setup(dir.path(), &rt);
+    for u in 0..32 {
+        rt.block_on(write(&v, u * UNIT, &[1; 4096], false)).unwrap();
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let statuses: Vec<_> = (0..2)
+        .map(|_| {
+            let (pool, stop) = (pool.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut n = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    assert!(pool.status().capacity > 0);
+                    n += 1;
+                }
+                n
+            })
+        })
+        .collect();
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    let changer = {
+        let pool = pool.clone();
+        std::thread::spawn(move || {
+            let rt = common::rt();
+            for i in 0..300 {
+                rt.block_on(pool.create_snapshot("v", &format!("s{i}"))).unwrap();
+                rt.block_on(pool.create_volume(&format!("w{i}"), MIB)).unwrap();
+                rt.block_on(pool.delete_snapshot("v", &format!("s{i}"))).unwrap();
+                rt.block_on(pool.delete_volume(&format!("w{i}"))).unwrap();
+            }
+            done_tx.send(()).unwrap();
+        })
+    };
+    let finished = done_rx.recv_timeout(std::time::Duration::from_secs(120));
+    stop.store(true, Ordering::Relaxed);
+    assert!(finished.is_ok(), "snapshot and delete calls beside pool status stopped: a deadlock");
+    changer.join().unwrap();
+    let calls: u64 = statuses.into_iter().map(|t| t.join().unwrap()).sum();
+    assert!(calls > 0);
+}
