@@ -119,6 +119,11 @@ struct ServeArgs {
     /// after it. Without it such a pool is refused (the error says so).
     #[arg(long)]
     accept_superblock_rollback: bool,
+    /// Open the pool even if a metadata log batch is damaged with a later commit intact
+    /// behind it: the log is replayed up to the damaged batch, losing the commits from it
+    /// on. Without it such a pool is refused (the error names the batches).
+    #[arg(long)]
+    accept_log_loss: bool,
     /// NBD data-plane threads, each with its own io_uring; a connection stays on the one
     /// serving the fewest connections when it is accepted. One thread batches the most
     /// requests per wake-up and was fastest on a 2-core host with its clients on the
@@ -509,6 +514,7 @@ async fn serve(data_dir: &Path, mgmt_socket: &Path, args: ServeArgs) -> anyhow::
             ..Default::default()
         },
         accept_superblock_rollback: args.accept_superblock_rollback,
+        accept_log_loss: args.accept_log_loss,
     };
     // Listen first, so a busy port or socket leaves no new pool file behind. The NBD
     // listeners belong to the data-plane runtime, the management socket to this one.

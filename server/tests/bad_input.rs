@@ -460,6 +460,52 @@ fn damaged_newer_superblock_slot_is_refused_unless_a_rollback_is_accepted() {
 }
 
 #[test]
+fn a_damaged_log_batch_with_later_commits_is_refused_unless_the_loss_is_accepted() {
+    // Three flushed writes, each one commit of one log batch, then a crash; a flipped
+    // bit in the middle commit's batch, whose next commit lies intact behind it. serve
+    // and check refuse, name the batches and the way out, and change nothing; with
+    // --accept-log-loss the pool opens with the first write only.
+    let td = TestDir::new();
+    let mut s = Server::start_with(&td.data(), "128MiB", &[]);
+    s.create_volume("vol", "64MiB");
+    qemu_io_ok(
+        &s.uri("vol"),
+        &["write -P 0x11 0 64k", "flush", "write -P 0x22 1M 64k", "flush", "write -P 0x33 2M 64k", "flush"],
+    );
+    s.kill9();
+    let pool = td.data().join("pool.img");
+    let image = std::fs::read(&pool).unwrap();
+    let mut batches: Vec<(u64, usize)> = image
+        .chunks_exact(4096)
+        .enumerate()
+        .filter(|(_, b)| &b[..4] == b"FVLG")
+        .map(|(i, b)| (u64::from_le_bytes(b[8..16].try_into().unwrap()), i * 4096))
+        .collect();
+    batches.sort();
+    assert!(batches.len() >= 3, "log batches: {batches:?}");
+    let (seq, at) = batches[batches.len() - 2];
+    flip_bit(&pool, at as u64 + 40);
+    let before = sha256(&pool);
+    let msg = serve_fails(&td.data(), &[]);
+    let named = format!("log batch {seq} is damaged or missing, but the commit that begins at batch {}", seq + 1);
+    assert!(msg.contains(&named), "serve: {msg}");
+    assert!(msg.contains("--accept-log-loss"), "serve does not name the way out: {msg}");
+    assert_eq!(sha256(&pool), before, "serve modified a pool it refused");
+    let msg = cli_err(&td.data(), &["check"]);
+    assert!(msg.contains("PROBLEM") && msg.contains(&named), "check: {msg}");
+    assert_eq!(sha256(&pool), before, "check modified the pool");
+    // Accepted: the state before the damaged batch.
+    drop(s);
+    let mut s = Server::start_with(&td.data(), "128MiB", &["--accept-log-loss"]);
+    s.cli_ok(&["pool", "status"]); // answered once the pool is open
+    let log = std::fs::read_to_string(&s.log).unwrap();
+    assert!(log.contains("WARN") && log.contains("accept log loss"), "no warning logged:\n{log}");
+    qemu_io_ok(&s.uri("vol"), &["read -P 0x11 0 64k", "read -P 0 1M 64k", "read -P 0 2M 64k"]);
+    s.stop();
+    check_clean(&td.data());
+}
+
+#[test]
 fn a_rollback_whose_checkpoint_was_reused_says_the_pool_cannot_be_rolled_back() {
     // The older slot's checkpoint units were reused for data once the newer checkpoint
     // was durable: even with the rollback accepted the pool cannot open, and the message

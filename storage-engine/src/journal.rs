@@ -589,10 +589,22 @@ pub(crate) fn derive_refcounts<'a>(maps: impl IntoIterator<Item = &'a MapTable>,
     derived
 }
 
+/// Damage that [`load`] accepts, with a warning, instead of refusing the pool; each
+/// accepts a loss of committed metadata. The default refuses both.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Accept {
+    /// Open from the one valid superblock slot when the damaged one may have held the
+    /// newer generation ([`read_superblock`]).
+    pub superblock_rollback: bool,
+    /// Open with the log replayed up to a damaged batch that has a later commit intact
+    /// behind it, dropping the commits from the damaged batch on ([`batches_beyond`]).
+    pub log_loss: bool,
+}
+
 /// Reads the superblock, the checkpoint and replays the log. Never writes.
-pub(crate) fn load(read: &mut ReadAt<'_>, size: u64, accept_rollback: bool) -> Result<Loaded> {
-    let (sb, geo, superblock_warning) = read_superblock(read, size, accept_rollback)?;
-    match load_from(read, sb, geo) {
+pub(crate) fn load(read: &mut ReadAt<'_>, size: u64, accept: Accept) -> Result<Loaded> {
+    let (sb, geo, superblock_warning) = read_superblock(read, size, accept.superblock_rollback)?;
+    match load_from(read, sb, geo, accept.log_loss) {
         Ok(loaded) => Ok(Loaded { superblock_warning, ..loaded }),
         // A checkpoint that does not load after falling back from a damaged slot: say so,
         // as its units may have been reused once the newer checkpoint was durable.
@@ -610,7 +622,7 @@ pub(crate) fn load(read: &mut ReadAt<'_>, size: u64, accept_rollback: bool) -> R
 }
 
 /// [`load`] after the superblock: the checkpoint `sb` names, then the log.
-fn load_from(read: &mut ReadAt<'_>, sb: Superblock, geo: Geometry) -> Result<Loaded> {
+fn load_from(read: &mut ReadAt<'_>, sb: Superblock, geo: Geometry, accept_log_loss: bool) -> Result<Loaded> {
     // Holds the stored refcounts and the checkpoint's units as they are read.
     let mut alloc = Allocator::new(geo.unit_count as usize);
     let mut volumes = BTreeMap::new();
@@ -799,7 +811,7 @@ fn load_from(read: &mut ReadAt<'_>, sb: Superblock, geo: Geometry) -> Result<Loa
         log.pos = at + batch.blocks * BLOCK_SIZE;
     }
     state.alloc.release_all();
-    let log_warning = batches_beyond(read, &geo, version, &log)?;
+    let log_warning = batches_beyond(read, &geo, version, &log, accept_log_loss)?;
     Ok(Loaded {
         sb,
         geo,
@@ -824,11 +836,18 @@ fn load_from(read: &mut ReadAt<'_>, sb: Superblock, geo: Geometry) -> Result<Loa
 /// missing one (`seq - commit_index > log.seq + 1`) proves that the missing batch was
 /// durable and has been damaged since, and every commit from it on, acknowledged
 /// flushes among them, would be lost. From format version 3 on that is corruption
-/// (`Err`, kind `Corrupt`, naming the sequence numbers). In older pools, whose
+/// (`Err`, kind `Corrupt`, naming the sequence numbers), or with `accept_loss` a
+/// warning saying what was dropped. In older pools, whose
 /// batches do not say where their commit began, the two cannot be told apart, and any
 /// valid later batch is returned as a warning instead. Reads the log once, a MiB at a
 /// time.
-fn batches_beyond(read: &mut ReadAt<'_>, geo: &Geometry, version: u32, log: &LogCursor) -> Result<Option<String>> {
+fn batches_beyond(
+    read: &mut ReadAt<'_>,
+    geo: &Geometry,
+    version: u32,
+    log: &LogCursor,
+    accept_loss: bool,
+) -> Result<Option<String>> {
     const PIECE: u64 = 1 << 20;
     let missing = log.seq + 1;
     let (mut found, mut last) = (0u64, 0u64);
@@ -857,13 +876,27 @@ fn batches_beyond(read: &mut ReadAt<'_>, geo: &Geometry, version: u32, log: &Log
         off += len;
     }
     if version >= COMMIT_INDEX_VERSION {
-        return match later_commit {
-            Some((start, _)) => Err(Error::corrupt(format!(
+        let damage = |start| {
+            format!(
                 "log batch {missing} is damaged or missing, but the commit that begins at batch {start} lies \
                  intact behind it (valid batches up to {last}), and a commit is written only once the one \
                  before it is durable: the log was damaged after the fact, and the commits from batch {missing} \
-                 on (acknowledged flushes among them) cannot be replayed. The pool is left as it is; restore it \
-                 from a copy"
+                 on (acknowledged flushes among them) cannot be replayed"
+            )
+        };
+        return match later_commit {
+            Some((start, _)) if accept_loss => Ok(Some(format!(
+                "{}. Opened as asked (accept log loss) with the metadata as it was before batch {missing}: \
+                 blocks those commits mapped read as zeros again, volumes and snapshots they created, deleted or \
+                 resized are as before them, and the space they allocated is free again (overwrites of blocks \
+                 mapped before them stay as written)",
+                damage(start)
+            ))),
+            Some((start, _)) => Err(Error::corrupt(format!(
+                "{}. The pool is not opened and is left as it is. Restore it from a copy, or, if losing those \
+                 commits is acceptable, open it with the log loss accepted (`ferrovol serve --accept-log-loss`), \
+                 which keeps the state before batch {missing}",
+                damage(start)
             ))),
             // Later batches of the commit the missing batch belongs to: a torn commit,
             // never acknowledged.
@@ -1088,7 +1121,7 @@ mod tests {
         crate::Pool::create(&path, &opts).unwrap().close().unwrap();
         let file = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
         let size = file.metadata().unwrap().len();
-        let loaded = load(&mut crate::pool::read_at_file(&file), size, false).unwrap();
+        let loaded = load(&mut crate::pool::read_at_file(&file), size, Accept::default()).unwrap();
         let (geo, log) = (loaded.geo.clone(), loaded.log);
         let mut clean_log = vec![0u8; geo.log_size as usize];
         file.read_exact_at(&mut clean_log, geo.log_offset).unwrap();
@@ -1122,7 +1155,7 @@ mod tests {
                 pos += batch.len() as u64;
             }
         };
-        let load_now = || load(&mut crate::pool::read_at_file(&file), size, false);
+        let load_now = || load(&mut crate::pool::read_at_file(&file), size, Accept::default());
         // The size of volume `id` after replay, or None.
         let size_of_torn = |l: &Loaded| l.state.volumes.get(&id).map(|v| v.size);
         let all: Vec<&Vec<u8>> = batches_a.iter().chain(&batches_b).collect();

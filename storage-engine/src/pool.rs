@@ -78,6 +78,17 @@ pub struct PoolOptions {
     /// was committed after the valid one (on-disk-format.md 7.1). Off by default: such
     /// a pool is refused with [`ErrorKind::Corrupt`].
     pub accept_superblock_rollback: bool,
+    /// Open the pool even if a log batch is damaged with a later commit intact behind
+    /// it, replaying the log up to the damaged batch and dropping the commits from it
+    /// on (on-disk-format.md 4.5). Off by default: such a pool is refused with
+    /// [`ErrorKind::Corrupt`].
+    pub accept_log_loss: bool,
+}
+
+impl PoolOptions {
+    fn accept(&self) -> journal::Accept {
+        journal::Accept { superblock_rollback: self.accept_superblock_rollback, log_loss: self.accept_log_loss }
+    }
 }
 
 impl Default for PoolOptions {
@@ -87,6 +98,7 @@ impl Default for PoolOptions {
             unit_size: DEFAULT_UNIT_SIZE,
             io: IoOptions::default(),
             accept_superblock_rollback: false,
+            accept_log_loss: false,
         }
     }
 }
@@ -449,7 +461,7 @@ pub fn check(path: &Path) -> Result<CheckReport> {
     lock(&file, false, path)?;
     let size = io::device_size(&file).map_err(|e| Error::io("size of pool", e))?;
     let mut read = read_at_file(&file);
-    let loaded = journal::load(&mut read, size, false)?;
+    let loaded = journal::load(&mut read, size, journal::Accept::default())?;
     let mut problems = Vec::new();
     let warnings: Vec<String> = loaded.superblock_warning.iter().chain(loaded.log_warning.iter()).cloned().collect();
     for (u, stored, derived) in &loaded.refcount_mismatches {
@@ -503,7 +515,7 @@ impl Pool {
     /// Errors: see [`Pool::open`] and [`Pool::create`].
     pub fn open_or_create(path: &Path, opts: &PoolOptions) -> Result<Pool> {
         if path.exists() {
-            Pool::open_inner(path, &opts.io, opts.accept_superblock_rollback)
+            Pool::open_inner(path, &opts.io, opts.accept())
         } else {
             Pool::create(path, opts)
         }
@@ -515,7 +527,7 @@ impl Pool {
     ///
     /// Errors: as [`Pool::open`] and [`Pool::create`].
     pub fn open_or_format_device(path: &Path, opts: &PoolOptions) -> Result<Pool> {
-        match Pool::open_inner(path, &opts.io, opts.accept_superblock_rollback) {
+        match Pool::open_inner(path, &opts.io, opts.accept()) {
             Err(e)
                 if e.kind() == ErrorKind::Corrupt
                     && e.message().matches("superblock magic is missing").count() == 2 =>
@@ -668,7 +680,8 @@ impl Pool {
     /// Errors: [`ErrorKind::Corrupt`] naming what is wrong (not a pool, checksum
     /// mismatch with its location, unsupported version, inconsistent refcounts, one
     /// superblock slot damaged when it may have held the newer generation: see
-    /// [`PoolOptions::accept_superblock_rollback`]); [`ErrorKind::Io`].
+    /// [`PoolOptions::accept_superblock_rollback`]; a damaged log batch with a later
+    /// commit behind it: see [`PoolOptions::accept_log_loss`]); [`ErrorKind::Io`].
     pub fn open(path: &Path) -> Result<Pool> {
         Pool::open_with(path, &IoOptions::default())
     }
@@ -677,10 +690,10 @@ impl Pool {
     ///
     /// Errors: as [`Pool::open`].
     pub fn open_with(path: &Path, io: &IoOptions) -> Result<Pool> {
-        Pool::open_inner(path, io, false)
+        Pool::open_inner(path, io, journal::Accept::default())
     }
 
-    fn open_inner(path: &Path, io: &IoOptions, accept_superblock_rollback: bool) -> Result<Pool> {
+    fn open_inner(path: &Path, io: &IoOptions, accept: journal::Accept) -> Result<Pool> {
         let (file, direct) =
             io::open_pool_file(path, false).map_err(|e| Error::io(format!("open {}", path.display()), e))?;
         lock(&file, true, path)?;
@@ -693,7 +706,7 @@ impl Pool {
                 bytes_read += len as u64;
                 read_file(off, len)
             };
-            journal::load(&mut read, size, accept_superblock_rollback).map_err(|e| e.op("open pool"))?
+            journal::load(&mut read, size, accept).map_err(|e| e.op("open pool"))?
         };
         for w in loaded.superblock_warning.iter().chain(loaded.log_warning.iter()) {
             tracing::warn!(path = %path.display(), "{w}");

@@ -366,7 +366,25 @@ fn a_damaged_log_batch_before_later_commits_is_refused() {
     assert!(e.to_string().contains(&named), "{e}");
     let e = Pool::open(&path).err().expect("a pool whose log lost an acknowledged commit opened");
     assert!(e.to_string().contains(&named), "{e}");
+    assert!(e.to_string().contains("--accept-log-loss"), "the way out is not named: {e}");
     assert!(std::fs::read(&path).unwrap() == before, "the refused pool was written to");
+
+    // Accepting the loss opens a copy with the state before the damaged batch: the
+    // first write's mapping is kept, the later two read as never written. The copy is
+    // then clean, and opens again with nothing to accept.
+    let copy = dir.path().join("copy.img");
+    std::fs::copy(&path, &copy).unwrap();
+    let opts = PoolOptions { accept_log_loss: true, ..Default::default() };
+    let pool = Pool::open_or_create(&copy, &opts).unwrap();
+    let v = pool.volume("v").unwrap();
+    assert_eq!(rt.block_on(read(&v, 0, 4096)), vec![0x11; 4096]);
+    assert_eq!(rt.block_on(read(&v, MIB, 4096)), vec![0; 4096], "a dropped commit's mapping survived");
+    assert_eq!(rt.block_on(read(&v, 2 * MIB, 4096)), vec![0; 4096], "a dropped commit's mapping survived");
+    drop(v);
+    pool.close().unwrap();
+    let r = storage_engine::check(&copy).unwrap();
+    assert!(r.problems.is_empty() && r.warnings.is_empty(), "{r:?}");
+    Pool::open(&copy).unwrap().close().unwrap();
 
     // The same log under a version 2 superblock: reported, and the pool opens.
     for at in SUPERBLOCK_OFFSETS {
