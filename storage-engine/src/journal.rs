@@ -888,8 +888,10 @@ fn batches_beyond(
             Some((start, _)) if accept_loss => Ok(Some(format!(
                 "{}. Opened as asked (accept log loss) with the metadata as it was before batch {missing}: \
                  blocks those commits mapped read as zeros again, volumes and snapshots they created, deleted or \
-                 resized are as before them, and the space they allocated is free again (overwrites of blocks \
-                 mapped before them stay as written)",
+                 resized are as before them, and the space they allocated is free again. Data is not rolled \
+                 back: overwrites of blocks mapped before them stay as written, and data units those commits \
+                 freed may have been reused since, so ranges that mapped them before may now read data written \
+                 later, by any volume",
                 damage(start)
             ))),
             Some((start, _)) => Err(Error::corrupt(format!(
