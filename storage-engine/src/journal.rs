@@ -473,8 +473,9 @@ pub(crate) fn validate_superblock(sb: &Superblock, size: u64) -> Result<Geometry
 }
 
 /// Picks the current superblock from the two slots (on-disk-format.md 7.1); returns it,
-/// its geometry and, when one slot was damaged but the pool opens anyway, a warning
-/// naming it.
+/// its geometry, when one slot was damaged but the pool opens anyway a warning naming
+/// it, and whether that is a rollback (the damaged slot may have held a newer
+/// generation and `accept_rollback` let the open go on).
 ///
 /// Both slots are always written (at create, then alternately by every checkpoint), so
 /// one invalid slot means damage, and a damaged slot may have held the newer
@@ -489,7 +490,7 @@ pub(crate) fn read_superblock(
     read: &mut ReadAt<'_>,
     size: u64,
     accept_rollback: bool,
-) -> Result<(Superblock, Geometry, Option<String>)> {
+) -> Result<(Superblock, Geometry, Option<String>, bool)> {
     if size < 2 * BLOCK_SIZE {
         return Err(Error::corrupt(format!("file is {size} bytes: too small to be a pool")));
     }
@@ -504,7 +505,7 @@ pub(crate) fn read_superblock(
         (Ok(_), Ok(_)) => {
             let newer = usize::from(slots[1].0.generation.get() > slots[0].0.generation.get());
             let (sb, g) = slots.swap_remove(newer);
-            return Ok((sb, g.expect("valid"), None));
+            return Ok((sb, g.expect("valid"), None, false));
         }
         (Err(a), Err(b)) => {
             return Err(Error::corrupt(format!("slot 0: {}; slot 1: {}", a.message(), b.message())));
@@ -517,6 +518,7 @@ pub(crate) fn read_superblock(
     let problem = slots[d].1.as_ref().err().map(|e| e.message().to_owned()).unwrap_or_default();
     let read_gen = damaged.generation.get();
     let note = format!("superblock slot {d} is damaged ({problem})");
+    let mut rolled_back = false;
     let warning = if damaged.magic == SUPERBLOCK_MAGIC && read_gen.checked_add(1) == Some(gen) {
         format!(
             "{note}; its generation field reads {read_gen}, one older than slot {v}'s {gen}: opened from slot {v}, \
@@ -527,6 +529,7 @@ pub(crate) fn read_superblock(
         // after both: either may be missing after a cut, and neither holds anything.
         format!("{note}: never written (the pool's creation was cut short); opened from slot {v}, generation {gen}")
     } else if accept_rollback {
+        rolled_back = true;
         format!(
             "{note} and may have held a newer generation than slot {v} ({gen}); opened from slot {v} as asked \
              (accept a superblock rollback): whatever was committed after generation {gen} is lost"
@@ -540,7 +543,7 @@ pub(crate) fn read_superblock(
         )));
     };
     let (sb, g) = slots.swap_remove(v);
-    Ok((sb, g.expect("valid"), Some(warning)))
+    Ok((sb, g.expect("valid"), Some(warning), rolled_back))
 }
 
 /// The log's position after loading: where the next batch goes.
@@ -569,8 +572,12 @@ pub(crate) struct Loaded {
     /// A damaged superblock slot the pool was opened despite ([`read_superblock`]).
     pub superblock_warning: Option<String>,
     /// Valid batches of later sequence numbers beyond the end of the replayed log, in a
-    /// pool of format version 1 or 2 ([`batches_beyond`]).
+    /// pool of format version 1 or 2, or kept out of the replay as asked
+    /// ([`batches_beyond`]).
     pub log_warning: Option<String>,
+    /// The highest sequence number of any valid batch in the log region, at least the
+    /// last one replayed: the checkpoint at open must number past it.
+    pub highest_seq: u64,
 }
 
 /// The refcount each of `units` data units should have by the mappings `maps`: the
@@ -603,26 +610,44 @@ pub(crate) struct Accept {
 
 /// Reads the superblock, the checkpoint and replays the log. Never writes.
 pub(crate) fn load(read: &mut ReadAt<'_>, size: u64, accept: Accept) -> Result<Loaded> {
-    let (sb, geo, superblock_warning) = read_superblock(read, size, accept.superblock_rollback)?;
-    match load_from(read, sb, geo, accept.log_loss) {
+    let (sb, geo, superblock_warning, rolled_back) = read_superblock(read, size, accept.superblock_rollback)?;
+    let later_commits = if rolled_back {
+        LaterCommits::RolledBack
+    } else if accept.log_loss {
+        LaterCommits::LossAccepted
+    } else {
+        LaterCommits::Refuse
+    };
+    match load_from(read, sb, geo, later_commits) {
         Ok(loaded) => Ok(Loaded { superblock_warning, ..loaded }),
-        // A checkpoint that does not load after falling back from a damaged slot: say so,
+        // A checkpoint that does not load after rolling back to the older slot: say so,
         // as its units may have been reused once the newer checkpoint was durable.
-        Err(e) if e.kind() == crate::ErrorKind::Corrupt && superblock_warning.is_some() => {
-            Err(Error::corrupt(format!(
-                "{}. That checkpoint is the older one, named by the only valid superblock slot; once a newer \
+        Err(e) if e.kind() == crate::ErrorKind::Corrupt && rolled_back => Err(Error::corrupt(format!(
+            "{}. That checkpoint is the older one, named by the only valid superblock slot; once a newer \
                  checkpoint is durable the older one's units may be reused, so the pool cannot be rolled back to \
                  it: restore the pool from a copy. ({})",
-                e.message(),
-                superblock_warning.unwrap()
-            )))
-        }
+            e.message(),
+            superblock_warning.unwrap()
+        ))),
         Err(e) => Err(e),
     }
 }
 
+/// What [`batches_beyond`] makes of a later commit found intact behind the end of the
+/// replay: the log was damaged, unless the open rolled back to the older superblock
+/// slot, whose log is followed by the commits of the newer generation it drops.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LaterCommits {
+    /// Refuse the pool (`Corrupt`).
+    Refuse,
+    /// Open with a warning: the loss was accepted ([`Accept::log_loss`]).
+    LossAccepted,
+    /// Open with a warning: they belong to the generation the rollback drops.
+    RolledBack,
+}
+
 /// [`load`] after the superblock: the checkpoint `sb` names, then the log.
-fn load_from(read: &mut ReadAt<'_>, sb: Superblock, geo: Geometry, accept_log_loss: bool) -> Result<Loaded> {
+fn load_from(read: &mut ReadAt<'_>, sb: Superblock, geo: Geometry, later_commits: LaterCommits) -> Result<Loaded> {
     // Holds the stored refcounts and the checkpoint's units as they are read.
     let mut alloc = Allocator::new(geo.unit_count as usize);
     let mut volumes = BTreeMap::new();
@@ -811,7 +836,7 @@ fn load_from(read: &mut ReadAt<'_>, sb: Superblock, geo: Geometry, accept_log_lo
         log.pos = at + batch.blocks * BLOCK_SIZE;
     }
     state.alloc.release_all();
-    let log_warning = batches_beyond(read, &geo, version, &log, accept_log_loss)?;
+    let (log_warning, highest_seq) = batches_beyond(read, &geo, version, &log, later_commits)?;
     Ok(Loaded {
         sb,
         geo,
@@ -822,6 +847,7 @@ fn load_from(read: &mut ReadAt<'_>, sb: Superblock, geo: Geometry, accept_log_lo
         batches,
         superblock_warning: None,
         log_warning,
+        highest_seq,
     })
 }
 
@@ -836,21 +862,22 @@ fn load_from(read: &mut ReadAt<'_>, sb: Superblock, geo: Geometry, accept_log_lo
 /// missing one (`seq - commit_index > log.seq + 1`) proves that the missing batch was
 /// durable and has been damaged since, and every commit from it on, acknowledged
 /// flushes among them, would be lost. From format version 3 on that is corruption
-/// (`Err`, kind `Corrupt`, naming the sequence numbers), or with `accept_loss` a
-/// warning saying what was dropped. In older pools, whose
+/// (`Err`, kind `Corrupt`, naming the sequence numbers), unless `later_commits` says
+/// otherwise: then a warning saying what was dropped. In older pools, whose
 /// batches do not say where their commit began, the two cannot be told apart, and any
-/// valid later batch is returned as a warning instead. Reads the log once, a MiB at a
-/// time.
+/// valid later batch is returned as a warning instead. Also returns the highest
+/// sequence number of any valid batch found (at least `log.seq`). Reads the log once, a
+/// MiB at a time.
 fn batches_beyond(
     read: &mut ReadAt<'_>,
     geo: &Geometry,
     version: u32,
     log: &LogCursor,
-    accept_loss: bool,
-) -> Result<Option<String>> {
+    later_commits: LaterCommits,
+) -> Result<(Option<String>, u64)> {
     const PIECE: u64 = 1 << 20;
     let missing = log.seq + 1;
-    let (mut found, mut last) = (0u64, 0u64);
+    let (mut found, mut last) = (0u64, log.seq);
     // The earliest commit start found past the missing batch, and its batch's sequence.
     let mut later_commit: Option<(u64, u64)> = None;
     let mut off = 0;
@@ -884,8 +911,14 @@ fn batches_beyond(
                  on (acknowledged flushes among them) cannot be replayed"
             )
         };
-        return match later_commit {
-            Some((start, _)) if accept_loss => Ok(Some(format!(
+        let warning = match (later_commit, later_commits) {
+            (Some((start, _)), LaterCommits::RolledBack) => Some(format!(
+                "the log after the checkpoint rolled back to ends at batch {}; the valid batches behind it \
+                 (up to {last}, from batch {start} a later commit) were written after it, by the generation the \
+                 rollback drops, and are not replayed",
+                log.seq
+            )),
+            (Some((start, _)), LaterCommits::LossAccepted) => Some(format!(
                 "{}. Opened as asked (accept log loss) with the metadata as it was before batch {missing}: \
                  blocks those commits mapped read as zeros again, volumes and snapshots they created, deleted or \
                  resized are as before them, and the space they allocated is free again. Data is not rolled \
@@ -893,19 +926,22 @@ fn batches_beyond(
                  freed may have been reused since, so ranges that mapped them before may now read data written \
                  later, by any volume",
                 damage(start)
-            ))),
-            Some((start, _)) => Err(Error::corrupt(format!(
-                "{}. The pool is not opened and is left as it is. Restore it from a copy, or, if losing those \
+            )),
+            (Some((start, _)), LaterCommits::Refuse) => {
+                return Err(Error::corrupt(format!(
+                    "{}. The pool is not opened and is left as it is. Restore it from a copy, or, if losing those \
                  commits is acceptable, open it with the log loss accepted (`ferrovol serve --accept-log-loss`), \
                  which keeps the state before batch {missing}",
-                damage(start)
-            ))),
+                    damage(start)
+                )))
+            }
             // Later batches of the commit the missing batch belongs to: a torn commit,
             // never acknowledged.
-            None => Ok(None),
+            (None, _) => None,
         };
+        return Ok((warning, last));
     }
-    Ok((found > 0).then(|| {
+    let warning = (found > 0).then(|| {
         format!(
             "the log replay stopped at a damaged or missing batch (sequence {missing}), and {found} valid batch(es) \
              with later sequence numbers (up to {last}) lie beyond it and were not replayed. If the server \
@@ -914,7 +950,8 @@ fn batches_beyond(
              (acknowledged flushes among them) were lost. (This pool's format version {version} does not \
              record where a commit begins; from its next open on it is version {FORMAT_VERSION}, which does.)"
         )
-    }))
+    });
+    Ok((warning, last))
 }
 
 fn put_page(vol: &mut VolumeMeta, index: u64, page: Arc<MapPage>, unit_size: u64) -> std::result::Result<(), ()> {
@@ -1057,7 +1094,7 @@ mod tests {
     /// `read_superblock` over `slots` (the first 8 KiB of a 64 MiB pool).
     fn pick(slots: &[u8], accept_rollback: bool) -> Result<(u64, Option<String>)> {
         let mut read = |off: u64, len: usize| Ok(slots[off as usize..off as usize + len].to_vec());
-        read_superblock(&mut read, 64 << 20, accept_rollback).map(|(sb, _, w)| (sb.generation.get(), w))
+        read_superblock(&mut read, 64 << 20, accept_rollback).map(|(sb, _, w, _)| (sb.generation.get(), w))
     }
 
     /// Rewrites the slot at `off` of `slots` with generation `gen` (checksum updated).

@@ -730,7 +730,8 @@ impl Pool {
         }
         let file = Arc::new(file);
         let ring = IoRing::new(file.clone(), 256, io).map_err(|e| Error::io("set up io_uring", e))?;
-        let journal::Loaded { sb, geo, state, log, checkpoint_units, batches, .. } = loaded;
+        let journal::Loaded { sb, geo, state, log, checkpoint_units, batches, highest_seq, .. } = loaded;
+        let upgrade = sb.version.get() < FORMAT_VERSION;
         let State { volumes, next_volume, alloc, .. } = state;
         let vols = volumes
             .into_iter()
@@ -774,8 +775,16 @@ impl Pool {
         });
         // Checkpoint at once, moving the log's sequence numbers past any batch that a
         // crash may have left beyond the end of the replayed log (a batch written while
-        // an earlier one of the same commit was torn). Replay then never reaches one.
-        inner.checkpoint(inner.geo.log_size / BLOCK_SIZE + 1).map_err(|e| e.op("open pool"))?;
+        // an earlier one of the same commit was torn), and past every valid batch in
+        // the log region (after a rollback, those of the generation it dropped).
+        // Replay then never reaches one.
+        let jump = (inner.geo.log_size / BLOCK_SIZE + 1).max(highest_seq - log.seq + 1);
+        inner.checkpoint(jump).map_err(|e| e.op("open pool"))?;
+        if upgrade {
+            // The checkpoint wrote one slot in this build's format; write the other
+            // too, so that no slot is left that an older build could open from.
+            inner.rewrite_superblock().map_err(|e| e.op("open pool"))?;
+        }
         let weak = Arc::downgrade(&inner);
         let commits = inner.commits.clone();
         let handle = std::thread::Builder::new()
@@ -1518,6 +1527,21 @@ impl PoolInner {
     fn checkpoint(&self, seq_jump: u64) -> Result<()> {
         // Held throughout: no commit cycle takes records or moves the log meanwhile.
         self.with_log_locked(|log| self.checkpoint_locked(log, seq_jump))
+    }
+
+    /// Writes the current superblock again into the other slot, one generation on: both
+    /// slots then name the same checkpoint. Used when an open upgrades the format
+    /// version. A failure fails the pool before the log lock is released.
+    fn rewrite_superblock(&self) -> Result<()> {
+        self.with_log_locked(|log| {
+            let mut sb = log.sb.clone();
+            sb.generation = (sb.generation.get() + 1).into();
+            sb.crc = sb.compute_crc().into();
+            write_blocks(&self.ring, SUPERBLOCK_OFFSETS[(sb.generation.get() % 2) as usize], sb.as_bytes())?;
+            sync(&self.ring)?;
+            log.sb = sb;
+            Ok(())
+        })
     }
 
     /// [`Self::checkpoint`] with the log lock held by the caller.
