@@ -16,6 +16,10 @@ pub const SUPERBLOCK_MAGIC: [u8; 8] = *b"FERROVOL";
 /// acknowledged one. An older pool opens and is written as version 3 from its first
 /// checkpoint on (every open writes one), so older builds refuse it afterwards.
 pub const FORMAT_VERSION: u32 = 3;
+/// Largest sequence number and absolute log position a valid pool holds (2^62): both
+/// only grow, by far less than that in any pool's life, and a larger one (damage under
+/// a valid checksum) is refused rather than left to overflow.
+pub const MAX_SEQ: u64 = 1 << 62;
 /// First format version whose log batches carry [`BatchHeader::commit_index`].
 pub const COMMIT_INDEX_VERSION: u32 = 3;
 /// Oldest format version this build reads.

@@ -463,6 +463,9 @@ pub(crate) fn validate_superblock(sb: &Superblock, size: u64) -> Result<Geometry
     if !sane {
         return Err(Error::corrupt("superblock geometry is inconsistent"));
     }
+    if sb.checkpoint_seq.get() > MAX_SEQ || sb.log_head.get() > MAX_SEQ {
+        return Err(Error::corrupt("superblock log head or sequence number is out of range"));
+    }
     if g.pool_size > size {
         return Err(Error::corrupt(format!(
             "pool was created with {} bytes but the file or device has only {size}",
@@ -892,6 +895,11 @@ fn batches_beyond(
             let pos = off + i as u64 * BLOCK_SIZE;
             let seq = h.seq.get();
             if let Some(batch) = read_batch(read, geo, version, pos, seq)? {
+                if seq > MAX_SEQ {
+                    return Err(Error::corrupt(format!(
+                        "log batch at log offset {pos} has sequence number {seq}, out of range"
+                    )));
+                }
                 found += 1;
                 last = last.max(seq);
                 let start = seq.saturating_sub(u64::from(batch.commit_index));
@@ -1235,6 +1243,12 @@ mod tests {
             e.message().contains("says it is batch 1 of its commit, but it is the first batch after the checkpoint"),
             "{e}"
         );
+        // A valid batch numbered past the range (damage under a recomputed checksum) is
+        // refused, not left to overflow the checkpoint's jump past it.
+        let far = encode_batches(&b, 1 << 63, geo.pool_tag()).unwrap();
+        put(&[&far[0]], None);
+        let e = load_now().err().expect("a batch numbered 2^63 was accepted");
+        assert!(e.message().contains("out of range"), "{e}");
     }
 
     #[test]
