@@ -325,8 +325,6 @@ fn a_create_cut_short_leaves_no_pool_file_and_its_leftover_is_reused() {
 #[test]
 fn a_damaged_log_batch_before_later_commits_is_refused() {
     use std::os::unix::fs::FileExt;
-    use storage_engine::format::{Superblock, SUPERBLOCK_OFFSETS};
-    use zerocopy::{FromBytes, IntoBytes};
     let dir = tempfile::tempdir().unwrap();
     let path = pool_path(dir.path());
     let rt = rt();
@@ -387,14 +385,7 @@ fn a_damaged_log_batch_before_later_commits_is_refused() {
     Pool::open(&copy).unwrap().close().unwrap();
 
     // The same log under a version 2 superblock: reported, and the pool opens.
-    for at in SUPERBLOCK_OFFSETS {
-        let mut slot = [0u8; 256];
-        f.read_exact_at(&mut slot, at).unwrap();
-        let (mut sb, _) = Superblock::read_from_prefix(&slot).unwrap();
-        sb.version = 2.into();
-        sb.crc = sb.compute_crc().into();
-        f.write_all_at(sb.as_bytes(), at).unwrap();
-    }
+    set_version(&f, 2);
     drop(f);
     let r = storage_engine::check(&path).unwrap();
     assert!(r.problems.is_empty(), "{r:?}");
@@ -469,15 +460,25 @@ fn slot(f: &std::fs::File, at: u64) -> storage_engine::format::Superblock {
     storage_engine::format::Superblock::read_from_prefix(&b).unwrap().0
 }
 
+/// Sets the format version of both superblock slots of the pool file `f`.
+fn set_version(f: &std::fs::File, version: u32) {
+    use std::os::unix::fs::FileExt;
+    use zerocopy::IntoBytes;
+    for at in storage_engine::format::SUPERBLOCK_OFFSETS {
+        let mut sb = slot(f, at);
+        sb.version = version.into();
+        sb.crc = sb.compute_crc().into();
+        f.write_all_at(sb.as_bytes(), at).unwrap();
+    }
+}
+
 /// The open that upgrades an older pool writes both superblock slots in the new
 /// format before it serves: a crash right after it must not leave a slot of the old
 /// version, which an older build would open from (as a rollback) and whose log it
 /// would misread.
 #[test]
 fn an_upgrading_open_leaves_no_slot_of_the_old_version() {
-    use std::os::unix::fs::FileExt;
     use storage_engine::format::{FORMAT_VERSION, SUPERBLOCK_OFFSETS};
-    use zerocopy::IntoBytes;
     let dir = tempfile::tempdir().unwrap();
     let path = pool_path(dir.path());
     let rt = rt();
@@ -486,12 +487,7 @@ fn an_upgrading_open_leaves_no_slot_of_the_old_version() {
     pool.close().unwrap();
     // Made a version 2 pool (its log is empty, so nothing else differs).
     let f = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
-    for at in SUPERBLOCK_OFFSETS {
-        let mut sb = slot(&f, at);
-        sb.version = 2.into();
-        sb.crc = sb.compute_crc().into();
-        f.write_all_at(sb.as_bytes(), at).unwrap();
-    }
+    set_version(&f, 2);
     let pool = Pool::open(&path).unwrap();
     drop(pool); // a crash right after the open
     for at in SUPERBLOCK_OFFSETS {
