@@ -535,7 +535,9 @@ pub(crate) fn read_superblock(
         rolled_back = true;
         format!(
             "{note} and may have held a newer generation than slot {v} ({gen}); opened from slot {v} as asked \
-             (accept a superblock rollback): whatever was committed after generation {gen} is lost"
+             (accept a superblock rollback): the metadata committed after generation {gen} is lost. Data is not \
+             rolled back: blocks overwritten in place since keep their new contents, and data units freed since \
+             may have been reused, so ranges that mapped them may read data written later, by any volume"
         )
     } else {
         return Err(Error::corrupt(format!(
@@ -923,7 +925,7 @@ fn batches_beyond(
             (Some((start, _)), LaterCommits::RolledBack) => Some(format!(
                 "the log after the checkpoint rolled back to ends at batch {}; the valid batches behind it \
                  (up to {last}, from batch {start} a later commit) were written after it, by the generation the \
-                 rollback drops, and are not replayed",
+                 rollback drops (or the older log was damaged there), and are not replayed",
                 log.seq
             )),
             (Some((start, _)), LaterCommits::LossAccepted) => Some(format!(
@@ -1135,7 +1137,7 @@ mod tests {
         assert!(e.message().contains("slot 1 is damaged") && e.message().contains("may hold a newer generation"));
         let (gen, warning) = pick(&newer, true).unwrap();
         assert_eq!(gen, 6);
-        assert!(warning.unwrap().contains("whatever was committed after generation 6 is lost"));
+        assert!(warning.unwrap().contains("the metadata committed after generation 6 is lost"));
         // A damaged slot whose generation field does not read one below: refused.
         let mut unknown = img.clone();
         unknown[s0..s0 + 8].copy_from_slice(b"XXXXXXXX");

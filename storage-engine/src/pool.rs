@@ -216,6 +216,8 @@ struct Commits {
 #[derive(Default)]
 struct CommitQueue {
     waiters: Vec<oneshot::Sender<Result<(), ErrorKind>>>,
+    /// The next cycle is a checkpoint ([`PoolInner::checkpoint_async`]).
+    checkpoint: bool,
     background: bool,
     shutdown: bool,
 }
@@ -880,7 +882,31 @@ impl Pool {
         let full = format!("{volume}@{snapshot}");
         let err = |e: Error| e.op("create snapshot").volume(&full);
         validate_name(snapshot).map_err(err)?;
-        self.share(volume, &full, true).await.map_err(err)
+        self.share_or_checkpoint(volume, &full, true).await.map_err(err)
+    }
+
+    /// Writes a checkpoint now (docs/on-disk-format.md 6.3): the log is emptied, and the
+    /// room held back for metadata is computed afresh from what the metadata takes.
+    /// The engine checkpoints by itself when the log fills and when an allocation or a
+    /// snapshot finds the room held back inflated by metadata growth since the last
+    /// checkpoint; this is for tools and tests.
+    ///
+    /// Errors: [`ErrorKind::NoSpace`] (no free unit for it), [`ErrorKind::Failed`].
+    pub async fn checkpoint(&self) -> Result<()> {
+        self.inner.checkpoint_async().await.map_err(|e| e.op("checkpoint"))
+    }
+
+    /// [`Self::share`]; if it finds no room for the metadata it adds only because
+    /// growth counted since the last checkpoint holds room back, checkpoints and tries
+    /// once more.
+    async fn share_or_checkpoint(&self, source: &str, target: &str, snapshot: bool) -> Result<VolumeInfo> {
+        match self.share(source, target, snapshot).await {
+            Err(e) if e.kind() == ErrorKind::NoSpace && self.inner.growth_holds_room(&self.inner.alloc.lock()) => {
+                self.inner.checkpoint_async().await?;
+                self.share(source, target, snapshot).await
+            }
+            r => r,
+        }
     }
 
     /// Creates writable volume `name` from `source` (`VOLUME@SNAPSHOT` or `VOLUME`),
@@ -892,7 +918,7 @@ impl Pool {
     pub async fn clone_volume(&self, source: &str, name: &str) -> Result<VolumeInfo> {
         let err = |e: Error| e.op("clone volume").volume(name);
         validate_name(name).map_err(err)?;
-        self.share(source, name, false).await.map_err(err)
+        self.share_or_checkpoint(source, name, false).await.map_err(err)
     }
 
     async fn share(&self, source: &str, target: &str, snapshot: bool) -> Result<VolumeInfo> {
@@ -1325,6 +1351,44 @@ impl PoolInner {
         }
     }
 
+    /// Asks the committer for a checkpoint and waits for it: everything logged or
+    /// pending becomes part of a new checkpoint, the log is emptied, and the metadata
+    /// growth counted since the last one ([`Allocator::meta_growth`]) is forgotten, so
+    /// the reserve is computed from what the metadata now takes.
+    ///
+    /// Errors: [`ErrorKind::NoSpace`] if no unit is free for the checkpoint (nothing
+    /// changed); [`ErrorKind::Failed`] if the pool failed or is closing.
+    pub async fn checkpoint_async(&self) -> Result<()> {
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut q = self.commits.queue.lock();
+            if q.shutdown {
+                return Err(Error::new(ErrorKind::Failed, "pool is closing"));
+            }
+            q.waiters.push(tx);
+            q.checkpoint = true;
+            self.commits.cv.notify_one();
+        }
+        match rx.await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(ErrorKind::NoSpace)) => Err(Error::new(ErrorKind::NoSpace, "no free unit for the checkpoint")),
+            Ok(Err(kind)) => Err(Error::new(kind, "checkpoint failed; the pool refuses writes")),
+            Err(_) => Err(Error::new(ErrorKind::Failed, "pool closed")),
+        }
+    }
+
+    /// Whether a checkpoint now would lower what the pool holds back for metadata:
+    /// metadata grew since the last checkpoint without allocating data (snapshots,
+    /// clones, mapping pages copied on write), and that growth, not the estimate from
+    /// use, sets the next checkpoint's need. The growth is an upper bound (deleted
+    /// snapshots and dropped page copies stay counted until a checkpoint), so in a
+    /// full pool a checkpoint can give room back.
+    pub fn growth_holds_room(&self, a: &Allocator) -> bool {
+        a.meta_growth > 0
+            && a.meta + a.meta_growth.div_ceil(chunk_fill(self.geo.unit_size))
+                > checkpoint_estimate(a.used, self.volumes_len_hint(), self.geo.unit_size)
+    }
+
     /// Fail-stop: after a write, `fdatasync` or commit to the pool device failed, the
     /// pool refuses writes, trims and management changes (reads keep working) until it
     /// is restarted; `status().failed` reports it. Nothing is written to a device that
@@ -1522,7 +1586,7 @@ impl PoolInner {
     }
 
     /// Writes a checkpoint (see the module docs) whose sequence number is `seq_jump`
-    /// past the last log batch.
+    /// past the last log batch (at least 1 past it).
     /// A failure fails the pool before the log lock is released.
     fn checkpoint(&self, seq_jump: u64) -> Result<()> {
         // Held throughout: no commit cycle takes records or moves the log meanwhile.
@@ -1597,7 +1661,12 @@ impl PoolInner {
                 .alloc_meta()
                 .ok_or_else(|| Error::new(ErrorKind::NoSpace, "no free unit for the checkpoint").op("checkpoint"))
         };
-        let seq = log.cursor.seq + seq_jump;
+        // At least one past the last batch: the log that follows this checkpoint never
+        // continues the sequence of the one before it, so a replay from the previous
+        // checkpoint (a rollback to the older superblock slot) stops where this one was
+        // taken, instead of going on into batches written after it without the records
+        // it absorbed (on-disk-format.md 4.3).
+        let seq = log.cursor.seq + seq_jump.max(1);
         let mut units: Vec<u32> = Vec::new();
         let mut inflight = std::collections::VecDeque::new();
         let wait = |rx: oneshot::Receiver<io::RwResult>| match rx.blocking_recv() {
@@ -1741,7 +1810,7 @@ fn sync(ring: &IoRing) -> Result<()> {
 /// log is used or a commit would not fit. Exits when the pool is closed or dropped.
 fn committer(pool: std::sync::Weak<PoolInner>, commits: Arc<Commits>) {
     loop {
-        let (waiters, shutdown) = {
+        let (waiters, shutdown, checkpoint) = {
             let mut q = commits.queue.lock();
             while q.waiters.is_empty() && !q.background && !q.shutdown {
                 // Like a file system's commit interval: writes nobody flushed are
@@ -1751,7 +1820,8 @@ fn committer(pool: std::sync::Weak<PoolInner>, commits: Arc<Commits>) {
                 }
             }
             q.background = false;
-            (std::mem::take(&mut q.waiters), q.shutdown)
+            let checkpoint = std::mem::take(&mut q.checkpoint);
+            (std::mem::take(&mut q.waiters), q.shutdown, checkpoint)
         };
         let Some(inner) = pool.upgrade() else {
             for w in waiters {
@@ -1760,7 +1830,11 @@ fn committer(pool: std::sync::Weak<PoolInner>, commits: Arc<Commits>) {
             return;
         };
         // A failed pool is refused, and a failing cycle fails the pool, inside.
-        let result = inner.commit_cycle().map_err(|_| ErrorKind::Failed);
+        let result = if checkpoint { inner.checkpoint(0) } else { inner.commit_cycle() };
+        let result = result.map_err(|e| match e.kind() {
+            ErrorKind::NoSpace => ErrorKind::NoSpace,
+            _ => ErrorKind::Failed,
+        });
         // Release the pool before answering, so a caller that drops its last handle
         // after the flush closes the pool file at once.
         drop(inner);

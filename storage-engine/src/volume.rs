@@ -424,10 +424,12 @@ impl Volume {
         let u0 = b0 / bpu;
         let u1 = (b1 - 1) / bpu + 1;
         // Allocate data units for unmapped logical units. If the pool is full but frees
-        // wait for a commit to become durable, commit and try once more.
+        // wait for a commit to become durable, commit and try once more; if metadata
+        // growth since the last checkpoint holds room back, checkpoint and try once more.
         let mut allocated: Vec<(u64, u32)> = Vec::new();
         for attempt in 0..2 {
             let mut frees_pending = false;
+            let mut growth_holds_room = false;
             let needs = {
                 let map = self.vol.map.read();
                 (u0..u1).any(|u| !map.get(u).is_mapped())
@@ -445,6 +447,7 @@ impl Volume {
                         Some(p) => allocated.push((u, p)),
                         None => {
                             frees_pending = !a.pending_free.is_empty();
+                            growth_holds_room = self.pool.growth_holds_room(&a);
                             // Give back what this request took; nothing was logged for it.
                             for &(_, p) in &allocated {
                                 a.decref(p);
@@ -464,14 +467,19 @@ impl Volume {
             } else {
                 break;
             }
-            if attempt == 1 || !frees_pending {
+            if attempt == 1 || !(frees_pending || growth_holds_room) {
                 return Err(self.err(
                     Error::new(ErrorKind::NoSpace, "no free data unit for an allocating write"),
                     "write",
                     offset,
                 ));
             }
-            Box::pin(self.pool.commit()).await.map_err(|e| self.err(e, "write", offset))?;
+            if growth_holds_room {
+                // Also releases the pending frees, once it is durable.
+                Box::pin(self.pool.checkpoint_async()).await.map_err(|e| self.err(e, "write", offset))?;
+            } else {
+                Box::pin(self.pool.commit()).await.map_err(|e| self.err(e, "write", offset))?;
+            }
         }
         // Plan: segments, pins, and which units gain written blocks.
         let mut segs = Vec::new();

@@ -541,3 +541,86 @@ fn a_rollback_drops_the_newer_generations_commits_for_good() {
     pool.close().unwrap();
     assert_clean(dir.path());
 }
+
+/// A checkpoint taken between commits (by the committer when the log fills, or asked
+/// for) absorbs the records pending at that moment without logging them. The log after
+/// it must not continue the sequence of the log before it: a rollback to the older
+/// slot would otherwise replay on into the later commits without the absorbed records,
+/// a state that never existed.
+#[test]
+fn a_rollback_stops_at_the_checkpoint_it_rolls_back_over() {
+    use std::os::unix::fs::FileExt;
+    use storage_engine::format::SUPERBLOCK_OFFSETS;
+    let dir = tempfile::tempdir().unwrap();
+    let path = pool_path(dir.path());
+    let rt = rt();
+    let pool = create(dir.path(), 64 * MIB);
+    rt.block_on(pool.create_volume("v", 16 * MIB)).unwrap();
+    let v = pool.volume("v").unwrap();
+    rt.block_on(write(&v, 0, &[0xaa; 65536], false)).unwrap();
+    rt.block_on(v.flush()).unwrap(); // in the log after the open's checkpoint
+    rt.block_on(pool.checkpoint()).unwrap(); // the newer slot; the log continues after it
+    rt.block_on(pool.create_volume("w", MIB)).unwrap(); // a commit, no data unit
+    drop(v);
+    drop(pool); // a crash
+    let f = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
+    let newer = *SUPERBLOCK_OFFSETS.iter().max_by_key(|&&at| slot(&f, at).generation.get()).unwrap();
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, newer + 40).unwrap();
+    f.write_all_at(&[b[0] ^ 0x10], newer + 40).unwrap();
+
+    let opts = PoolOptions { accept_superblock_rollback: true, ..Default::default() };
+    let pool = Pool::open_or_create(&path, &opts).expect("the rollback");
+    assert_eq!(pool.names(), vec!["v".to_string()], "a commit made after the newer checkpoint was replayed");
+    let v = pool.volume("v").unwrap();
+    assert_eq!(rt.block_on(read(&v, 0, 4096)), vec![0xaa; 4096], "the older slot's own log was not replayed");
+    drop(v);
+    pool.close().unwrap();
+    assert_clean(dir.path());
+}
+
+/// Snapshots taken and deleted in a nearly full pool count metadata growth (their
+/// records, mapping pages copied on write) that only a checkpoint forgets; the room
+/// held back for it grows with every round. An allocating write that then finds no room
+/// must checkpoint and try again, not fail while the space is free.
+#[test]
+fn snapshot_churn_in_a_nearly_full_pool_does_not_hold_free_space_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let rt = rt();
+    let opts = PoolOptions { size: 64 * MIB, unit_size: 16 * 1024, ..Default::default() };
+    let pool = Pool::create(&pool_path(dir.path()), &opts).unwrap();
+    rt.block_on(pool.create_volume("v", 128 * MIB)).unwrap();
+    let v = pool.volume("v").unwrap();
+    // Fill, then give back the last 2 MiB written.
+    let mut filled = 0;
+    while rt.block_on(write(&v, filled, &[1; 65536], false)).is_ok() {
+        filled += 65536;
+    }
+    let room = 2 * MIB;
+    rt.block_on(v.trim(filled - room, room, false)).unwrap();
+    rt.block_on(v.flush()).unwrap();
+    let reserved_before = pool.status().reserved;
+    // Rounds of snapshot, one 4 KiB write into each mapping page (8 MiB of volume each
+    // with 16 KiB units, so each copies the page and a unit), flush, delete.
+    for round in 0..30 {
+        if rt.block_on(pool.create_snapshot("v", "s")).is_err() {
+            continue;
+        }
+        for page in (0..filled - room).step_by(8 * MIB as usize) {
+            let _ = rt.block_on(write(&v, page, &[round as u8; 4096], false));
+        }
+        rt.block_on(v.flush()).unwrap();
+        rt.block_on(pool.delete_snapshot("v", "s")).unwrap();
+    }
+    assert!(pool.status().reserved > reserved_before, "the rounds counted no metadata growth");
+    // With no snapshot left, the 2 MiB given back is writable again: half of it, to
+    // leave the reserve room to move.
+    let back = room / 2;
+    for off in (filled - room..filled - room + back).step_by(65536) {
+        rt.block_on(write(&v, off, &[2; 65536], false))
+            .unwrap_or_else(|e| panic!("write at {off} with free space: {e}; {:?}", pool.status()));
+    }
+    drop(v);
+    pool.close().unwrap();
+    assert_clean(dir.path());
+}
