@@ -111,7 +111,7 @@ impl Metrics {
         );
         r.register(
             "pool_reserved_bytes",
-            "of the free bytes, those held back for metadata checkpoints (writes past them get ENOSPC)",
+            "of the free bytes, those held back for metadata checkpoints now (it grows with the metadata)",
             m.pool_reserved.clone(),
         );
         r.register("pool_failed", "1 when the pool refuses writes after an I/O error", m.pool_failed.clone());

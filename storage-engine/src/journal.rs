@@ -929,12 +929,12 @@ fn batches_beyond(
                 log.seq
             )),
             (Some((start, _)), LaterCommits::LossAccepted) => Some(format!(
-                "{}. Opened as asked (accept log loss) with the metadata as it was before batch {missing}: \
-                 blocks those commits mapped read as zeros again, volumes and snapshots they created, deleted or \
-                 resized are as before them, and the space they allocated is free again. Data is not rolled \
-                 back: overwrites of blocks mapped before them stay as written, and data units those commits \
-                 freed may have been reused since, so ranges that mapped them before may now read data written \
-                 later, by any volume",
+                "opened as asked (accept log loss) with the metadata as it was before log batch {missing}; the \
+                 commits from that batch on (valid batches up to {last}) are dropped: blocks they mapped read as \
+                 zeros again, volumes and snapshots they created, deleted or resized are as before them, and the \
+                 space they allocated is free again. Data is not rolled back: overwrites of blocks mapped before \
+                 them stay as written, and data units they freed may have been reused since, so ranges that \
+                 mapped them before may now read data written later, by any volume. (Why: {})",
                 damage(start)
             )),
             (Some((start, _)), LaterCommits::Refuse) => {

@@ -146,8 +146,9 @@ pub struct PoolStatus {
     pub freeing: u64,
     /// Of `free`, the bytes data writes may not allocate: the metadata reserve, room
     /// for the next checkpoints (docs/on-disk-format.md, section 9). It grows with
-    /// the metadata; `free - reserved` is what writes to unmapped ranges can still
-    /// take, and a write that needs more gets `ENOSPC`.
+    /// the metadata, so `free - reserved` is an upper bound on what writes to unmapped
+    /// ranges can still take (at most a few percent high with 16 KiB units on an
+    /// emptier pool, exact when full); a write that needs more gets `ENOSPC`.
     pub reserved: u64,
     /// Data-unit size.
     pub unit_size: u32,
