@@ -892,7 +892,8 @@ impl Pool {
     /// snapshot finds the room held back inflated by metadata growth since the last
     /// checkpoint; this is for tools and tests.
     ///
-    /// Errors: [`ErrorKind::NoSpace`] (no free unit for it), [`ErrorKind::Failed`].
+    /// Errors: [`ErrorKind::Failed`] or [`ErrorKind::NoSpace`]: the pool failed
+    /// earlier, is closing, or failed in this checkpoint (see `PoolInner::checkpoint_async`).
     pub async fn checkpoint(&self) -> Result<()> {
         self.inner.checkpoint_async().await.map_err(|e| e.op("checkpoint"))
     }
@@ -1357,8 +1358,10 @@ impl PoolInner {
     /// growth counted since the last one ([`Allocator::meta_growth`]) is forgotten, so
     /// the reserve is computed from what the metadata now takes.
     ///
-    /// Errors: [`ErrorKind::NoSpace`] if no unit is free for the checkpoint (nothing
-    /// changed); [`ErrorKind::Failed`] if the pool failed or is closing.
+    /// Errors: [`ErrorKind::Failed`] if the pool failed earlier or is closing, or if the
+    /// checkpoint failed, which fails the pool as any failed checkpoint does (an I/O
+    /// error, or no free unit for it, which the reserve is there to prevent;
+    /// [`ErrorKind::NoSpace`] then).
     pub async fn checkpoint_async(&self) -> Result<()> {
         let (tx, rx) = oneshot::channel();
         {
