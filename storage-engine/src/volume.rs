@@ -834,6 +834,8 @@ impl Volume {
         let u0 = b0 / bpu;
         let u1 = (b1 - 1) / bpu + 1;
         let mut u = u0;
+        // The page whose metadata room was already retried after a checkpoint.
+        let mut retried_page = None;
         while u < u1 {
             // One page per lock hold, so a huge trim does not stall other I/O.
             let page_end = ((u / page_units + 1) * page_units).min(u1);
@@ -842,33 +844,50 @@ impl Volume {
                 continue;
             }
             let _guards = self.lock_units(u..page_end, Exclusive::All).await;
-            let mut map = self.vol.map.write();
-            if self.vol.deleted.load(Ordering::Acquire) {
-                return Err(self.deleted("trim", offset));
-            }
-            if map.page((u / page_units) as usize).is_none() {
-                u = page_end;
-                continue;
-            }
-            // A page shared with a snapshot or clone is copied by the first change: the
-            // next checkpoint must still fit in the pool with the copy.
-            // (`incref_all` counts the copy's growth when it is made.)
-            if map.page_shared(u) && (u..page_end).any(|x| map.get(x).is_mapped()) {
-                let mapped = map.page((u / page_units) as usize).map_or(0, |p| u64::from(p.mapped));
-                let volumes = self.pool.volumes_len_hint();
-                self.pool
-                    .check_meta_room(&mut self.pool.alloc.lock(), page_copy_bytes(mapped), volumes)
-                    .map_err(|e| self.err(e, "trim", offset))?;
-            }
-            while u < page_end {
-                let e = map.get(u);
-                if e.is_mapped() {
-                    let s = (u * bpu).max(b0) - u * bpu;
-                    let t = ((u + 1) * bpu).min(b1) - u * bpu;
-                    let bitmap = e.bitmap & !mask(s, t);
-                    self.set_entry(&mut map, u, e, bitmap);
+            // True when the page must wait for a checkpoint and be tried once more; the
+            // locks are released (the block ends) before that wait.
+            let checkpoint_first = 'page: {
+                let mut map = self.vol.map.write();
+                if self.vol.deleted.load(Ordering::Acquire) {
+                    return Err(self.deleted("trim", offset));
                 }
-                u += 1;
+                if map.page((u / page_units) as usize).is_none() {
+                    u = page_end;
+                    break 'page false;
+                }
+                // A page shared with a snapshot or clone is copied by the first change:
+                // the next checkpoint must still fit in the pool with the copy.
+                // (`incref_all` counts the copy's growth when it is made.) If growth
+                // counted since the last checkpoint is what holds the room back,
+                // checkpoint and try the page once more.
+                if map.page_shared(u) && (u..page_end).any(|x| map.get(x).is_mapped()) {
+                    let mapped = map.page((u / page_units) as usize).map_or(0, |p| u64::from(p.mapped));
+                    let volumes = self.pool.volumes_len_hint();
+                    let mut a = self.pool.alloc.lock();
+                    match self.pool.check_meta_room(&mut a, page_copy_bytes(mapped), volumes) {
+                        Ok(()) => {}
+                        Err(_) if retried_page != Some(u / page_units) && self.pool.growth_holds_room(&a) => {
+                            retried_page = Some(u / page_units);
+                            break 'page true;
+                        }
+                        Err(e) => return Err(self.err(e, "trim", offset)),
+                    }
+                }
+                while u < page_end {
+                    let e = map.get(u);
+                    if e.is_mapped() {
+                        let s = (u * bpu).max(b0) - u * bpu;
+                        let t = ((u + 1) * bpu).min(b1) - u * bpu;
+                        let bitmap = e.bitmap & !mask(s, t);
+                        self.set_entry(&mut map, u, e, bitmap);
+                    }
+                    u += 1;
+                }
+                false
+            };
+            drop(_guards);
+            if checkpoint_first {
+                Box::pin(self.pool.checkpoint_async()).await.map_err(|e| self.err(e, "trim", offset))?;
             }
         }
         Ok(())
