@@ -1207,8 +1207,12 @@ impl PoolInner {
     /// or the last checkpoint (which also counts shared-page references and names) plus
     /// what the state grew by since, whichever is larger.
     fn checkpoint_need(&self, a: &Allocator, volumes: u64) -> u64 {
-        let next = a.meta + a.meta_growth.div_ceil(chunk_fill(self.geo.unit_size));
-        checkpoint_estimate(a.used, volumes, self.geo.unit_size).max(next)
+        checkpoint_estimate(a.used, volumes, self.geo.unit_size).max(self.last_checkpoint_grown(a))
+    }
+
+    /// Units of the last checkpoint plus what the state grew by since (an upper bound).
+    fn last_checkpoint_grown(&self, a: &Allocator) -> u64 {
+        a.meta + a.meta_growth.div_ceil(chunk_fill(self.geo.unit_size))
     }
 
     /// Units an allocating write must leave free: three times what the next checkpoint
@@ -1337,20 +1341,7 @@ impl PoolInner {
                 Err(_) => return Err(Error::new(ErrorKind::Failed, "commit task failed")),
             }
         }
-        let (tx, rx) = oneshot::channel();
-        {
-            let mut q = self.commits.queue.lock();
-            if q.shutdown {
-                return Err(Error::new(ErrorKind::Failed, "pool is closing"));
-            }
-            q.waiters.push(tx);
-            self.commits.cv.notify_one();
-        }
-        match rx.await {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(kind)) => Err(Error::new(kind, "commit failed; the pool refuses writes")),
-            Err(_) => Err(Error::new(ErrorKind::Failed, "pool closed")),
-        }
+        self.on_committer(false).await
     }
 
     /// Asks the committer for a checkpoint and waits for it: everything logged or
@@ -1363,6 +1354,12 @@ impl PoolInner {
     /// error, or no free unit for it, which the reserve is there to prevent;
     /// [`ErrorKind::NoSpace`] then).
     pub async fn checkpoint_async(&self) -> Result<()> {
+        self.on_committer(true).await
+    }
+
+    /// Queues a cycle on the committer thread (a checkpoint if `checkpoint`, else a
+    /// commit cycle, which may itself become a checkpoint) and waits for its outcome.
+    async fn on_committer(&self, checkpoint: bool) -> Result<()> {
         let (tx, rx) = oneshot::channel();
         {
             let mut q = self.commits.queue.lock();
@@ -1370,13 +1367,22 @@ impl PoolInner {
                 return Err(Error::new(ErrorKind::Failed, "pool is closing"));
             }
             q.waiters.push(tx);
-            q.checkpoint = true;
+            q.checkpoint |= checkpoint;
             self.commits.cv.notify_one();
         }
         match rx.await {
             Ok(Ok(())) => Ok(()),
-            Ok(Err(ErrorKind::NoSpace)) => Err(Error::new(ErrorKind::NoSpace, "no free unit for the checkpoint")),
-            Ok(Err(kind)) => Err(Error::new(kind, "checkpoint failed; the pool refuses writes")),
+            Ok(Err(ErrorKind::NoSpace)) if checkpoint => {
+                Err(Error::new(ErrorKind::NoSpace, "no free unit for the checkpoint"))
+            }
+            Ok(Err(kind)) => Err(Error::new(
+                kind,
+                if checkpoint {
+                    "checkpoint failed; the pool refuses writes"
+                } else {
+                    "commit failed; the pool refuses writes"
+                },
+            )),
             Err(_) => Err(Error::new(ErrorKind::Failed, "pool closed")),
         }
     }
@@ -1389,8 +1395,7 @@ impl PoolInner {
     /// full pool a checkpoint can give room back.
     pub fn growth_holds_room(&self, a: &Allocator) -> bool {
         a.meta_growth > 0
-            && a.meta + a.meta_growth.div_ceil(chunk_fill(self.geo.unit_size))
-                > checkpoint_estimate(a.used, self.volumes_len_hint(), self.geo.unit_size)
+            && self.last_checkpoint_grown(a) > checkpoint_estimate(a.used, self.volumes_len_hint(), self.geo.unit_size)
     }
 
     /// Fail-stop: after a write, `fdatasync` or commit to the pool device failed, the
@@ -1601,15 +1606,19 @@ impl PoolInner {
     /// slots then name the same checkpoint. Used when an open upgrades the format
     /// version. A failure fails the pool before the log lock is released.
     fn rewrite_superblock(&self) -> Result<()> {
-        self.with_log_locked(|log| {
-            let mut sb = log.sb.clone();
-            sb.generation = (sb.generation.get() + 1).into();
-            sb.crc = sb.compute_crc().into();
-            write_blocks(&self.ring, SUPERBLOCK_OFFSETS[(sb.generation.get() % 2) as usize], sb.as_bytes())?;
-            sync(&self.ring)?;
-            log.sb = sb;
-            Ok(())
-        })
+        self.with_log_locked(|log| self.switch_superblock(log, log.sb.clone()))
+    }
+
+    /// Makes `sb` the current superblock: numbers it one generation past the current
+    /// one, writes it into that generation's slot and syncs it. Call with the log
+    /// locked (`log`).
+    fn switch_superblock(&self, log: &mut LogState, mut sb: Superblock) -> Result<()> {
+        sb.generation = (log.sb.generation.get() + 1).into();
+        sb.crc = sb.compute_crc().into();
+        write_blocks(&self.ring, SUPERBLOCK_OFFSETS[(sb.generation.get() % 2) as usize], sb.as_bytes())?;
+        sync(&self.ring)?;
+        log.sb = sb;
+        Ok(())
     }
 
     /// [`Self::checkpoint`] with the log lock held by the caller.
@@ -1726,19 +1735,15 @@ impl PoolInner {
         // 3. The sync above made the data and the chunks durable; switch superblocks.
         let mut sb = log.sb.clone();
         sb.version = FORMAT_VERSION.into();
-        sb.generation = (sb.generation.get() + 1).into();
         sb.checkpoint_unit = u64::from(units[0]).into();
         sb.checkpoint_chunks = (units.len() as u64).into();
         sb.checkpoint_seq = seq.into();
         sb.log_head = log.cursor.pos.into();
-        sb.crc = sb.compute_crc().into();
-        write_blocks(&self.ring, SUPERBLOCK_OFFSETS[(sb.generation.get() % 2) as usize], sb.as_bytes())?;
-        sync(&self.ring)?;
+        self.switch_superblock(log, sb)?;
         // 4. The old checkpoint's units and the snapshot's frees are now free.
         // Still under the log lock: pending marks stay valid only while takes and
         // releases of them are serialised.
         let old = std::mem::replace(&mut log.checkpoint_units, units);
-        log.sb = sb;
         log.cursor.head = log.cursor.pos;
         log.cursor.seq = seq;
         let mut a = self.alloc.lock();

@@ -460,6 +460,18 @@ fn slot(f: &std::fs::File, at: u64) -> storage_engine::format::Superblock {
     storage_engine::format::Superblock::read_from_prefix(&b).unwrap().0
 }
 
+/// Flips a bit of the newer superblock slot's `unit_size` (its checksum fails; its
+/// generation field still reads as the newer one).
+fn damage_newer_slot(path: &std::path::Path) {
+    use std::os::unix::fs::FileExt;
+    use storage_engine::format::SUPERBLOCK_OFFSETS;
+    let f = std::fs::OpenOptions::new().read(true).write(true).open(path).unwrap();
+    let newer = *SUPERBLOCK_OFFSETS.iter().max_by_key(|&&at| slot(&f, at).generation.get()).unwrap();
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, newer + 40).unwrap();
+    f.write_all_at(&[b[0] ^ 0x10], newer + 40).unwrap();
+}
+
 /// Sets the format version of both superblock slots of the pool file `f`.
 fn set_version(f: &std::fs::File, version: u32) {
     use std::os::unix::fs::FileExt;
@@ -505,8 +517,6 @@ fn an_upgrading_open_leaves_no_slot_of_the_old_version() {
 /// checkpoint's units and make the rollback impossible.)
 #[test]
 fn a_rollback_drops_the_newer_generations_commits_for_good() {
-    use std::os::unix::fs::FileExt;
-    use storage_engine::format::SUPERBLOCK_OFFSETS;
     let dir = tempfile::tempdir().unwrap();
     let path = pool_path(dir.path());
     let rt = rt();
@@ -520,12 +530,7 @@ fn a_rollback_drops_the_newer_generations_commits_for_good() {
     rt.block_on(pool.create_volume("w", MIB)).unwrap(); // two commits, in the log only
     rt.block_on(pool.resize_volume("v", 32 * MIB)).unwrap();
     drop(pool); // a crash
-                // Damage the newer slot; its generation field still says it is the newer one.
-    let f = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
-    let newer = *SUPERBLOCK_OFFSETS.iter().max_by_key(|&&at| slot(&f, at).generation.get()).unwrap();
-    let mut b = [0u8; 1];
-    f.read_exact_at(&mut b, newer + 40).unwrap();
-    f.write_all_at(&[b[0] ^ 0x10], newer + 40).unwrap();
+    damage_newer_slot(&path);
     assert!(Pool::open(&path).is_err(), "opened from the older slot without a rollback accepted");
 
     let opts = PoolOptions { accept_superblock_rollback: true, ..Default::default() };
@@ -549,8 +554,6 @@ fn a_rollback_drops_the_newer_generations_commits_for_good() {
 /// a state that never existed.
 #[test]
 fn a_rollback_stops_at_the_checkpoint_it_rolls_back_over() {
-    use std::os::unix::fs::FileExt;
-    use storage_engine::format::SUPERBLOCK_OFFSETS;
     let dir = tempfile::tempdir().unwrap();
     let path = pool_path(dir.path());
     let rt = rt();
@@ -563,11 +566,7 @@ fn a_rollback_stops_at_the_checkpoint_it_rolls_back_over() {
     rt.block_on(pool.create_volume("w", MIB)).unwrap(); // a commit, no data unit
     drop(v);
     drop(pool); // a crash
-    let f = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
-    let newer = *SUPERBLOCK_OFFSETS.iter().max_by_key(|&&at| slot(&f, at).generation.get()).unwrap();
-    let mut b = [0u8; 1];
-    f.read_exact_at(&mut b, newer + 40).unwrap();
-    f.write_all_at(&[b[0] ^ 0x10], newer + 40).unwrap();
+    damage_newer_slot(&path);
 
     let opts = PoolOptions { accept_superblock_rollback: true, ..Default::default() };
     let pool = Pool::open_or_create(&path, &opts).expect("the rollback");
@@ -587,15 +586,11 @@ fn a_rollback_stops_at_the_checkpoint_it_rolls_back_over() {
 fn snapshot_churn_in_a_nearly_full_pool_does_not_hold_free_space_back() {
     let dir = tempfile::tempdir().unwrap();
     let rt = rt();
-    let opts = PoolOptions { size: 64 * MIB, unit_size: 16 * 1024, ..Default::default() };
-    let pool = Pool::create(&pool_path(dir.path()), &opts).unwrap();
+    let pool = create_with_unit(dir.path(), 64 * MIB, 16 * 1024);
     rt.block_on(pool.create_volume("v", 128 * MIB)).unwrap();
     let v = pool.volume("v").unwrap();
     // Fill, then give back the last 2 MiB written.
-    let mut filled = 0;
-    while rt.block_on(write(&v, filled, &[1; 65536], false)).is_ok() {
-        filled += 65536;
-    }
+    let filled = fill(&rt, &v, 65536, 1);
     let room = 2 * MIB;
     rt.block_on(v.trim(filled - room, room, false)).unwrap();
     rt.block_on(v.flush()).unwrap();
@@ -633,14 +628,10 @@ fn snapshot_churn_in_a_nearly_full_pool_does_not_hold_free_space_back() {
 fn trims_under_snapshot_churn_in_a_full_pool_do_not_run_out_of_room() {
     let dir = tempfile::tempdir().unwrap();
     let rt = rt();
-    let opts = PoolOptions { size: 256 * MIB, unit_size: 16 * 1024, ..Default::default() };
-    let pool = Pool::create(&pool_path(dir.path()), &opts).unwrap();
+    let pool = create_with_unit(dir.path(), 256 * MIB, 16 * 1024);
     rt.block_on(pool.create_volume("v", 512 * MIB)).unwrap();
     let v = pool.volume("v").unwrap();
-    let mut filled = 0;
-    while rt.block_on(write(&v, filled, &[1; 1 << 20], false)).is_ok() {
-        filled += 1 << 20;
-    }
+    let filled = fill(&rt, &v, 1 << 20, 1);
     rt.block_on(v.flush()).unwrap();
     // Each round trims one block in each 8 MiB mapping page (the unit stays mapped by
     // its other blocks, so no data space comes back).

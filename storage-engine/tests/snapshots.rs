@@ -318,14 +318,10 @@ fn metadata_growth_in_a_full_pool_leaves_room_for_the_checkpoint() {
     const PAGE: u64 = 512 * UNIT; // volume bytes one mapping page covers
     let dir = tempfile::tempdir().unwrap();
     let rt = rt();
-    let opts = storage_engine::PoolOptions { size: 128 * MIB, unit_size: UNIT as u32, ..Default::default() };
-    let pool = Pool::create(&pool_path(dir.path()), &opts).unwrap();
+    let pool = create_with_unit(dir.path(), 128 * MIB, UNIT as u32);
     rt.block_on(pool.create_volume("v", 512 * MIB)).unwrap();
     let v = pool.volume("v").unwrap();
-    let mut filled = 0;
-    while rt.block_on(write(&v, filled, &[0xab; MIB as usize], false)).is_ok() {
-        filled += MIB;
-    }
+    let filled = fill(&rt, &v, MIB as usize, 0xab);
     assert!(filled > 64 * MIB, "only {filled} bytes fit");
     // Each round: a snapshot, then a 4 KiB trim in every mapping page of the volume,
     // which copies each page (the snapshot shares them all).

@@ -16,7 +16,12 @@ pub fn pool_path(dir: &Path) -> PathBuf {
 }
 
 pub fn create(dir: &Path, size: u64) -> Pool {
-    Pool::create(&pool_path(dir), &PoolOptions { size, unit_size: 64 * 1024, ..Default::default() }).unwrap()
+    create_with_unit(dir, size, 64 * 1024)
+}
+
+/// A new pool of `size` bytes with data units of `unit_size` bytes in `dir`.
+pub fn create_with_unit(dir: &Path, size: u64, unit_size: u32) -> Pool {
+    Pool::create(&pool_path(dir), &PoolOptions { size, unit_size, ..Default::default() }).unwrap()
 }
 
 pub async fn write(v: &Volume, off: u64, data: &[u8], fua: bool) -> storage_engine::Result<()> {
@@ -27,6 +32,16 @@ pub async fn write(v: &Volume, off: u64, data: &[u8], fua: bool) -> storage_engi
 
 pub async fn read(v: &Volume, off: u64, len: u64) -> Vec<u8> {
     v.read(off, len).await.unwrap().data.as_ref().to_vec()
+}
+
+/// Writes `chunk`-byte pieces of `byte` to `v` from offset 0 until a write fails (the
+/// pool is full); returns the bytes written.
+pub fn fill(rt: &tokio::runtime::Runtime, v: &Volume, chunk: usize, byte: u8) -> u64 {
+    let mut filled = 0;
+    while rt.block_on(write(v, filled, &vec![byte; chunk], false)).is_ok() {
+        filled += chunk as u64;
+    }
+    filled
 }
 
 /// Runs the offline checker and panics on any problem.
