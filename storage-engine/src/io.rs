@@ -617,7 +617,7 @@ impl Shared {
     /// finished requests (outside the lock). True when the ring is closing and idle.
     fn reap(&self) -> bool {
         let mut finished = Vec::new();
-        let (idle, enter) = {
+        let (idle, enter, faults) = {
             let mut st = self.state.lock();
             // SAFETY: the completion queue is only accessed under the state lock.
             let cqes: Vec<(u64, i32)> =
@@ -629,13 +629,20 @@ impl Shared {
                 }
             }
             let enter = st.push_queued(&self.ring);
-            (st.closing && st.in_kernel == 0 && st.queued.is_empty(), enter)
+            (st.closing && st.in_kernel == 0 && st.queued.is_empty(), enter, st.faults.clone())
         };
         if enter {
             self.enter();
         }
         for (done, buf, result) in finished {
-            done.send(buf, result);
+            match (&faults, &done) {
+                (Some(faults), RwDone::Fsync(_)) => {
+                    if let Some(report) = faults.hold_flush(Box::new(move || done.send(buf, result))) {
+                        report();
+                    }
+                }
+                _ => done.send(buf, result),
+            }
         }
         idle
     }

@@ -93,14 +93,32 @@ impl IoLog {
 }
 
 /// Injected I/O errors: completions of pool writes or `fdatasync`s turned into `EIO`
-/// (the write may have reached the file; the engine must not rely on it either way).
-#[derive(Debug, Default)]
+/// (the write may have reached the file; the engine must not rely on it either way);
+/// and `fdatasync` completions held back from their callers, to order concurrent
+/// flushes in a test without relying on how long the disk takes.
+#[derive(Default)]
 pub struct Faults {
     /// Data or metadata writes to let through before every later one fails; `None`:
     /// none fails.
     writes_left: Mutex<Option<u64>>,
     /// Fail every `fdatasync`.
     flushes: std::sync::atomic::AtomicBool,
+    /// While `Some`: completed `fdatasync`s not yet reported to their callers (each
+    /// entry reports one), until [`Faults::release_flushes`].
+    held: Mutex<Option<Vec<FlushReport>>>,
+}
+
+/// Tells one `fdatasync`'s caller that it completed (and how).
+pub(crate) type FlushReport = Box<dyn FnOnce() + Send>;
+
+impl std::fmt::Debug for Faults {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Faults")
+            .field("writes_left", &self.writes_left)
+            .field("flushes", &self.flushes)
+            .field("held", &self.held.lock().as_ref().map(Vec::len))
+            .finish()
+    }
 }
 
 impl Faults {
@@ -117,6 +135,33 @@ impl Faults {
     /// Every `fdatasync` from now on fails with `EIO`.
     pub fn fail_flushes(&self) {
         self.flushes.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// From now on, every `fdatasync` completes in the kernel as usual but its caller
+    /// is told only at [`Faults::release_flushes`].
+    pub fn hold_flushes(&self) {
+        self.held.lock().get_or_insert_with(Vec::new);
+    }
+
+    /// Reports every held `fdatasync` completion to its caller, in completion order,
+    /// and stops holding them.
+    pub fn release_flushes(&self) {
+        let held = self.held.lock().take().unwrap_or_default();
+        for report in held {
+            report();
+        }
+    }
+
+    /// Keeps `report` (the report of a completed `fdatasync`) until
+    /// [`Faults::release_flushes`] if flushes are held; otherwise hands it back.
+    pub(crate) fn hold_flush(&self, report: FlushReport) -> Option<FlushReport> {
+        match &mut *self.held.lock() {
+            Some(held) => {
+                held.push(report);
+                None
+            }
+            None => Some(report),
+        }
     }
 
     pub(crate) fn fail_write(&self, dir: crate::io::Dir) -> bool {

@@ -100,10 +100,17 @@ fn concurrent_flushes_over_durable_mappings_share_their_fdatasyncs() {
     // Eight flushes at once, with every mapping durable (the fast path): the first
     // issues an fdatasync; the seven that arrive while it runs cannot rely on it (it
     // started before their calls), so one more fdatasync serves all seven: two in all,
-    // and every flush succeeds.
+    // and every flush succeeds. The first fdatasync's completion is held back until all
+    // eight have arrived: a disk may finish it before the second flush is even polled,
+    // and then each flush in turn rightly takes its own.
     let dir = tempfile::tempdir().unwrap();
     let rt = rt();
-    let (pool, log) = open_with_log(dir.path(), &rt);
+    create(dir.path(), 32 * MIB).close().unwrap();
+    let log = Arc::new(storage_engine::testing::IoLog::new());
+    let faults = Arc::new(Faults::new());
+    let io = IoOptions { log: Some(log.clone()), faults: Some(faults.clone()), ..Default::default() };
+    let pool = Pool::open_with(&pool_path(dir.path()), &io).unwrap();
+    rt.block_on(pool.create_volume("v", 8 * MIB)).unwrap();
     let v = pool.volume("v").unwrap();
     rt.block_on(write(&v, 0, &[1; 65536], false)).unwrap();
     rt.block_on(v.flush()).unwrap(); // the mapping is now durable
@@ -112,14 +119,20 @@ fn concurrent_flushes_over_durable_mappings_share_their_fdatasyncs() {
         log.events().iter().filter(|e| matches!(e, storage_engine::testing::IoEvent::FlushStarted { .. })).count()
     };
     let before = flushes(&log);
-    // Spawned on the current-thread runtime, the eight first run in order, each to its
-    // first await, before any fdatasync completes.
+    faults.hold_flushes();
     let results = rt.block_on(async {
         let mut set = tokio::task::JoinSet::new();
         for _ in 0..8 {
             let v = v.clone();
             set.spawn(async move { v.flush().await });
         }
+        // On the current-thread runtime each yield lets every spawned task run to its
+        // first await: the first to its fdatasync, the others to the lock behind it.
+        for _ in 0..4 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(flushes(&log) - before, 1, "one fdatasync while the first is held");
+        faults.release_flushes();
         set.join_all().await
     });
     assert!(results.iter().all(|r| r.is_ok()), "{results:?}");
