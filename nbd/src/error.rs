@@ -39,6 +39,10 @@ pub enum Error {
     /// No request arrived for `idle_timeout` while none was in flight.
     #[error("connection idle for {0:?}")]
     IdleTimeout(Duration),
+    /// Writing one reply, or receiving one WRITE payload (the `&str` says which), did not
+    /// finish within `stall_timeout`: the client stopped reading replies or sending.
+    #[error("client stalled: {0} did not finish within {1:?}")]
+    Stalled(&'static str, Duration),
 }
 
 impl Error {

@@ -46,6 +46,18 @@ pub struct ServerConfig {
     /// waiting to be written); when reached, the server stops reading requests. A single
     /// request larger than this still proceeds, alone. Default 128 MiB.
     pub max_in_flight_bytes: usize,
+    /// READ and WRITE payload bytes buffered at once over every connection of one
+    /// [`Server`]; a request that would pass it waits. So that no client can stall
+    /// another through it, a connection with nothing else in flight may always run one
+    /// request of up to [`UNMETERED_REQUEST_BYTES`] outside it: payload memory is bounded
+    /// by this plus 1 MiB per connection. Default 1 GiB.
+    pub max_total_in_flight_bytes: usize,
+    /// The longest one reply may take to be written to the socket, and one WRITE payload
+    /// to arrive once its header has. A connection that takes longer is closed
+    /// ([`Error::Stalled`]), freeing what it held: a client that stops reading replies,
+    /// or sends a payload a byte at a time, holds the server's memory and budget for at
+    /// most this long. Default 60 s.
+    pub stall_timeout: Duration,
     /// Connections open at once over all listeners of one [`Server`]; a client accepted
     /// beyond it is closed at once. Default 1024.
     pub max_connections: usize,
@@ -71,6 +83,8 @@ impl Default for ServerConfig {
             max_payload: 32 * 1024 * 1024,
             max_in_flight_requests: 128,
             max_in_flight_bytes: 128 * 1024 * 1024,
+            max_total_in_flight_bytes: 1024 * 1024 * 1024,
+            stall_timeout: Duration::from_secs(60),
             max_connections: 1024,
             max_connections_per_export: 128,
             idle_timeout: None,
@@ -91,7 +105,14 @@ pub struct Server<R> {
     /// Where accepted connections run ([`Server::new_on`]); empty: the accept loop's own
     /// runtime.
     runtimes: Vec<Placement>,
+    /// The server-wide payload budget ([`ServerConfig::max_total_in_flight_bytes`]).
+    total_in_flight: Arc<transmission::TotalBudget>,
 }
+
+/// Largest request (payload bytes) a connection with nothing else in flight may run
+/// outside [`ServerConfig::max_total_in_flight_bytes`]: 1 MiB, above what the Linux
+/// kernel's client sends in one request by default.
+pub const UNMETERED_REQUEST_BYTES: usize = 1 << 20;
 
 /// A runtime connections may be placed on, and how many of them it serves now.
 struct Placement {
@@ -212,7 +233,15 @@ impl<R: ExportRegistry> Server<R> {
     /// empty list: connections run on the accept loop's runtime.
     pub fn new_on(registry: Arc<R>, config: ServerConfig, runtimes: Vec<tokio::runtime::Handle>) -> Arc<Self> {
         let runtimes = runtimes.into_iter().map(|handle| Placement { handle, connections: Arc::default() }).collect();
-        Arc::new(Server { registry, config, live: Arc::default(), shutting_down: Default::default(), runtimes })
+        let total_in_flight = Arc::new(transmission::TotalBudget::new(config.max_total_in_flight_bytes));
+        Arc::new(Server {
+            registry,
+            config,
+            live: Arc::default(),
+            shutting_down: Default::default(),
+            runtimes,
+            total_in_flight,
+        })
     }
 
     /// Starts a soft shutdown of every open connection (NBD proto.md, "Terminating the
@@ -242,7 +271,8 @@ impl<R: ExportRegistry> Server<R> {
     /// complete. Returns `Ok(())` when the client ends the session itself
     /// (`NBD_OPT_ABORT`, `NBD_CMD_DISC`, or closing the connection between messages),
     /// after every in-flight request has been answered. Returns an [`Error`] when the
-    /// connection broke, timed out ([`ServerConfig::idle_timeout`]), hit a connection cap
+    /// connection broke, timed out ([`ServerConfig::idle_timeout`],
+    /// [`ServerConfig::stall_timeout`]), hit a connection cap
     /// with `NBD_OPT_EXPORT_NAME`, or the server hard-disconnected because the client
     /// violated the protocol (bad magic, unknown client flags, oversized option data,
     /// unknown export with `NBD_OPT_EXPORT_NAME`). Per-request failures never end the
@@ -271,7 +301,8 @@ impl<R: ExportRegistry> Server<R> {
             block_status = negotiated.params.base_allocation.is_some(),
             "entering transmission phase"
         );
-        transmission::transmission(stream, negotiated, config, self.shutting_down.subscribe()).await
+        let total = Arc::clone(&self.total_in_flight);
+        transmission::transmission(stream, negotiated, config, total, self.shutting_down.subscribe()).await
     }
 
     /// Accepts TCP clients until `shutdown` resolves, serving each with

@@ -5,7 +5,9 @@
 //! negotiated state and the export size read at that moment, receives or discards WRITE
 //! payloads, and runs each accepted request as a future polled inside the connection's
 //! task), the reply writer (the only owner of the socket's write half, writing replies
-//! in completion order), the per-connection backpressure (a request-count and a payload-byte budget), and the building of simple
+//! in completion order), the backpressure (a request-count and a payload-byte budget per
+//! connection, a payload-byte budget over the server), the stall timeout on replies and
+//! WRITE payloads, and the building of simple
 //! and structured replies (`NBD_REPLY_TYPE_OFFSET_DATA`, `NBD_REPLY_TYPE_OFFSET_HOLE`,
 //! `NBD_REPLY_TYPE_BLOCK_STATUS`, `NBD_REPLY_TYPE_ERROR`).
 //! Not here: option haggling (`handshake`), byte layouts (`proto`).
@@ -32,7 +34,7 @@ use crate::error::Error;
 use crate::export::{Errno, Export, Extent, ReadData};
 use crate::handshake::{Negotiated, Params};
 use crate::proto::*;
-use crate::server::{read_full_or_eof, ServerConfig};
+use crate::server::{read_full_or_eof, ServerConfig, UNMETERED_REQUEST_BYTES};
 
 /// Most descriptors sent in one `NBD_REPLY_TYPE_BLOCK_STATUS` chunk; the spec lets a
 /// server describe less than the requested length.
@@ -207,6 +209,8 @@ impl<B> Reply<B> {
 struct Permits {
     _count: OwnedSemaphorePermit,
     _bytes: Option<OwnedSemaphorePermit>,
+    /// `None` for a request without payload, or one run outside the server-wide budget.
+    _total: Option<OwnedSemaphorePermit>,
 }
 
 struct Outgoing<B> {
@@ -402,38 +406,44 @@ pub(crate) async fn transmission<E, S>(
     stream: S,
     negotiated: Negotiated<E>,
     config: &ServerConfig,
+    total: Arc<TotalBudget>,
     shutting_down: watch::Receiver<bool>,
 ) -> Result<(), Error>
 where
     E: Export,
     S: AsyncRead + AsyncWrite + Unpin + Send,
 {
+    let stall = config.stall_timeout;
     let (reader, writer) = tokio::io::split(stream);
     // Requests arrive back to back at high queue depth: one receive takes many headers.
     let mut reader = BufReader::with_capacity(64 * 1024, reader);
     let capacity = config.max_in_flight_requests.clamp(1, Semaphore::MAX_PERMITS);
     let (tx, rx) = mpsc::channel(capacity);
-    let (read_result, write_result) =
-        tokio::join!(read_requests(&mut reader, negotiated, tx, config, shutting_down), write_replies(writer, rx),);
+    let (read_result, write_result) = tokio::join!(
+        read_requests(&mut reader, negotiated, tx, config, total, shutting_down),
+        write_replies(writer, rx, stall),
+    );
     // A writer failure is the root cause when both ended badly.
     write_result?;
     read_result
 }
 
 /// The single owner of the write half: writes each reply whole, batching whatever is
-/// ready before flushing; shuts the write side down when every sender is gone.
-async fn write_replies<W, B>(writer: W, mut rx: mpsc::Receiver<Outgoing<B>>) -> Result<(), Error>
+/// ready before flushing; shuts the write side down when every sender is gone. Writing
+/// one reply, or flushing a batch, that takes longer than `stall` ends the connection
+/// with [`Error::Stalled`].
+async fn write_replies<W, B>(writer: W, mut rx: mpsc::Receiver<Outgoing<B>>, stall: Duration) -> Result<(), Error>
 where
     W: AsyncWrite + Unpin,
     B: AsRef<[u8]>,
 {
     let mut w = BufWriter::with_capacity(64 * 1024, writer);
     while let Some(first) = rx.recv().await {
-        write_reply(&mut w, first).await?;
+        within(stall, "writing a reply", write_reply(&mut w, first)).await?;
         while let Ok(next) = rx.try_recv() {
-            write_reply(&mut w, next).await?;
+            within(stall, "writing a reply", write_reply(&mut w, next)).await?;
         }
-        w.flush().await?;
+        within(stall, "writing a reply", w.flush()).await?;
     }
     if let Err(e) = w.shutdown().await {
         tracing::debug!(error = %e, "shutting down the write side failed");
@@ -463,6 +473,22 @@ where
     Ok(())
 }
 
+/// Runs one socket transfer, ending the connection with [`Error::Stalled`] (`what`) if it
+/// takes longer than `stall`.
+async fn within<T>(
+    stall: Duration,
+    what: &'static str,
+    transfer: impl Future<Output = std::io::Result<T>>,
+) -> Result<T, Error> {
+    match tokio::time::timeout(stall, transfer).await {
+        Ok(r) => Ok(r?),
+        Err(_) => {
+            tracing::info!(?stall, what, "closing a stalled connection");
+            Err(Error::Stalled(what, stall))
+        }
+    }
+}
+
 async fn discard<R: AsyncRead + Unpin>(reader: &mut R, len: u32) -> std::io::Result<()> {
     let copied = tokio::io::copy(&mut reader.take(u64::from(len)), &mut tokio::io::sink()).await?;
     if copied != u64::from(len) {
@@ -485,16 +511,32 @@ async fn idle_expired(budget: &Budget, idle: Option<Duration>) {
     }
 }
 
-/// Budgets shared by the requests of one connection.
+/// The payload-byte budget shared by every connection of one server
+/// ([`ServerConfig::max_total_in_flight_bytes`]), in units of [`BYTE_UNIT`].
+pub(crate) struct TotalBudget {
+    bytes: Arc<Semaphore>,
+    units: u32,
+}
+
+impl TotalBudget {
+    /// A budget of `bytes` (at least one unit).
+    pub(crate) fn new(bytes: usize) -> Self {
+        let units = (bytes / BYTE_UNIT).clamp(1, u32::MAX as usize);
+        Self { bytes: Arc::new(Semaphore::new(units)), units: units as u32 }
+    }
+}
+
+/// Budgets shared by the requests of one connection, and its share of the server's.
 struct Budget {
     count: Arc<Semaphore>,
     count_total: usize,
     bytes: Arc<Semaphore>,
     byte_units: u32,
+    total: Arc<TotalBudget>,
 }
 
 impl Budget {
-    fn new(config: &ServerConfig) -> Self {
+    fn new(config: &ServerConfig, total: Arc<TotalBudget>) -> Self {
         let count = config.max_in_flight_requests.clamp(1, Semaphore::MAX_PERMITS);
         let units = (config.max_in_flight_bytes / BYTE_UNIT).clamp(1, u32::MAX as usize);
         Self {
@@ -502,16 +544,29 @@ impl Budget {
             count_total: count,
             bytes: Arc::new(Semaphore::new(units)),
             byte_units: units as u32,
+            total,
         }
     }
 
-    /// Waits until one more request carrying `bytes` of payload fits. A request larger
-    /// than the whole byte budget waits for all of it.
+    /// Waits until one more request carrying `bytes` of payload fits in the connection's
+    /// budget and then in the server's. A request larger than a whole budget waits for
+    /// all of it. The only request of a connection, if it carries at most
+    /// [`UNMETERED_REQUEST_BYTES`], does not wait for the server's budget: clients that
+    /// hold the server's budget can slow others to one such request at a time, but not
+    /// stop them.
     async fn acquire(&self, bytes: usize) -> Option<Permits> {
         let count = Arc::clone(&self.count).acquire_owned().await.ok()?;
+        let alone = self.count.available_permits() + 1 == self.count_total;
         let units = bytes.div_ceil(BYTE_UNIT).min(self.byte_units as usize) as u32;
-        let bytes = if units == 0 { None } else { Some(Arc::clone(&self.bytes).acquire_many_owned(units).await.ok()?) };
-        Some(Permits { _count: count, _bytes: bytes })
+        let bytes_permit =
+            if units == 0 { None } else { Some(Arc::clone(&self.bytes).acquire_many_owned(units).await.ok()?) };
+        let total = if units == 0 || (alone && bytes <= UNMETERED_REQUEST_BYTES) {
+            None
+        } else {
+            let units = units.min(self.total.units);
+            Some(Arc::clone(&self.total.bytes).acquire_many_owned(units).await.ok()?)
+        };
+        Some(Permits { _count: count, _bytes: bytes_permit, _total: total })
     }
 }
 
@@ -605,8 +660,11 @@ impl<E: Export, R: AsyncRead + Unpin> RequestReader<'_, E, R> {
             Err(rejection) => {
                 tracing::debug!(?request, ?rejection, "request rejected");
                 if request.command == Command::Write {
-                    if let Err(e) = discard(self.reader, request.length).await {
-                        return Intake::Stop(Err(e.into()));
+                    let stall = self.config.stall_timeout;
+                    if let Err(e) =
+                        within(stall, "receiving a WRITE payload", discard(self.reader, request.length)).await
+                    {
+                        return Intake::Stop(Err(e));
                     }
                 }
                 let reply = error_reply(structured, handle, rejection.errno, rejection.message);
@@ -624,14 +682,16 @@ impl<E: Export, R: AsyncRead + Unpin> RequestReader<'_, E, R> {
                     got = buf.as_mut().len(),
                     "export returned a write buffer of the wrong length"
                 );
-                if let Err(e) = discard(self.reader, len).await {
-                    return Intake::Stop(Err(e.into()));
+                let stall = self.config.stall_timeout;
+                if let Err(e) = within(stall, "receiving a WRITE payload", discard(self.reader, len)).await {
+                    return Intake::Stop(Err(e));
                 }
                 let reply = error_reply(structured, handle, Errno::Eio, "internal error: write buffer");
                 return answer(&self.tx, Outgoing { reply, _permits: permits }).await;
             }
-            if let Err(e) = self.reader.read_exact(buf.as_mut()).await {
-                return Intake::Stop(Err(e.into()));
+            let stall = self.config.stall_timeout;
+            if let Err(e) = within(stall, "receiving a WRITE payload", self.reader.read_exact(buf.as_mut())).await {
+                return Intake::Stop(Err(e));
             }
             Box::pin(async move {
                 let result = export.write(offset, buf, fua).await;
@@ -683,6 +743,7 @@ async fn read_requests<E, R>(
     negotiated: Negotiated<E>,
     tx: mpsc::Sender<Outgoing<E::ReadBuf>>,
     config: &ServerConfig,
+    total: Arc<TotalBudget>,
     shutting_down: watch::Receiver<bool>,
 ) -> Result<(), Error>
 where
@@ -694,7 +755,7 @@ where
         reader,
         export,
         params,
-        budget: Budget::new(config),
+        budget: Budget::new(config, total),
         tx,
         config,
         shutting_down,

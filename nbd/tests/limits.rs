@@ -1,5 +1,6 @@
-//! Limits against abusive clients: the cap on connections in all and per export, and
-//! the idle timeout. Each test also checks that a well-behaved client is not disturbed.
+//! Limits against abusive clients: the cap on connections in all and per export, the
+//! idle timeout, the server-wide payload budget and the stall timeout. Each test also
+//! checks that a well-behaved client is not disturbed.
 
 mod common;
 
@@ -10,7 +11,7 @@ use common::client::*;
 use common::mem_export::{MemExport, MemRegistry};
 use nbd::proto::*;
 use nbd::{Server, ServerConfig};
-use tokio::io::AsyncReadExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 fn registry() -> Arc<MemRegistry> {
@@ -129,4 +130,136 @@ async fn without_an_idle_timeout_idle_connections_stay() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(server.connections(), 1);
     read_works(&mut c, 1).await;
+}
+
+const MIB: u32 = 1 << 20;
+
+/// A server whose export "big" is 16 MiB with READs and WRITEs of up to 4 MiB, filled
+/// with a pattern that [`read_big`] checks.
+async fn start_big(config: ServerConfig) -> std::net::SocketAddr {
+    let mut big = MemExport::new(16 << 20);
+    big.sizes.maximum = 4 * MIB;
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = Server::new(Arc::new(MemRegistry::default().with("big", big)), config);
+    tokio::spawn(server.serve_tcp(listener, std::future::pending::<()>()));
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    connect(&mut s, "big", false, false).await;
+    for i in 0..16u64 {
+        let offset = i * u64::from(MIB);
+        let data: Vec<u8> = (0..u64::from(MIB)).map(|k| pattern(offset + k)).collect();
+        send_write(&mut s, 0, i, offset, &data).await;
+        assert_eq!(simple_reply(&mut s, i, 0).await.0, 0);
+    }
+    addr
+}
+
+/// The byte at `offset` of "big".
+fn pattern(offset: u64) -> u8 {
+    (offset % u64::from(MIB)) as u8 ^ (offset / u64::from(MIB)) as u8 ^ (offset >> 12) as u8
+}
+
+/// A connection to "big" that sends `reads` READs of 2 MiB and never reads a reply (a
+/// small receive buffer, so the replies back up into the server soon).
+async fn stalled_reader(addr: std::net::SocketAddr, reads: u64) -> TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut s = socket.connect(addr).await.unwrap();
+    connect(&mut s, "big", false, false).await;
+    for h in 0..reads {
+        send_request(&mut s, Command::Read, 0, h, 0, 2 * MIB).await;
+    }
+    s
+}
+
+/// Reads `len` bytes at `offset` of "big" on `s` and checks them.
+async fn read_big(s: &mut TcpStream, handle: u64, offset: u64, len: u32) {
+    send_request(s, Command::Read, 0, handle, offset, len).await;
+    let (error, data) = simple_reply(s, handle, len as usize).await;
+    assert_eq!(error, 0);
+    assert!(data.iter().enumerate().all(|(k, &b)| b == pattern(offset + k as u64)), "data of read {handle}");
+}
+
+#[tokio::test]
+async fn a_client_holding_the_server_budget_slows_others_but_cannot_stop_them() {
+    // One client sends 2 MiB READs and reads no reply: its replies hold the whole 8 MiB
+    // server-wide budget. Another client's 2 MiB READ waits for it; a client with
+    // nothing else in flight still gets a READ of up to 1 MiB answered; and when the
+    // stalled client goes, the waiting READ is answered.
+    let config = ServerConfig { max_total_in_flight_bytes: 8 << 20, ..Default::default() };
+    let addr = start_big(config).await;
+    let stalled = stalled_reader(addr, 32).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let mut small = TcpStream::connect(addr).await.unwrap();
+    connect(&mut small, "big", false, false).await;
+    tokio::time::timeout(Duration::from_secs(10), async {
+        read_big(&mut small, 1, 3 << 20, MIB).await;
+        read_big(&mut small, 2, 5 << 20, 4096).await;
+    })
+    .await
+    .expect("a lone READ of up to 1 MiB is answered while the server budget is held");
+
+    let mut large = TcpStream::connect(addr).await.unwrap();
+    connect(&mut large, "big", false, false).await;
+    let waiting = tokio::spawn(async move {
+        read_big(&mut large, 3, 7 << 20, 2 * MIB).await;
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!waiting.is_finished(), "a 2 MiB READ must wait for the server-wide budget");
+    drop(stalled);
+    tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("the waiting READ is answered once the stalled client is gone")
+        .unwrap();
+}
+
+/// Reads and discards until the server closes `s` (EOF or reset); panics after `within`.
+async fn drained_until_closed(s: &mut TcpStream, within: Duration) {
+    let mut buf = vec![0u8; 1 << 16];
+    tokio::time::timeout(within, async {
+        loop {
+            match s.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await
+    .expect("the server should close a stalled connection");
+}
+
+#[tokio::test]
+async fn stalled_clients_are_closed_after_the_stall_timeout() {
+    // A client that stops reading replies, and one that sends a WRITE header and part
+    // of its payload, are closed once the stall timeout passes; the budget they held
+    // is free again. A client that pauses between requests but reads its replies is
+    // not closed.
+    let config = ServerConfig {
+        max_total_in_flight_bytes: 8 << 20,
+        stall_timeout: Duration::from_secs(1),
+        ..Default::default()
+    };
+    let addr = start_big(config).await;
+    let mut reader = stalled_reader(addr, 32).await;
+    let mut writer = TcpStream::connect(addr).await.unwrap();
+    connect(&mut writer, "big", false, false).await;
+    send_request(&mut writer, Command::Write, 0, 1, 0, MIB).await;
+    writer.write_all(&[7u8; 100]).await.unwrap();
+    let mut steady = TcpStream::connect(addr).await.unwrap();
+    connect(&mut steady, "big", false, false).await;
+
+    // The steady client reads 4 KiB every 200 ms through the stall timeout and beyond.
+    for h in 0..10 {
+        read_big(&mut steady, 10 + h, h << 20, 4096).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    drained_until_closed(&mut reader, Duration::from_secs(10)).await;
+    drained_until_closed(&mut writer, Duration::from_secs(10)).await;
+    // The budget the stalled reader held is free: a READ needing most of it is answered.
+    tokio::time::timeout(Duration::from_secs(10), read_big(&mut steady, 99, 4 << 20, 4 * MIB))
+        .await
+        .expect("a 4 MiB READ after the stalled client was closed");
+    // Nothing of the half-sent WRITE was applied.
+    read_big(&mut steady, 100, 0, 4096).await;
 }

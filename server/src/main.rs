@@ -110,6 +110,15 @@ struct ServeArgs {
     /// the server stops reading that client's requests (backpressure).
     #[arg(long, default_value = "128MiB", value_parser = parse_size)]
     max_in_flight_bytes: u64,
+    /// READ and WRITE payload bytes all connections together may have buffered at once;
+    /// past it requests wait, except the only request of a connection when it is at most
+    /// 1 MiB (so payload memory stays under this plus 1 MiB per connection).
+    #[arg(long, default_value = "1GiB", value_parser = parse_size)]
+    max_total_in_flight_bytes: u64,
+    /// Seconds one reply may take to be written to a client, and one WRITE payload to
+    /// arrive; a connection that takes longer is closed, freeing what it held.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    stall_timeout: u64,
     /// Seconds connections get, once the server is told to stop, to finish requests in
     /// flight and disconnect; requests they send meanwhile get NBD_ESHUTDOWN.
     #[arg(long, default_value_t = 2)]
@@ -504,6 +513,10 @@ async fn serve(data_dir: &Path, mgmt_socket: &Path, args: ServeArgs) -> anyhow::
         args.max_in_flight_bytes >= 1 << 20,
         "--max-in-flight-bytes must be at least 1MiB (one maximum-size request may still exceed it)"
     );
+    anyhow::ensure!(
+        args.max_total_in_flight_bytes >= 1 << 20,
+        "--max-total-in-flight-bytes must be at least 1MiB (one maximum-size request may still exceed it)"
+    );
     let dataplane = DataPlane::start(args.dataplane_threads as usize).context("start the NBD data-plane threads")?;
     let opts = PoolOptions {
         size: args.pool_size,
@@ -572,6 +585,8 @@ async fn serve(data_dir: &Path, mgmt_socket: &Path, args: ServeArgs) -> anyhow::
         max_connections: args.max_connections as usize,
         max_connections_per_export: args.max_connections_per_export as usize,
         max_in_flight_bytes: args.max_in_flight_bytes as usize,
+        max_total_in_flight_bytes: usize::try_from(args.max_total_in_flight_bytes).unwrap_or(usize::MAX),
+        stall_timeout: Duration::from_secs(args.stall_timeout),
         shutdown_grace: Duration::from_secs(args.shutdown_grace),
         ..Default::default()
     };

@@ -192,6 +192,52 @@ fn stalled_write_payloads_hold_only_what_arrived() {
 }
 
 #[test]
+fn clients_that_stop_reading_replies_cannot_run_the_server_out_of_memory() {
+    // Sixteen clients each send eight 32 MiB READs and read no reply. Each connection's
+    // own budget (128 MiB) would let them make the server hold 2 GiB of read data; the
+    // server-wide budget (64 MiB here) holds it to that. A well-behaved client is still
+    // served, and the stalled clients are closed after the stall timeout (3 s here).
+    const CONNS: u64 = 16;
+    let td = TestDir::new();
+    let s = Server::start_with(&td.data(), "2GiB", &["--max-total-in-flight-bytes", "64MiB", "--stall-timeout", "3"]);
+    s.create_volume("r", "256MiB");
+    let addr = ("127.0.0.1", s.port);
+    let before = rss_bytes(s.pid());
+    let mut stalled = Vec::new();
+    for i in 0..CONNS {
+        let mut c = TcpStream::connect(addr).unwrap();
+        raw_export_name(&mut c, "r");
+        for h in 0..8 {
+            c.write_all(&request(0x2560_9513, 0, i << 8 | h, h << 25, 32 << 20)).unwrap(); // NBD_CMD_READ
+        }
+        stalled.push(c);
+    }
+    std::thread::sleep(Duration::from_secs(1));
+    let grown = rss_bytes(s.pid()).saturating_sub(before);
+    assert!(grown < 128 * MIB, "{CONNS} clients not reading 32 MiB replies grew the server by {} MiB", grown / MIB);
+    qemu_io_ok(&s.uri("r"), &["write -P 0x3c 0 1M", "read -P 0x3c 0 1M"]);
+    drop(stalled);
+    // Two clients whose one 32 MiB READ reply each they never read (more than the socket
+    // buffers hold) are closed once the stall timeout passes: after 4.5 s, reading
+    // shows what arrived and then the end of the stream. Had the server kept them, the
+    // reading would let their replies through and they would stay open.
+    let mut two: Vec<TcpStream> = (0..2)
+        .map(|i| {
+            let mut c = TcpStream::connect(addr).unwrap();
+            raw_export_name(&mut c, "r");
+            c.write_all(&request(0x2560_9513, 0, i, 0, 32 << 20)).unwrap();
+            c
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(4500));
+    for (i, c) in two.iter_mut().enumerate() {
+        assert!(disconnected_within(c, Duration::from_secs(10)), "stalled client {i} still connected");
+    }
+    // What they held is free again: a request larger than the unmetered 1 MiB passes.
+    qemu_io_ok(&s.uri("r"), &["write -P 0x3d 0 8M", "read -P 0x3d 0 8M"]);
+}
+
+#[test]
 fn garbage_disconnects_only_that_client() {
     // A raw client sending protocol garbage is disconnected while other clients keep working.
     let td = TestDir::new();
