@@ -107,6 +107,8 @@ pub struct Server<R> {
     runtimes: Vec<Placement>,
     /// The server-wide payload budget ([`ServerConfig::max_total_in_flight_bytes`]).
     total_in_flight: Arc<transmission::TotalBudget>,
+    /// Connections closed so far because they stalled ([`Error::Stalled`]).
+    stalled: AtomicU64,
 }
 
 /// Largest request (payload bytes) a connection with nothing else in flight may run
@@ -241,6 +243,7 @@ impl<R: ExportRegistry> Server<R> {
             shutting_down: Default::default(),
             runtimes,
             total_in_flight,
+            stalled: AtomicU64::new(0),
         })
     }
 
@@ -262,6 +265,12 @@ impl<R: ExportRegistry> Server<R> {
     /// Connections open now (handshake or transmission phase), over all listeners.
     pub fn connections(&self) -> usize {
         self.live.total.load(Ordering::Acquire)
+    }
+
+    /// Connections the accept loops have closed since the server started because a
+    /// reply or a WRITE payload took longer than [`ServerConfig::stall_timeout`].
+    pub fn stalled_connections(&self) -> u64 {
+        self.stalled.load(Ordering::Relaxed)
     }
 
     /// Serves one NBD client on `stream` until it disconnects.
@@ -402,7 +411,12 @@ impl<R: ExportRegistry> Server<R> {
         tracing::debug!("client connected");
         match self.serve_connection(stream).await {
             Ok(()) => tracing::debug!("client disconnected"),
-            Err(e) => tracing::info!(error = %e, "connection ended with an error"),
+            Err(e) => {
+                if matches!(e, Error::Stalled(..)) {
+                    self.stalled.fetch_add(1, Ordering::Relaxed);
+                }
+                tracing::info!(error = %e, "connection ended with an error")
+            }
         }
     }
 }

@@ -604,7 +604,10 @@ async fn serve(data_dir: &Path, mgmt_socket: &Path, args: ServeArgs) -> anyhow::
             l,
             metrics.clone(),
             pool.clone(),
-            move || server.connections(),
+            move || ferrovol::metrics::NbdCounts {
+                connections: server.connections(),
+                stalled_connections: server.stalled_connections(),
+            },
             stopped(stop_rx.clone()),
         ))
     });

@@ -56,6 +56,7 @@ pub struct Metrics {
     pool_reserved: Gauge,
     pool_failed: Gauge,
     nbd_connections: Gauge,
+    nbd_stalled: Counter,
     /// Names that have series, so that those of deleted volumes can be dropped.
     labelled: std::sync::Mutex<std::collections::BTreeSet<String>>,
 }
@@ -88,6 +89,7 @@ impl Metrics {
             pool_reserved: Gauge::default(),
             pool_failed: Gauge::default(),
             nbd_connections: Gauge::default(),
+            nbd_stalled: Counter::default(),
             labelled: Default::default(),
             registry: Registry::default(),
         };
@@ -116,6 +118,11 @@ impl Metrics {
         );
         r.register("pool_failed", "1 when the pool refuses writes after an I/O error", m.pool_failed.clone());
         r.register("nbd_connections", "NBD connections open", m.nbd_connections.clone());
+        r.register(
+            "nbd_stalled_connections",
+            "NBD connections closed because a reply or a WRITE payload took longer than --stall-timeout",
+            m.nbd_stalled.clone(),
+        );
         Metrics { registry: r, ..m }
     }
 
@@ -159,8 +166,8 @@ impl Metrics {
     }
 
     /// The text exposition (OpenMetrics text format), with the pool gauges read from
-    /// `pool` and the connection count `connections` now.
-    pub fn render(&self, pool: &Pool, connections: usize) -> String {
+    /// `pool` and the NBD server's counts `nbd` now.
+    pub fn render(&self, pool: &Pool, nbd: NbdCounts) -> String {
         let s = pool.status();
         self.pool_capacity.set(s.capacity as i64);
         self.pool_used.set(s.used as i64);
@@ -170,7 +177,12 @@ impl Metrics {
         self.pool_reserved.set(s.reserved as i64);
         self.forget_deleted(pool);
         self.pool_failed.set(i64::from(s.failed));
-        self.nbd_connections.set(connections as i64);
+        self.nbd_connections.set(nbd.connections as i64);
+        // The server's count only grows; the counter follows it.
+        let seen = self.nbd_stalled.get();
+        if nbd.stalled_connections > seen {
+            self.nbd_stalled.inc_by(nbd.stalled_connections - seen);
+        }
         let mut out = String::new();
         if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &self.registry) {
             tracing::warn!(error = %e, "encoding metrics failed");
@@ -227,8 +239,18 @@ impl VolumeMetrics {
     }
 }
 
+/// The NBD server's counts at one scrape ([`nbd::Server::connections`],
+/// [`nbd::Server::stalled_connections`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NbdCounts {
+    /// Connections open now.
+    pub connections: usize,
+    /// Connections closed for stalling since the server started.
+    pub stalled_connections: u64,
+}
+
 /// Serves `GET /metrics` (any path) over HTTP/1.1 on `listener` until `shutdown`
-/// resolves; `connections` gives the NBD connection count at scrape time.
+/// resolves; `connections` gives the NBD server's counts at scrape time.
 pub async fn serve<F, C>(
     listener: tokio::net::TcpListener,
     metrics: Arc<Metrics>,
@@ -237,7 +259,7 @@ pub async fn serve<F, C>(
     shutdown: F,
 ) where
     F: Future,
-    C: Fn() -> usize + Clone + Send + Sync + 'static,
+    C: Fn() -> NbdCounts + Clone + Send + Sync + 'static,
 {
     tokio::pin!(shutdown);
     loop {

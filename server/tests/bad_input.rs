@@ -199,7 +199,10 @@ fn clients_that_stop_reading_replies_cannot_run_the_server_out_of_memory() {
     // served, and the stalled clients are closed after the stall timeout (3 s here).
     const CONNS: u64 = 16;
     let td = TestDir::new();
-    let s = Server::start_with(&td.data(), "2GiB", &["--max-total-in-flight-bytes", "64MiB", "--stall-timeout", "3"]);
+    let port = free_port();
+    let metrics = format!("127.0.0.1:{port}");
+    let limits = ["--max-total-in-flight-bytes", "64MiB", "--stall-timeout", "3", "--metrics-listen", &metrics];
+    let s = Server::start_with(&td.data(), "2GiB", &limits);
     s.create_volume("r", "256MiB");
     let addr = ("127.0.0.1", s.port);
     let before = rss_bytes(s.pid());
@@ -208,7 +211,8 @@ fn clients_that_stop_reading_replies_cannot_run_the_server_out_of_memory() {
         let mut c = TcpStream::connect(addr).unwrap();
         raw_export_name(&mut c, "r");
         for h in 0..8 {
-            c.write_all(&request(0x2560_9513, 0, i << 8 | h, h << 25, 32 << 20)).unwrap(); // NBD_CMD_READ
+            c.write_all(&request(0x2560_9513, 0, i << 8 | h, h << 25, 32 << 20)).unwrap();
+            // NBD_CMD_READ
         }
         stalled.push(c);
     }
@@ -217,6 +221,7 @@ fn clients_that_stop_reading_replies_cannot_run_the_server_out_of_memory() {
     assert!(grown < 128 * MIB, "{CONNS} clients not reading 32 MiB replies grew the server by {} MiB", grown / MIB);
     qemu_io_ok(&s.uri("r"), &["write -P 0x3c 0 1M", "read -P 0x3c 0 1M"]);
     drop(stalled);
+    let stalled_before = sample(&scrape(port), "ferrovol_nbd_stalled_connections_total").unwrap();
     // Two clients whose one 32 MiB READ reply each they never read (more than the socket
     // buffers hold) are closed once the stall timeout passes: after 4.5 s, reading
     // shows what arrived and then the end of the stream. Had the server kept them, the
@@ -233,6 +238,11 @@ fn clients_that_stop_reading_replies_cannot_run_the_server_out_of_memory() {
     for (i, c) in two.iter_mut().enumerate() {
         assert!(disconnected_within(c, Duration::from_secs(10)), "stalled client {i} still connected");
     }
+    let stalled_after = sample(&scrape(port), "ferrovol_nbd_stalled_connections_total").unwrap();
+    assert!(
+        stalled_after >= stalled_before + 2.0,
+        "stalled connections counted: {stalled_before} then {stalled_after}"
+    );
     // What they held is free again: a request larger than the unmetered 1 MiB passes.
     qemu_io_ok(&s.uri("r"), &["write -P 0x3d 0 8M", "read -P 0x3d 0 8M"]);
 }

@@ -5,24 +5,7 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
-
 use common::*;
-
-fn scrape(port: u16) -> String {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).expect("metrics endpoint");
-    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n").unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    assert!(out.starts_with("HTTP/1.0 200") || out.starts_with("HTTP/1.1 200"), "scrape: {out}");
-    out
-}
-
-/// The value of the sample `name` (with its labels, as printed), or None.
-fn sample(text: &str, name: &str) -> Option<f64> {
-    text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
-}
 
 #[test]
 fn metrics_count_volume_io_and_pool_usage() {

@@ -6,7 +6,7 @@
 
 #![allow(dead_code)]
 
-use std::io::Read;
+use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -457,4 +457,19 @@ pub fn rand_below(n: u64) -> u64 {
     x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
     x ^= x >> 33;
     x % n.max(1)
+}
+
+/// `GET /metrics` from a server started with `--metrics-listen 127.0.0.1:port`.
+pub fn scrape(port: u16) -> String {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).expect("metrics endpoint");
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    assert!(out.starts_with("HTTP/1.0 200") || out.starts_with("HTTP/1.1 200"), "scrape: {out}");
+    out
+}
+
+/// The value of the sample `name` (with its labels, as printed), or None.
+pub fn sample(text: &str, name: &str) -> Option<f64> {
+    text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
 }
