@@ -50,7 +50,7 @@ pub struct ServerConfig {
     /// [`Server`]; a request that would pass it waits. So that no client can stall
     /// another through it, a connection with nothing else in flight may always run one
     /// request of up to [`UNMETERED_REQUEST_BYTES`] outside it: payload memory is bounded
-    /// by this plus 1 MiB per connection. Default 1 GiB.
+    /// by this plus 2 MiB per connection. Default 1 GiB.
     pub max_total_in_flight_bytes: usize,
     /// The longest one reply may take to be written to the socket, and one WRITE payload
     /// to arrive once its header has. A connection that takes longer is closed
@@ -112,9 +112,10 @@ pub struct Server<R> {
 }
 
 /// Largest request (payload bytes) a connection with nothing else in flight may run
-/// outside [`ServerConfig::max_total_in_flight_bytes`]: 1 MiB, above what the Linux
-/// kernel's client sends in one request by default.
-pub const UNMETERED_REQUEST_BYTES: usize = 1 << 20;
+/// outside [`ServerConfig::max_total_in_flight_bytes`]: 2 MiB, above the 1280 KiB the
+/// Linux kernel's client sends at most in one request by default (its queue's
+/// `max_sectors_kb`, seen on Debian's 6.12 kernel).
+pub const UNMETERED_REQUEST_BYTES: usize = 2 << 20;
 
 /// A runtime connections may be placed on, and how many of them it serves now.
 struct Placement {

@@ -159,7 +159,7 @@ fn pattern(offset: u64) -> u8 {
     (offset % u64::from(MIB)) as u8 ^ (offset / u64::from(MIB)) as u8 ^ (offset >> 12) as u8
 }
 
-/// A connection to "big" that sends `reads` READs of 2 MiB and never reads a reply (a
+/// A connection to "big" that sends `reads` READs of 4 MiB and never reads a reply (a
 /// small receive buffer, so the replies back up into the server soon).
 async fn stalled_reader(addr: std::net::SocketAddr, reads: u64) -> TcpStream {
     let socket = tokio::net::TcpSocket::new_v4().unwrap();
@@ -167,7 +167,7 @@ async fn stalled_reader(addr: std::net::SocketAddr, reads: u64) -> TcpStream {
     let mut s = socket.connect(addr).await.unwrap();
     connect(&mut s, "big", false, false).await;
     for h in 0..reads {
-        send_request(&mut s, Command::Read, 0, h, 0, 2 * MIB).await;
+        send_request(&mut s, Command::Read, 0, h, 0, 4 * MIB).await;
     }
     s
 }
@@ -182,9 +182,9 @@ async fn read_big(s: &mut TcpStream, handle: u64, offset: u64, len: u32) {
 
 #[tokio::test]
 async fn a_client_holding_the_server_budget_slows_others_but_cannot_stop_them() {
-    // One client sends 2 MiB READs and reads no reply: its replies hold the whole 8 MiB
-    // server-wide budget. Another client's 2 MiB READ waits for it; a client with
-    // nothing else in flight still gets a READ of up to 1 MiB answered; and when the
+    // One client sends 4 MiB READs and reads no reply: its replies hold the whole 8 MiB
+    // server-wide budget. Another client's 4 MiB READ waits for it; a client with
+    // nothing else in flight still gets a READ of up to 2 MiB answered; and when the
     // stalled client goes, the waiting READ is answered.
     let config = ServerConfig { max_total_in_flight_bytes: 8 << 20, ..Default::default() };
     let addr = start_big(config).await;
@@ -194,19 +194,19 @@ async fn a_client_holding_the_server_budget_slows_others_but_cannot_stop_them() 
     let mut small = TcpStream::connect(addr).await.unwrap();
     connect(&mut small, "big", false, false).await;
     tokio::time::timeout(Duration::from_secs(10), async {
-        read_big(&mut small, 1, 3 << 20, MIB).await;
+        read_big(&mut small, 1, 3 << 20, 2 * MIB).await;
         read_big(&mut small, 2, 5 << 20, 4096).await;
     })
     .await
-    .expect("a lone READ of up to 1 MiB is answered while the server budget is held");
+    .expect("a lone READ of up to 2 MiB is answered while the server budget is held");
 
     let mut large = TcpStream::connect(addr).await.unwrap();
     connect(&mut large, "big", false, false).await;
     let waiting = tokio::spawn(async move {
-        read_big(&mut large, 3, 7 << 20, 2 * MIB).await;
+        read_big(&mut large, 3, 7 << 20, 4 * MIB).await;
     });
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert!(!waiting.is_finished(), "a 2 MiB READ must wait for the server-wide budget");
+    assert!(!waiting.is_finished(), "a 4 MiB READ must wait for the server-wide budget");
     drop(stalled);
     tokio::time::timeout(Duration::from_secs(10), waiting)
         .await

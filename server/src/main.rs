@@ -112,7 +112,7 @@ struct ServeArgs {
     max_in_flight_bytes: u64,
     /// READ and WRITE payload bytes all connections together may have buffered at once;
     /// past it requests wait, except the only request of a connection when it is at most
-    /// 1 MiB (so payload memory stays under this plus 1 MiB per connection).
+    /// 2 MiB (so payload memory stays under this plus 2 MiB per connection).
     #[arg(long, default_value = "1GiB", value_parser = parse_size)]
     max_total_in_flight_bytes: u64,
     /// Seconds one reply may take to be written to a client, and one WRITE payload to

@@ -243,7 +243,7 @@ fn clients_that_stop_reading_replies_cannot_run_the_server_out_of_memory() {
         stalled_after >= stalled_before + 2.0,
         "stalled connections counted: {stalled_before} then {stalled_after}"
     );
-    // What they held is free again: a request larger than the unmetered 1 MiB passes.
+    // What they held is free again: a request larger than the unmetered 2 MiB passes.
     qemu_io_ok(&s.uri("r"), &["write -P 0x3d 0 8M", "read -P 0x3d 0 8M"]);
 }
 
