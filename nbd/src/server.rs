@@ -46,17 +46,21 @@ pub struct ServerConfig {
     /// waiting to be written); when reached, the server stops reading requests. A single
     /// request larger than this still proceeds, alone. Default 128 MiB.
     pub max_in_flight_bytes: usize,
-    /// READ and WRITE payload bytes buffered at once over every connection of one
-    /// [`Server`]; a request that would pass it waits. So that no client can stall
-    /// another through it, a connection with nothing else in flight may always run one
-    /// request of up to [`UNMETERED_REQUEST_BYTES`] outside it: payload memory is bounded
-    /// by this plus 2 MiB per connection. Default 1 GiB.
+    /// Bytes requests hold in memory over every connection of one [`Server`]: READ data
+    /// and BLOCK_STATUS replies until written (charged when the request is read), WRITE
+    /// payloads until the write is answered (charged 256 KiB at a time as they arrive,
+    /// so a header whose payload never comes holds one piece). A request that would pass
+    /// it waits. So that no client can stop another through it, each connection also
+    /// has an allowance of [`UNMETERED_REQUEST_BYTES`] outside it, used first: memory is
+    /// bounded by this plus 2 MiB per connection. Default 1 GiB.
     pub max_total_in_flight_bytes: usize,
-    /// The longest one reply may take to be written to the socket, and one WRITE payload
-    /// to arrive once its header has. A connection that takes longer is closed
-    /// ([`Error::Stalled`]), freeing what it held: a client that stops reading replies,
-    /// or sends a payload a byte at a time, holds the server's memory and budget for at
-    /// most this long. Default 60 s.
+    /// The longest a connection may go without moving 256 KiB of a reply it is being
+    /// sent, or of a WRITE payload it is sending (less when less is left); a connection
+    /// that takes longer is closed ([`Error::Stalled`]), freeing what it held. A client
+    /// that stops reading replies, or sends a payload a byte at a time, holds the server's
+    /// memory for at most about this long; a slow client that keeps reading or sending
+    /// is not closed (the socket's buffers set how much must drain before the server can
+    /// write again: about a third of them). Default 60 s.
     pub stall_timeout: Duration,
     /// Connections open at once over all listeners of one [`Server`]; a client accepted
     /// beyond it is closed at once. Default 1024.
@@ -111,8 +115,8 @@ pub struct Server<R> {
     stalled: AtomicU64,
 }
 
-/// Largest request (payload bytes) a connection with nothing else in flight may run
-/// outside [`ServerConfig::max_total_in_flight_bytes`]: 2 MiB, above the 1280 KiB the
+/// Bytes of memory each connection's requests may hold outside
+/// [`ServerConfig::max_total_in_flight_bytes`]: 2 MiB, above the 1280 KiB the
 /// Linux kernel's client sends at most in one request by default (its queue's
 /// `max_sectors_kb`, seen on Debian's 6.12 kernel).
 pub const UNMETERED_REQUEST_BYTES: usize = 2 << 20;
@@ -269,7 +273,7 @@ impl<R: ExportRegistry> Server<R> {
     }
 
     /// Connections the accept loops have closed since the server started because a
-    /// reply or a WRITE payload took longer than [`ServerConfig::stall_timeout`].
+    /// reply or a WRITE payload made no progress for [`ServerConfig::stall_timeout`].
     pub fn stalled_connections(&self) -> u64 {
         self.stalled.load(Ordering::Relaxed)
     }

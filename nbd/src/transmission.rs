@@ -43,6 +43,12 @@ const MAX_BLOCK_STATUS_DESCRIPTORS: usize = 1 << 16;
 /// Granularity of the payload-byte budget, in bytes.
 const BYTE_UNIT: usize = 4096;
 
+/// Bytes of a reply or WRITE payload that must move within
+/// [`ServerConfig::stall_timeout`]; a WRITE payload is also charged to the server's
+/// budget in pieces of this size as it arrives, so that a header whose payload never
+/// comes holds no more than this.
+const STALL_CHUNK: usize = 256 * 1024;
+
 /// A request that passed validation, ready to run against the export. Offsets and
 /// lengths are in bytes and within the export.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,10 +63,13 @@ pub(crate) enum Op {
 }
 
 impl Op {
-    /// Bytes this request buffers in memory (its READ data or WRITE payload).
-    fn payload_bytes(&self) -> usize {
+    /// Bytes this request holds in memory until its reply is written: its READ data or
+    /// WRITE payload, or the descriptors of its BLOCK_STATUS reply (8 bytes each, at most
+    /// one per byte of the range and [`MAX_BLOCK_STATUS_DESCRIPTORS`] in all).
+    fn memory_bytes(&self) -> usize {
         match *self {
             Op::Read { len, .. } | Op::Write { len, .. } => len as usize,
+            Op::BlockStatus { len, .. } => (len as usize).min(MAX_BLOCK_STATUS_DESCRIPTORS) * 8,
             _ => 0,
         }
     }
@@ -209,8 +218,10 @@ impl<B> Reply<B> {
 struct Permits {
     _count: OwnedSemaphorePermit,
     _bytes: Option<OwnedSemaphorePermit>,
-    /// `None` for a request without payload, or one run outside the server-wide budget.
-    _total: Option<OwnedSemaphorePermit>,
+    /// The request's memory charged outside the connection's own budget: to the
+    /// connection's unmetered allowance or to the server's budget, in one piece (a READ,
+    /// a BLOCK_STATUS) or one per [`STALL_CHUNK`] of a WRITE payload as it arrives.
+    _charged: Vec<OwnedSemaphorePermit>,
 }
 
 struct Outgoing<B> {
@@ -430,8 +441,8 @@ where
 
 /// The single owner of the write half: writes each reply whole, batching whatever is
 /// ready before flushing; shuts the write side down when every sender is gone. Writing
-/// one reply, or flushing a batch, that takes longer than `stall` ends the connection
-/// with [`Error::Stalled`].
+/// [`STALL_CHUNK`] of a reply, or flushing a batch, that takes longer than `stall` ends
+/// the connection with [`Error::Stalled`].
 async fn write_replies<W, B>(writer: W, mut rx: mpsc::Receiver<Outgoing<B>>, stall: Duration) -> Result<(), Error>
 where
     W: AsyncWrite + Unpin,
@@ -439,9 +450,9 @@ where
 {
     let mut w = BufWriter::with_capacity(64 * 1024, writer);
     while let Some(first) = rx.recv().await {
-        within(stall, "writing a reply", write_reply(&mut w, first)).await?;
+        write_reply(&mut w, first, stall).await?;
         while let Ok(next) = rx.try_recv() {
-            within(stall, "writing a reply", write_reply(&mut w, next)).await?;
+            write_reply(&mut w, next, stall).await?;
         }
         within(stall, "writing a reply", w.flush()).await?;
     }
@@ -451,23 +462,24 @@ where
     Ok(())
 }
 
-async fn write_reply<W, B>(w: &mut W, out: Outgoing<B>) -> std::io::Result<()>
+/// Writes one reply into `w`, each [`STALL_CHUNK`] of it within `stall`.
+async fn write_reply<W, B>(w: &mut W, out: Outgoing<B>, stall: Duration) -> Result<(), Error>
 where
     W: AsyncWrite + Unpin,
     B: AsRef<[u8]>,
 {
     let reply = out.reply;
     for piece in &reply.pieces {
-        match piece {
-            Piece::Bytes(b) => w.write_all(b).await?,
-            Piece::Data(range) => {
-                let data = reply.buf.as_ref().and_then(|b| b.as_ref().get(range.clone()));
-                match data {
-                    Some(d) => w.write_all(d).await?,
-                    // Ranges are built from the checked buffer length; never reached.
-                    None => return Err(std::io::Error::other("reply data out of range")),
-                }
-            }
+        let bytes = match piece {
+            Piece::Bytes(b) => &b[..],
+            Piece::Data(range) => match reply.buf.as_ref().and_then(|b| b.as_ref().get(range.clone())) {
+                Some(d) => d,
+                // Ranges are built from the checked buffer length; never reached.
+                None => return Err(std::io::Error::other("reply data out of range").into()),
+            },
+        };
+        for chunk in bytes.chunks(STALL_CHUNK) {
+            within(stall, "writing a reply", w.write_all(chunk)).await?;
         }
     }
     Ok(())
@@ -489,10 +501,17 @@ async fn within<T>(
     }
 }
 
-async fn discard<R: AsyncRead + Unpin>(reader: &mut R, len: u32) -> std::io::Result<()> {
-    let copied = tokio::io::copy(&mut reader.take(u64::from(len)), &mut tokio::io::sink()).await?;
-    if copied != u64::from(len) {
-        return Err(std::io::ErrorKind::UnexpectedEof.into());
+/// Reads and drops `len` bytes of a WRITE payload, each [`STALL_CHUNK`] within `stall`.
+async fn discard<R: AsyncRead + Unpin>(reader: &mut R, len: u32, stall: Duration) -> Result<(), Error> {
+    let mut left = u64::from(len);
+    while left > 0 {
+        let n = left.min(STALL_CHUNK as u64);
+        let (mut part, mut sink) = ((&mut *reader).take(n), tokio::io::sink());
+        let copied = within(stall, "receiving a WRITE payload", tokio::io::copy(&mut part, &mut sink)).await?;
+        if copied != n {
+            return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into());
+        }
+        left -= n;
     }
     Ok(())
 }
@@ -532,8 +551,13 @@ struct Budget {
     count_total: usize,
     bytes: Arc<Semaphore>,
     byte_units: u32,
+    /// This connection's allowance outside the server's budget
+    /// ([`UNMETERED_REQUEST_BYTES`]), in units of [`BYTE_UNIT`].
+    unmetered: Arc<Semaphore>,
     total: Arc<TotalBudget>,
 }
+
+const UNMETERED_UNITS: u32 = (UNMETERED_REQUEST_BYTES / BYTE_UNIT) as u32;
 
 impl Budget {
     fn new(config: &ServerConfig, total: Arc<TotalBudget>) -> Self {
@@ -544,30 +568,67 @@ impl Budget {
             count_total: count,
             bytes: Arc::new(Semaphore::new(units)),
             byte_units: units as u32,
+            unmetered: Arc::new(Semaphore::new(UNMETERED_UNITS as usize)),
             total,
         }
     }
 
-    /// Waits until one more request carrying `bytes` of payload fits in the connection's
-    /// budget and then in the server's. A request larger than a whole budget waits for
-    /// all of it. The only request of a connection, if it carries at most
-    /// [`UNMETERED_REQUEST_BYTES`], does not wait for the server's budget: clients that
-    /// hold the server's budget can slow others to one such request at a time, but not
-    /// stop them.
-    async fn acquire(&self, bytes: usize) -> Option<Permits> {
+    /// Waits until one more request holding `bytes` in memory fits in the connection's
+    /// budget (a request larger than the whole budget waits for all of it). The memory
+    /// is then charged with [`Budget::charge`].
+    async fn admit(&self, bytes: usize) -> Option<Permits> {
         let count = Arc::clone(&self.count).acquire_owned().await.ok()?;
-        let alone = self.count.available_permits() + 1 == self.count_total;
         let units = bytes.div_ceil(BYTE_UNIT).min(self.byte_units as usize) as u32;
-        let bytes_permit =
-            if units == 0 { None } else { Some(Arc::clone(&self.bytes).acquire_many_owned(units).await.ok()?) };
-        let total = if units == 0 || (alone && bytes <= UNMETERED_REQUEST_BYTES) {
-            None
-        } else {
-            let units = units.min(self.total.units);
-            Some(Arc::clone(&self.total.bytes).acquire_many_owned(units).await.ok()?)
-        };
-        Some(Permits { _count: count, _bytes: bytes_permit, _total: total })
+        let bytes = if units == 0 { None } else { Some(Arc::clone(&self.bytes).acquire_many_owned(units).await.ok()?) };
+        Some(Permits { _count: count, _bytes: bytes, _charged: Vec::new() })
     }
+
+    /// Charges `bytes` more of a request's memory to `permits`: to the connection's
+    /// unmetered allowance or to the server's budget, whichever has room first (the
+    /// allowance when both do; only the server's when `bytes` exceeds the allowance).
+    /// Clients holding the server's budget can so slow another client to what its
+    /// allowance holds at a time, but not stop it.
+    async fn charge(&self, permits: &mut Permits, bytes: usize) -> Option<()> {
+        let units = bytes.div_ceil(BYTE_UNIT).min(self.total.units as usize) as u32;
+        if units == 0 {
+            return Some(());
+        }
+        let total = Arc::clone(&self.total.bytes).acquire_many_owned(units);
+        let permit = if units <= UNMETERED_UNITS {
+            tokio::select! {
+                biased;
+                p = Arc::clone(&self.unmetered).acquire_many_owned(units) => p,
+                p = total => p,
+            }
+        } else {
+            total.await
+        };
+        permits._charged.push(permit.ok()?);
+        Some(())
+    }
+
+    /// [`Budget::admit`] and [`Budget::charge`] of the whole of `bytes`.
+    async fn acquire(&self, bytes: usize) -> Option<Permits> {
+        let mut permits = self.admit(bytes).await?;
+        self.charge(&mut permits, bytes).await?;
+        Some(permits)
+    }
+}
+
+/// Reads `dst` from `reader`, each [`STALL_CHUNK`] within `stall`, charging each chunk to
+/// `permits` before it is read.
+async fn receive_payload<R: AsyncRead + Unpin>(
+    reader: &mut R,
+    dst: &mut [u8],
+    budget: &Budget,
+    permits: &mut Permits,
+    stall: Duration,
+) -> Result<(), Option<Error>> {
+    for chunk in dst.chunks_mut(STALL_CHUNK) {
+        budget.charge(permits, chunk.len()).await.ok_or(None)?;
+        within(stall, "receiving a WRITE payload", reader.read_exact(chunk)).await.map_err(Some)?;
+    }
+    Ok(())
 }
 
 /// A request's run against the export, ending with its reply handed to the writer.
@@ -610,7 +671,9 @@ impl<E: Export, R: AsyncRead + Unpin> RequestReader<'_, E, R> {
                 // The writer failed: nothing more can be answered.
                 _ = self.tx.closed() => None,
                 _ = self.shutting_down.wait_for(|s| *s), if close_at.is_none() => {
-                    self.close_at = Some(tokio::time::Instant::now() + self.config.shutdown_grace);
+                    // Capped at a year: `Instant + Duration` overflows on larger ones.
+                    let grace = self.config.shutdown_grace.min(Duration::from_secs(365 * 86_400));
+                    self.close_at = Some(tokio::time::Instant::now() + grace);
                     return Intake::Next;
                 }
                 _ = sleep_until_some(close_at) => {
@@ -650,20 +713,23 @@ impl<E: Export, R: AsyncRead + Unpin> RequestReader<'_, E, R> {
             Some(_) => Err(Rejection { errno: Errno::Eshutdown, message: "the server is shutting down" }),
             None => check(&request, &self.params, self.export.size()),
         };
-        let payload = checked.as_ref().map_or(0, Op::payload_bytes);
-        let Some(permits) = self.budget.acquire(payload).await else {
+        let memory = checked.as_ref().map_or(0, Op::memory_bytes);
+        // A WRITE's payload is charged as it arrives, the rest's memory now.
+        let permits = match checked {
+            Ok(Op::Write { .. }) => self.budget.admit(memory).await,
+            _ => self.budget.acquire(memory).await,
+        };
+        let Some(mut permits) = permits else {
             return Intake::Stop(Ok(()));
         };
+        let stall = self.config.stall_timeout;
 
         let op = match checked {
             Ok(op) => op,
             Err(rejection) => {
                 tracing::debug!(?request, ?rejection, "request rejected");
                 if request.command == Command::Write {
-                    let stall = self.config.stall_timeout;
-                    if let Err(e) =
-                        within(stall, "receiving a WRITE payload", discard(self.reader, request.length)).await
-                    {
+                    if let Err(e) = discard(self.reader, request.length, stall).await {
                         return Intake::Stop(Err(e));
                     }
                 }
@@ -682,16 +748,15 @@ impl<E: Export, R: AsyncRead + Unpin> RequestReader<'_, E, R> {
                     got = buf.as_mut().len(),
                     "export returned a write buffer of the wrong length"
                 );
-                let stall = self.config.stall_timeout;
-                if let Err(e) = within(stall, "receiving a WRITE payload", discard(self.reader, len)).await {
+                if let Err(e) = discard(self.reader, len, stall).await {
                     return Intake::Stop(Err(e));
                 }
                 let reply = error_reply(structured, handle, Errno::Eio, "internal error: write buffer");
                 return answer(&self.tx, Outgoing { reply, _permits: permits }).await;
             }
-            let stall = self.config.stall_timeout;
-            if let Err(e) = within(stall, "receiving a WRITE payload", self.reader.read_exact(buf.as_mut())).await {
-                return Intake::Stop(Err(e));
+            if let Err(e) = receive_payload(self.reader, buf.as_mut(), &self.budget, &mut permits, stall).await {
+                // None: the budget closed, which only happens as the connection ends.
+                return Intake::Stop(e.map_or(Ok(()), Err));
             }
             Box::pin(async move {
                 let result = export.write(offset, buf, fua).await;

@@ -134,16 +134,18 @@ async fn without_an_idle_timeout_idle_connections_stay() {
 
 const MIB: u32 = 1 << 20;
 
-/// A server whose export "big" is 16 MiB with READs and WRITEs of up to 4 MiB, filled
-/// with a pattern that [`read_big`] checks.
+/// A server whose export "big" is 64 MiB with READs and WRITEs of up to 16 MiB: its
+/// first 16 MiB filled with a pattern that [`read_big`] checks, the rest every other
+/// 4 KiB block written (so that its block status is 12,288 extents).
 async fn start_big(config: ServerConfig) -> std::net::SocketAddr {
-    let mut big = MemExport::new(16 << 20);
-    big.sizes.maximum = 4 * MIB;
+    let mut big = MemExport::new(64 << 20);
+    big.sizes.maximum = 16 * MIB;
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let server = Server::new(Arc::new(MemRegistry::default().with("big", big)), config);
     tokio::spawn(server.serve_tcp(listener, std::future::pending::<()>()));
     let mut s = TcpStream::connect(addr).await.unwrap();
+    s.set_nodelay(true).unwrap(); // each WRITE's header and payload go out at once
     connect(&mut s, "big", false, false).await;
     for i in 0..16u64 {
         let offset = i * u64::from(MIB);
@@ -151,21 +153,31 @@ async fn start_big(config: ServerConfig) -> std::net::SocketAddr {
         send_write(&mut s, 0, i, offset, &data).await;
         assert_eq!(simple_reply(&mut s, i, 0).await.0, 0);
     }
+    for (i, offset) in (16u64 << 20..64 << 20).step_by(8192).enumerate() {
+        send_write(&mut s, 0, i as u64, offset, &[1; 4096]).await;
+        assert_eq!(simple_reply(&mut s, i as u64, 0).await.0, 0);
+    }
     addr
 }
 
-/// The byte at `offset` of "big".
+/// The byte at `offset` of "big" (in its first 16 MiB).
 fn pattern(offset: u64) -> u8 {
     (offset % u64::from(MIB)) as u8 ^ (offset / u64::from(MIB)) as u8 ^ (offset >> 12) as u8
 }
 
-/// A connection to "big" that sends `reads` READs of 4 MiB and never reads a reply (a
-/// small receive buffer, so the replies back up into the server soon).
-async fn stalled_reader(addr: std::net::SocketAddr, reads: u64) -> TcpStream {
+/// A connection to "big" with a small receive buffer, so that replies it does not read
+/// back up into the server soon.
+async fn small_window(addr: std::net::SocketAddr, structured: bool) -> TcpStream {
     let socket = tokio::net::TcpSocket::new_v4().unwrap();
     socket.set_recv_buffer_size(4096).unwrap();
     let mut s = socket.connect(addr).await.unwrap();
-    connect(&mut s, "big", false, false).await;
+    connect(&mut s, "big", structured, structured).await;
+    s
+}
+
+/// A connection to "big" that sends `reads` READs of 4 MiB and never reads a reply.
+async fn stalled_reader(addr: std::net::SocketAddr, reads: u64) -> TcpStream {
+    let mut s = small_window(addr, false).await;
     for h in 0..reads {
         send_request(&mut s, Command::Read, 0, h, 0, 4 * MIB).await;
     }
@@ -180,12 +192,32 @@ async fn read_big(s: &mut TcpStream, handle: u64, offset: u64, len: u32) {
     assert!(data.iter().enumerate().all(|(k, &b)| b == pattern(offset + k as u64)), "data of read {handle}");
 }
 
+/// A 4 MiB READ (more than a connection's unmetered allowance) on a new connection,
+/// answered and checked on a task of its own.
+async fn large_read(addr: std::net::SocketAddr) -> tokio::task::JoinHandle<()> {
+    let mut large = TcpStream::connect(addr).await.unwrap();
+    connect(&mut large, "big", false, false).await;
+    tokio::spawn(async move { read_big(&mut large, 3, 7 << 20, 4 * MIB).await })
+}
+
+/// Asserts that `waiting` is still waiting after half a second, then, once `release`
+/// has run, that it finishes within 10 s.
+async fn waits_until(waiting: tokio::task::JoinHandle<()>, what: &str, release: impl FnOnce()) {
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!waiting.is_finished(), "{what}: a 4 MiB READ must wait for the server-wide budget");
+    release();
+    tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: the waiting READ is answered once the budget is free"))
+        .unwrap();
+}
+
 #[tokio::test]
 async fn a_client_holding_the_server_budget_slows_others_but_cannot_stop_them() {
     // One client sends 4 MiB READs and reads no reply: its replies hold the whole 8 MiB
     // server-wide budget. Another client's 4 MiB READ waits for it; a client with
-    // nothing else in flight still gets a READ of up to 2 MiB answered; and when the
-    // stalled client goes, the waiting READ is answered.
+    // READs of up to 2 MiB in flight in all still gets them answered, four at a time
+    // too; and when the stalled client goes, the waiting READ is answered.
     let config = ServerConfig { max_total_in_flight_bytes: 8 << 20, ..Default::default() };
     let addr = start_big(config).await;
     let stalled = stalled_reader(addr, 32).await;
@@ -196,22 +228,78 @@ async fn a_client_holding_the_server_budget_slows_others_but_cannot_stop_them() 
     tokio::time::timeout(Duration::from_secs(10), async {
         read_big(&mut small, 1, 3 << 20, 2 * MIB).await;
         read_big(&mut small, 2, 5 << 20, 4096).await;
+        for h in 0..4u64 {
+            send_request(&mut small, Command::Read, 0, 10 + h, h << 20, 256 << 10).await;
+        }
+        let lens = (0..4u64).map(|h| (10 + h, 256 << 10)).collect();
+        for _ in 0..4 {
+            match read_msg(&mut small, &lens).await {
+                Msg::Simple { error: 0, handle, data } => {
+                    let offset = (handle - 10) << 20;
+                    assert!(data.iter().enumerate().all(|(k, &b)| b == pattern(offset + k as u64)));
+                }
+                other => panic!("{other:?}"),
+            }
+        }
     })
     .await
-    .expect("a lone READ of up to 2 MiB is answered while the server budget is held");
+    .expect("READs of up to 2 MiB in flight are answered while the server budget is held");
 
-    let mut large = TcpStream::connect(addr).await.unwrap();
-    connect(&mut large, "big", false, false).await;
-    let waiting = tokio::spawn(async move {
-        read_big(&mut large, 3, 7 << 20, 4 * MIB).await;
-    });
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    assert!(!waiting.is_finished(), "a 4 MiB READ must wait for the server-wide budget");
-    drop(stalled);
-    tokio::time::timeout(Duration::from_secs(10), waiting)
+    let waiting = large_read(addr).await;
+    waits_until(waiting, "stalled reader", || drop(stalled)).await;
+}
+
+#[tokio::test]
+async fn write_headers_without_payload_hold_only_one_chunk_each() {
+    // Clients that send the header of a 4 MiB WRITE and no payload are charged only the
+    // first 256 KiB piece of it (the piece the server waits to read), from their own
+    // unmetered allowance: eight of them leave the 8 MiB server budget free.
+    let config = ServerConfig { max_total_in_flight_bytes: 8 << 20, ..Default::default() };
+    let addr = start_big(config).await;
+    let mut headers = Vec::new();
+    for h in 0..8 {
+        let mut c = TcpStream::connect(addr).await.unwrap();
+        connect(&mut c, "big", false, false).await;
+        send_request(&mut c, Command::Write, 0, h, 0, 4 * MIB).await;
+        headers.push(c);
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let read = large_read(addr).await;
+    tokio::time::timeout(Duration::from_secs(10), read)
         .await
-        .expect("the waiting READ is answered once the stalled client is gone")
+        .expect("a 4 MiB READ beside eight payload-less WRITE headers")
         .unwrap();
+}
+
+#[tokio::test]
+async fn block_status_replies_count_against_the_server_budget() {
+    // Block status replies over a fragmented range hold up to 512 KiB each: a client
+    // that sends many and reads none holds the server's budget as READ data would.
+    let config = ServerConfig { max_total_in_flight_bytes: 4 << 20, ..Default::default() };
+    let addr = start_big(config).await;
+    let mut stalled = small_window(addr, true).await;
+    for h in 0..128 {
+        send_request(&mut stalled, Command::BlockStatus, 0, h, 16 << 20, 48 * MIB).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let waiting = large_read(addr).await;
+    waits_until(waiting, "block status", || drop(stalled)).await;
+}
+
+#[tokio::test]
+async fn a_small_connection_budget_does_not_shrink_the_server_charge() {
+    // With a 1 MiB budget per connection a 4 MiB READ still holds 4 MiB of the server's
+    // budget: four stalled connections with one each fill the 8 MiB.
+    let config =
+        ServerConfig { max_in_flight_bytes: 1 << 20, max_total_in_flight_bytes: 8 << 20, ..Default::default() };
+    let addr = start_big(config).await;
+    let mut stalled = Vec::new();
+    for _ in 0..4 {
+        stalled.push(stalled_reader(addr, 1).await);
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let waiting = large_read(addr).await;
+    waits_until(waiting, "small connection budget", || drop(stalled)).await;
 }
 
 /// Reads and discards until the server closes `s` (EOF or reset); panics after `within`.
@@ -234,7 +322,8 @@ async fn stalled_clients_are_closed_after_the_stall_timeout() {
     // A client that stops reading replies, and one that sends a WRITE header and part
     // of its payload, are closed once the stall timeout passes; the budget they held
     // is free again. A client that pauses between requests but reads its replies is
-    // not closed.
+    // not closed, nor is one that takes four times the stall timeout to read a 16 MiB
+    // reply (1 MiB every 0.25 s): the timeout is on progress, not on the whole reply.
     let config = ServerConfig {
         max_total_in_flight_bytes: 8 << 20,
         stall_timeout: Duration::from_secs(1),
@@ -248,6 +337,16 @@ async fn stalled_clients_are_closed_after_the_stall_timeout() {
     writer.write_all(&[7u8; 100]).await.unwrap();
     let mut steady = TcpStream::connect(addr).await.unwrap();
     connect(&mut steady, "big", false, false).await;
+    let slow = tokio::spawn(async move {
+        let mut slow = small_window(addr, false).await;
+        send_request(&mut slow, Command::Read, 0, 7, 0, 16 * MIB).await;
+        let mut got = vec![0u8; 16 + 16 * MIB as usize];
+        for piece in got.chunks_mut(MIB as usize) {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+            slow.read_exact(piece).await.unwrap();
+        }
+        assert!(got[16..].iter().enumerate().all(|(k, &b)| b == pattern(k as u64)), "the slowly read reply");
+    });
 
     // The steady client reads 4 KiB every 200 ms through the stall timeout and beyond.
     for h in 0..10 {
@@ -262,4 +361,5 @@ async fn stalled_clients_are_closed_after_the_stall_timeout() {
         .expect("a 4 MiB READ after the stalled client was closed");
     // Nothing of the half-sent WRITE was applied.
     read_big(&mut steady, 100, 0, 4096).await;
+    tokio::time::timeout(Duration::from_secs(30), slow).await.expect("the slow reader finishes").unwrap();
 }

@@ -110,18 +110,19 @@ struct ServeArgs {
     /// the server stops reading that client's requests (backpressure).
     #[arg(long, default_value = "128MiB", value_parser = parse_size)]
     max_in_flight_bytes: u64,
-    /// READ and WRITE payload bytes all connections together may have buffered at once;
-    /// past it requests wait, except the only request of a connection when it is at most
-    /// 2 MiB (so payload memory stays under this plus 2 MiB per connection).
+    /// Bytes of READ data, WRITE payload and block status replies all connections
+    /// together may hold at once; past it requests wait. Each connection also has 2 MiB
+    /// of its own outside it, so memory stays under this plus 2 MiB per connection.
     #[arg(long, default_value = "1GiB", value_parser = parse_size)]
     max_total_in_flight_bytes: u64,
-    /// Seconds one reply may take to be written to a client, and one WRITE payload to
-    /// arrive; a connection that takes longer is closed, freeing what it held.
+    /// Seconds a client may take to read the next 256 KiB of a reply or to send the next
+    /// 256 KiB of a WRITE payload; a connection that takes longer is closed, freeing
+    /// what it held.
     #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
     stall_timeout: u64,
     /// Seconds connections get, once the server is told to stop, to finish requests in
     /// flight and disconnect; requests they send meanwhile get NBD_ESHUTDOWN.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(0..=86_400))]
     shutdown_grace: u64,
     /// Open the pool even if one superblock slot is damaged and may have held the newer
     /// generation: the pool is opened from the other slot, losing whatever was committed
@@ -634,7 +635,8 @@ async fn serve(data_dir: &Path, mgmt_socket: &Path, args: ServeArgs) -> anyhow::
     // Soft disconnect: in-flight requests finish, new ones get NBD_ESHUTDOWN, and each
     // connection closes when its client leaves or the grace period ends.
     nbd_server.shut_down();
-    let grace_end = tokio::time::Instant::now() + nbd_server.config().shutdown_grace + Duration::from_secs(1);
+    let grace = nbd_server.config().shutdown_grace + Duration::from_secs(1);
+    let grace_end = tokio::time::Instant::now() + grace;
     while nbd_server.connections() > 0 && tokio::time::Instant::now() < grace_end {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }

@@ -120,7 +120,7 @@ impl Metrics {
         r.register("nbd_connections", "NBD connections open", m.nbd_connections.clone());
         r.register(
             "nbd_stalled_connections",
-            "NBD connections closed because a reply or a WRITE payload took longer than --stall-timeout",
+            "NBD connections closed because a reply or a WRITE payload made no progress for --stall-timeout",
             m.nbd_stalled.clone(),
         );
         Metrics { registry: r, ..m }
