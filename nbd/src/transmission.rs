@@ -218,10 +218,12 @@ impl<B> Reply<B> {
 struct Permits {
     _count: OwnedSemaphorePermit,
     _bytes: Option<OwnedSemaphorePermit>,
-    /// The request's memory charged outside the connection's own budget: to the
-    /// connection's unmetered allowance or to the server's budget, in one piece (a READ,
-    /// a BLOCK_STATUS) or one per [`STALL_CHUNK`] of a WRITE payload as it arrives.
-    _charged: Vec<OwnedSemaphorePermit>,
+    /// The request's memory charged outside the connection's own budget, to the
+    /// connection's unmetered allowance and to the server's budget: in one piece (a
+    /// READ, a BLOCK_STATUS) or one per [`STALL_CHUNK`] of a WRITE payload as it
+    /// arrives, merged into one permit per semaphore.
+    unmetered: Option<OwnedSemaphorePermit>,
+    total: Option<OwnedSemaphorePermit>,
 }
 
 struct Outgoing<B> {
@@ -580,7 +582,7 @@ impl Budget {
         let count = Arc::clone(&self.count).acquire_owned().await.ok()?;
         let units = bytes.div_ceil(BYTE_UNIT).min(self.byte_units as usize) as u32;
         let bytes = if units == 0 { None } else { Some(Arc::clone(&self.bytes).acquire_many_owned(units).await.ok()?) };
-        Some(Permits { _count: count, _bytes: bytes, _charged: Vec::new() })
+        Some(Permits { _count: count, _bytes: bytes, unmetered: None, total: None })
     }
 
     /// Charges `bytes` more of a request's memory to `permits`: to the connection's
@@ -593,17 +595,22 @@ impl Budget {
         if units == 0 {
             return Some(());
         }
+        if units <= UNMETERED_UNITS {
+            if let Ok(p) = Arc::clone(&self.unmetered).try_acquire_many_owned(units) {
+                add(&mut permits.unmetered, p);
+                return Some(());
+            }
+        }
         let total = Arc::clone(&self.total.bytes).acquire_many_owned(units);
-        let permit = if units <= UNMETERED_UNITS {
+        if units <= UNMETERED_UNITS {
             tokio::select! {
                 biased;
-                p = Arc::clone(&self.unmetered).acquire_many_owned(units) => p,
-                p = total => p,
+                p = Arc::clone(&self.unmetered).acquire_many_owned(units) => add(&mut permits.unmetered, p.ok()?),
+                p = total => add(&mut permits.total, p.ok()?),
             }
         } else {
-            total.await
-        };
-        permits._charged.push(permit.ok()?);
+            add(&mut permits.total, total.await.ok()?);
+        }
         Some(())
     }
 
@@ -612,6 +619,14 @@ impl Budget {
         let mut permits = self.admit(bytes).await?;
         self.charge(&mut permits, bytes).await?;
         Some(permits)
+    }
+}
+
+/// Adds `permit` to `slot` (permits of one semaphore).
+fn add(slot: &mut Option<OwnedSemaphorePermit>, permit: OwnedSemaphorePermit) {
+    match slot {
+        Some(held) => held.merge(permit),
+        None => *slot = Some(permit),
     }
 }
 
