@@ -51,7 +51,7 @@ pub struct ServerConfig {
     /// payloads until the write is answered (charged 256 KiB at a time as they arrive,
     /// so a header whose payload never comes holds one piece). A request that would pass
     /// it waits. So that no client can stop another through it, each connection also
-    /// has an allowance of [`UNMETERED_REQUEST_BYTES`] outside it, used first: memory is
+    /// has an allowance of [`UNMETERED_BYTES_PER_CONNECTION`] outside it, used first: memory is
     /// bounded by this plus 2 MiB per connection. Default 1 GiB.
     pub max_total_in_flight_bytes: usize,
     /// The longest a connection may go without moving 256 KiB of a reply it is being
@@ -119,7 +119,7 @@ pub struct Server<R> {
 /// [`ServerConfig::max_total_in_flight_bytes`]: 2 MiB, above the 1280 KiB the
 /// Linux kernel's client sends at most in one request by default (its queue's
 /// `max_sectors_kb`, seen on Debian's 6.12 kernel).
-pub const UNMETERED_REQUEST_BYTES: usize = 2 << 20;
+pub const UNMETERED_BYTES_PER_CONNECTION: usize = 2 << 20;
 
 /// A runtime connections may be placed on, and how many of them it serves now.
 struct Placement {

@@ -5,9 +5,9 @@
 //! negotiated state and the export size read at that moment, receives or discards WRITE
 //! payloads, and runs each accepted request as a future polled inside the connection's
 //! task), the reply writer (the only owner of the socket's write half, writing replies
-//! in completion order), the backpressure (a request-count and a payload-byte budget per
-//! connection, a payload-byte budget over the server), the stall timeout on replies and
-//! WRITE payloads, and the building of simple
+//! in completion order), the backpressure (a request-count and a byte budget per
+//! connection, a memory budget over the server with an allowance outside it per
+//! connection), the stall timeout on replies and WRITE payloads, and the building of simple
 //! and structured replies (`NBD_REPLY_TYPE_OFFSET_DATA`, `NBD_REPLY_TYPE_OFFSET_HOLE`,
 //! `NBD_REPLY_TYPE_BLOCK_STATUS`, `NBD_REPLY_TYPE_ERROR`).
 //! Not here: option haggling (`handshake`), byte layouts (`proto`).
@@ -34,7 +34,7 @@ use crate::error::Error;
 use crate::export::{Errno, Export, Extent, ReadData};
 use crate::handshake::{Negotiated, Params};
 use crate::proto::*;
-use crate::server::{read_full_or_eof, ServerConfig, UNMETERED_REQUEST_BYTES};
+use crate::server::{read_full_or_eof, ServerConfig, UNMETERED_BYTES_PER_CONNECTION};
 
 /// Most descriptors sent in one `NBD_REPLY_TYPE_BLOCK_STATUS` chunk; the spec lets a
 /// server describe less than the requested length.
@@ -532,7 +532,7 @@ async fn idle_expired(budget: &Budget, idle: Option<Duration>) {
     }
 }
 
-/// The payload-byte budget shared by every connection of one server
+/// The memory budget shared by every connection of one server
 /// ([`ServerConfig::max_total_in_flight_bytes`]), in units of [`BYTE_UNIT`].
 pub(crate) struct TotalBudget {
     bytes: Arc<Semaphore>,
@@ -554,12 +554,12 @@ struct Budget {
     bytes: Arc<Semaphore>,
     byte_units: u32,
     /// This connection's allowance outside the server's budget
-    /// ([`UNMETERED_REQUEST_BYTES`]), in units of [`BYTE_UNIT`].
+    /// ([`UNMETERED_BYTES_PER_CONNECTION`]), in units of [`BYTE_UNIT`].
     unmetered: Arc<Semaphore>,
     total: Arc<TotalBudget>,
 }
 
-const UNMETERED_UNITS: u32 = (UNMETERED_REQUEST_BYTES / BYTE_UNIT) as u32;
+const UNMETERED_UNITS: u32 = (UNMETERED_BYTES_PER_CONNECTION / BYTE_UNIT) as u32;
 
 impl Budget {
     fn new(config: &ServerConfig, total: Arc<TotalBudget>) -> Self {
