@@ -109,7 +109,7 @@ pub struct Server<R> {
     /// Where accepted connections run ([`Server::new_on`]); empty: the accept loop's own
     /// runtime.
     runtimes: Vec<Placement>,
-    /// The server-wide payload budget ([`ServerConfig::max_total_in_flight_bytes`]).
+    /// The server-wide memory budget ([`ServerConfig::max_total_in_flight_bytes`]).
     total_in_flight: Arc<transmission::TotalBudget>,
     /// Connections closed so far because they stalled ([`Error::Stalled`]).
     stalled: AtomicU64,

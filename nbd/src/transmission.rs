@@ -595,21 +595,17 @@ impl Budget {
         if units == 0 {
             return Some(());
         }
-        if units <= UNMETERED_UNITS {
-            if let Ok(p) = Arc::clone(&self.unmetered).try_acquire_many_owned(units) {
-                add(&mut permits.unmetered, p);
-                return Some(());
-            }
-        }
-        let total = Arc::clone(&self.total.bytes).acquire_many_owned(units);
-        if units <= UNMETERED_UNITS {
+        let total = Arc::clone(&self.total.bytes);
+        if units > UNMETERED_UNITS {
+            add(&mut permits.total, total.acquire_many_owned(units).await.ok()?);
+        } else if let Ok(p) = Arc::clone(&self.unmetered).try_acquire_many_owned(units) {
+            add(&mut permits.unmetered, p);
+        } else {
             tokio::select! {
                 biased;
                 p = Arc::clone(&self.unmetered).acquire_many_owned(units) => add(&mut permits.unmetered, p.ok()?),
-                p = total => add(&mut permits.total, p.ok()?),
+                p = total.acquire_many_owned(units) => add(&mut permits.total, p.ok()?),
             }
-        } else {
-            add(&mut permits.total, total.await.ok()?);
         }
         Some(())
     }

@@ -635,8 +635,7 @@ async fn serve(data_dir: &Path, mgmt_socket: &Path, args: ServeArgs) -> anyhow::
     // Soft disconnect: in-flight requests finish, new ones get NBD_ESHUTDOWN, and each
     // connection closes when its client leaves or the grace period ends.
     nbd_server.shut_down();
-    let grace = nbd_server.config().shutdown_grace + Duration::from_secs(1);
-    let grace_end = tokio::time::Instant::now() + grace;
+    let grace_end = tokio::time::Instant::now() + nbd_server.config().shutdown_grace + Duration::from_secs(1);
     while nbd_server.connections() > 0 && tokio::time::Instant::now() < grace_end {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
