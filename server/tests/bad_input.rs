@@ -221,11 +221,19 @@ fn clients_that_stop_reading_replies_cannot_run_the_server_out_of_memory() {
     assert!(grown < 128 * MIB, "{CONNS} clients not reading 32 MiB replies grew the server by {} MiB", grown / MIB);
     qemu_io_ok(&s.uri("r"), &["write -P 0x3c 0 1M", "read -P 0x3c 0 1M"]);
     drop(stalled);
-    let stalled_before = sample(&scrape(port), "ferrovol_nbd_stalled_connections_total").unwrap();
+    // The dropped connections' queued READs still run, one budget's worth at a time,
+    // before their readers see the writer gone: wait until none is left.
+    let metric = |name: &str| sample(&scrape(port), name).unwrap();
+    let t = Instant::now();
+    while metric("ferrovol_nbd_connections") > 0.0 {
+        assert!(t.elapsed() < Duration::from_secs(30), "dropped clients still counted after 30 s");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let stalled_before = metric("ferrovol_nbd_stalled_connections_total");
     // Two clients whose one 32 MiB READ reply each they never read (more than the socket
-    // buffers hold) are closed once the stall timeout passes: after 4.5 s, reading
-    // shows what arrived and then the end of the stream. Had the server kept them, the
-    // reading would let their replies through and they would stay open.
+    // buffers hold) are closed once the stall timeout (3 s) passes, and counted; then
+    // reading shows what arrived and the end of the stream. Had the server kept them,
+    // the reading would let their replies through and they would stay open.
     let mut two: Vec<TcpStream> = (0..2)
         .map(|i| {
             let mut c = TcpStream::connect(addr).unwrap();
@@ -234,15 +242,14 @@ fn clients_that_stop_reading_replies_cannot_run_the_server_out_of_memory() {
             c
         })
         .collect();
-    std::thread::sleep(Duration::from_millis(4500));
+    let t = Instant::now();
+    while metric("ferrovol_nbd_stalled_connections_total") < stalled_before + 2.0 {
+        assert!(t.elapsed() < Duration::from_secs(30), "two stalled clients not closed within 30 s");
+        std::thread::sleep(Duration::from_millis(100));
+    }
     for (i, c) in two.iter_mut().enumerate() {
         assert!(disconnected_within(c, Duration::from_secs(10)), "stalled client {i} still connected");
     }
-    let stalled_after = sample(&scrape(port), "ferrovol_nbd_stalled_connections_total").unwrap();
-    assert!(
-        stalled_after >= stalled_before + 2.0,
-        "stalled connections counted: {stalled_before} then {stalled_after}"
-    );
     // What they held is free again: a request larger than the unmetered 2 MiB passes.
     qemu_io_ok(&s.uri("r"), &["write -P 0x3d 0 8M", "read -P 0x3d 0 8M"]);
 }
