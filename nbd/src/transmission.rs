@@ -626,20 +626,86 @@ fn add(slot: &mut Option<OwnedSemaphorePermit>, permit: OwnedSemaphorePermit) {
     }
 }
 
-/// Reads `dst` from `reader`, each [`STALL_CHUNK`] within `stall`, charging each chunk to
-/// `permits` before it is read.
-async fn receive_payload<R: AsyncRead + Unpin>(
-    reader: &mut R,
-    dst: &mut [u8],
-    budget: &Budget,
-    permits: &mut Permits,
-    stall: Duration,
-) -> Result<(), Option<Error>> {
-    for chunk in dst.chunks_mut(STALL_CHUNK) {
-        budget.charge(permits, chunk.len()).await.ok_or(None)?;
-        within(stall, "receiving a WRITE payload", reader.read_exact(chunk)).await.map_err(Some)?;
+/// The answer to a request that was not run because the server began shutting down
+/// (NBD proto.md, "Server-side soft disconnect" and `NBD_ESHUTDOWN`).
+const SHUTTING_DOWN: Rejection = Rejection { errno: Errno::Eshutdown, message: "the server is shutting down" };
+
+/// How a wait for budget ended.
+enum Waited<T> {
+    Got(T),
+    /// The writer is gone (or the budget closed, as the connection ends): stop reading.
+    Gone,
+    /// The server began shutting down first: the request is answered `NBD_ESHUTDOWN`
+    /// instead of being run.
+    ShuttingDown,
+}
+
+/// Waits for `budget` (a request's share of the budgets, which other connections may
+/// hold for long) unless the writer goes away or, when `shutting_down` is given, the
+/// server begins shutting down: a request that has not got its memory yet is not run.
+async fn budget_unless_interrupted<T, B>(
+    budget: impl Future<Output = Option<T>>,
+    tx: &mpsc::Sender<Outgoing<B>>,
+    shutting_down: Option<&mut watch::Receiver<bool>>,
+) -> Waited<T> {
+    let shutdown = async {
+        match shutting_down {
+            Some(rx) => drop(rx.wait_for(|s| *s).await),
+            None => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        biased;
+        got = budget => got.map_or(Waited::Gone, Waited::Got),
+        _ = tx.closed() => Waited::Gone,
+        _ = shutdown => Waited::ShuttingDown,
     }
-    Ok(())
+}
+
+/// Why a WRITE payload was not received whole.
+enum Interrupted {
+    /// The writer is gone or the budget closed: stop reading.
+    Gone,
+    Failed(Error),
+    /// The server began shutting down while the payload waited for budget; `received`
+    /// bytes of it were read.
+    ShuttingDown {
+        received: u32,
+    },
+}
+
+/// What receiving one WRITE payload needs.
+struct Payload<'a, B> {
+    budget: &'a Budget,
+    tx: &'a mpsc::Sender<Outgoing<B>>,
+    /// `None` once the connection knows of the shutdown.
+    shutting_down: Option<&'a mut watch::Receiver<bool>>,
+    stall: Duration,
+}
+
+impl<B> Payload<'_, B> {
+    /// Reads `dst` from `reader`, each [`STALL_CHUNK`] within the stall timeout, charging
+    /// each chunk to `permits` before it is read.
+    async fn receive<R: AsyncRead + Unpin>(
+        mut self,
+        reader: &mut R,
+        dst: &mut [u8],
+        permits: &mut Permits,
+    ) -> Result<(), Interrupted> {
+        let mut received = 0u32;
+        for chunk in dst.chunks_mut(STALL_CHUNK) {
+            let charge = self.budget.charge(permits, chunk.len());
+            match budget_unless_interrupted(charge, self.tx, self.shutting_down.as_deref_mut()).await {
+                Waited::Got(()) => {}
+                Waited::Gone => return Err(Interrupted::Gone),
+                Waited::ShuttingDown => return Err(Interrupted::ShuttingDown { received }),
+            }
+            let read = within(self.stall, "receiving a WRITE payload", reader.read_exact(chunk));
+            read.await.map_err(Interrupted::Failed)?;
+            received += chunk.len() as u32;
+        }
+        Ok(())
+    }
 }
 
 /// A request's run against the export, ending with its reply handed to the writer.
@@ -671,21 +737,28 @@ struct RequestReader<'a, E: Export, R> {
 }
 
 impl<E: Export, R: AsyncRead + Unpin> RequestReader<'_, E, R> {
+    /// Starts the shutdown grace period: every request from now on is answered
+    /// `NBD_ESHUTDOWN`, and the connection closes when the period ends.
+    fn begin_closing(&mut self) {
+        // Capped at a year: `Instant + Duration` overflows on larger ones.
+        let grace = self.config.shutdown_grace.min(Duration::from_secs(365 * 86_400));
+        self.close_at = Some(tokio::time::Instant::now() + grace);
+    }
+
     /// Reads one request (its header, and a WRITE's payload), validates it, and waits
     /// for its share of the connection's budget. A rejected request is answered here.
     async fn next(&mut self) -> Intake {
         let structured = self.params.structured;
         let mut header = [0u8; REQUEST_HEADER_LEN];
+        let mut shutdown_began = false;
         let got = {
             let close_at = self.close_at;
             tokio::select! {
                 // The writer failed: nothing more can be answered.
                 _ = self.tx.closed() => None,
                 _ = self.shutting_down.wait_for(|s| *s), if close_at.is_none() => {
-                    // Capped at a year: `Instant + Duration` overflows on larger ones.
-                    let grace = self.config.shutdown_grace.min(Duration::from_secs(365 * 86_400));
-                    self.close_at = Some(tokio::time::Instant::now() + grace);
-                    return Intake::Next;
+                    shutdown_began = true;
+                    None
                 }
                 _ = sleep_until_some(close_at) => {
                     tracing::info!("closing a connection: the server is shutting down");
@@ -699,6 +772,10 @@ impl<E: Export, R: AsyncRead + Unpin> RequestReader<'_, E, R> {
                 got = read_full_or_eof(self.reader, &mut header) => Some(got),
             }
         };
+        if shutdown_began {
+            self.begin_closing();
+            return Intake::Next;
+        }
         let Some(got) = got else {
             return Intake::Stop(Ok(()));
         };
@@ -720,18 +797,37 @@ impl<E: Export, R: AsyncRead + Unpin> RequestReader<'_, E, R> {
         }
 
         let handle = request.handle;
-        let checked = match self.close_at {
-            Some(_) => Err(Rejection { errno: Errno::Eshutdown, message: "the server is shutting down" }),
+        let mut checked = match self.close_at {
+            Some(_) => Err(SHUTTING_DOWN),
             None => check(&request, &self.params, self.export.size()),
         };
         let memory = checked.as_ref().map_or(0, Op::memory_bytes);
         // A WRITE's payload is charged as it arrives, the rest's memory now.
-        let permits = match checked {
-            Ok(Op::Write { .. }) => self.budget.admit(memory).await,
-            _ => self.budget.acquire(memory).await,
-        };
-        let Some(mut permits) = permits else {
-            return Intake::Stop(Ok(()));
+        let is_write = matches!(checked, Ok(Op::Write { .. }));
+        let budget = &self.budget;
+        let waited = budget_unless_interrupted(
+            async move {
+                match is_write {
+                    true => budget.admit(memory).await,
+                    false => budget.acquire(memory).await,
+                }
+            },
+            &self.tx,
+            self.close_at.is_none().then_some(&mut self.shutting_down),
+        )
+        .await;
+        let mut permits = match waited {
+            Waited::Got(permits) => permits,
+            Waited::Gone => return Intake::Stop(Ok(())),
+            // Not run yet: the request is answered as one sent after the shutdown began.
+            Waited::ShuttingDown => {
+                self.begin_closing();
+                checked = Err(SHUTTING_DOWN);
+                match self.budget.acquire(0).await {
+                    Some(permits) => permits,
+                    None => return Intake::Stop(Ok(())),
+                }
+            }
         };
         let stall = self.config.stall_timeout;
 
@@ -765,9 +861,23 @@ impl<E: Export, R: AsyncRead + Unpin> RequestReader<'_, E, R> {
                 let reply = error_reply(structured, handle, Errno::Eio, "internal error: write buffer");
                 return answer(&self.tx, Outgoing { reply, _permits: permits }).await;
             }
-            if let Err(e) = receive_payload(self.reader, buf.as_mut(), &self.budget, &mut permits, stall).await {
-                // None: the budget closed, which only happens as the connection ends.
-                return Intake::Stop(e.map_or(Ok(()), Err));
+            let watch = self.close_at.is_none().then_some(&mut self.shutting_down);
+            let payload = Payload { budget: &self.budget, tx: &self.tx, shutting_down: watch, stall };
+            match payload.receive(self.reader, buf.as_mut(), &mut permits).await {
+                Ok(()) => {}
+                Err(Interrupted::Gone) => return Intake::Stop(Ok(())),
+                Err(Interrupted::Failed(e)) => return Intake::Stop(Err(e)),
+                // The rest of the payload is read and dropped, and the WRITE not run.
+                Err(Interrupted::ShuttingDown { received }) => {
+                    self.begin_closing();
+                    drop(buf);
+                    (permits._bytes, permits.unmetered, permits.total) = (None, None, None);
+                    if let Err(e) = discard(self.reader, len - received, stall).await {
+                        return Intake::Stop(Err(e));
+                    }
+                    let reply = error_reply(structured, handle, SHUTTING_DOWN.errno, SHUTTING_DOWN.message);
+                    return answer(&self.tx, Outgoing { reply, _permits: permits }).await;
+                }
             }
             Box::pin(async move {
                 let result = export.write(offset, buf, fua).await;

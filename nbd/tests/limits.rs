@@ -138,12 +138,18 @@ const MIB: u32 = 1 << 20;
 /// first 16 MiB filled with a pattern that [`read_big`] checks, the rest every other
 /// 4 KiB block written (so that its block status is 12,288 extents).
 async fn start_big(config: ServerConfig) -> std::net::SocketAddr {
+    start_big_server(config).await.0
+}
+
+/// [`start_big`], also returning the server and its exports.
+async fn start_big_server(config: ServerConfig) -> (std::net::SocketAddr, Arc<Server<MemRegistry>>, Arc<MemRegistry>) {
     let mut big = MemExport::new(64 << 20);
     big.sizes.maximum = 16 * MIB;
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let server = Server::new(Arc::new(MemRegistry::default().with("big", big)), config);
-    tokio::spawn(server.serve_tcp(listener, std::future::pending::<()>()));
+    let registry = Arc::new(MemRegistry::default().with("big", big));
+    let server = Server::new(registry.clone(), config);
+    tokio::spawn(server.clone().serve_tcp(listener, std::future::pending::<()>()));
     let mut s = TcpStream::connect(addr).await.unwrap();
     s.set_nodelay(true).unwrap(); // each WRITE's header and payload go out at once
     connect(&mut s, "big", false, false).await;
@@ -157,7 +163,7 @@ async fn start_big(config: ServerConfig) -> std::net::SocketAddr {
         send_write(&mut s, 0, i as u64, offset, &[1; 4096]).await;
         assert_eq!(simple_reply(&mut s, i as u64, 0).await.0, 0);
     }
-    addr
+    (addr, server, registry)
 }
 
 /// The byte at `offset` of "big" (in its first 16 MiB).
@@ -362,4 +368,49 @@ async fn stalled_clients_are_closed_after_the_stall_timeout() {
     // Nothing of the half-sent WRITE was applied.
     read_big(&mut steady, 100, 0, 4096).await;
     tokio::time::timeout(Duration::from_secs(30), slow).await.expect("the slow reader finishes").unwrap();
+}
+
+#[tokio::test]
+async fn requests_waiting_for_the_server_budget_get_eshutdown_at_shutdown() {
+    // A stalled reader holds the whole 8 MiB server budget. Another client's 4 MiB READ
+    // waits for it, and so does the rest of a third client's 16 MiB WRITE payload once
+    // its first 2 MiB (that connection's own allowance) are in. When the server begins
+    // shutting down, neither has run: both are answered NBD_ESHUTDOWN at once (the
+    // WRITE after its payload was read and dropped) while the stalled reader still
+    // holds the budget, and the WRITE changed nothing.
+    let config = ServerConfig {
+        max_total_in_flight_bytes: 8 << 20,
+        shutdown_grace: Duration::from_secs(30),
+        ..Default::default()
+    };
+    let (addr, server, registry) = start_big_server(config).await;
+    let stalled = stalled_reader(addr, 32).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let mut reader = TcpStream::connect(addr).await.unwrap();
+    connect(&mut reader, "big", false, false).await;
+    send_request(&mut reader, Command::Read, 0, 1, 4 << 20, 4 * MIB).await;
+    // A small send buffer, so that the payload cannot hide in socket buffers.
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_send_buffer_size(64 << 10).unwrap();
+    let mut writer = socket.connect(addr).await.unwrap();
+    connect(&mut writer, "big", false, false).await;
+    let (mut from_writer, mut to_writer) = writer.into_split();
+    let payload = tokio::spawn(async move {
+        send_write(&mut to_writer, 0, 2, 0, &vec![0xee; 16 * MIB as usize]).await;
+        to_writer
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!payload.is_finished(), "the rest of the WRITE payload waits for the server budget");
+
+    server.shut_down();
+    let answered = async {
+        assert_eq!(simple_reply(&mut reader, 1, 0).await.0, 108, "the waiting READ: NBD_ESHUTDOWN");
+        assert_eq!(simple_reply(&mut from_writer, 2, 0).await.0, 108, "the waiting WRITE: NBD_ESHUTDOWN");
+    };
+    tokio::time::timeout(Duration::from_secs(10), answered).await.expect("answered while the budget is held");
+    let _to_writer = payload.await.unwrap();
+    let first: Vec<u8> = (0..u64::from(MIB)).map(pattern).collect();
+    assert!(registry.get("big").snapshot(0..MIB as usize) == first, "the WRITE was not applied");
+    drop(stalled);
 }
