@@ -39,26 +39,55 @@ struct Cli {
     /// Directory holding the pool file (pool.img) and the sockets.
     #[arg(long, global = true, env = "FERROVOL_DATA_DIR", default_value = "./ferrovol-data")]
     data_dir: PathBuf,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+/// The management socket, for the commands that use it (not `check`, which reads a
+/// stopped pool).
+#[derive(clap::Args)]
+struct Mgmt {
     /// Management socket (default: <data-dir>/ferrovol.sock).
     #[arg(long, global = true, env = "FERROVOL_SOCKET")]
     socket: Option<PathBuf>,
-    #[command(subcommand)]
-    cmd: Cmd,
+}
+
+impl Mgmt {
+    fn path(&self, data_dir: &Path) -> PathBuf {
+        self.socket.clone().unwrap_or_else(|| data_dir.join("ferrovol.sock"))
+    }
 }
 
 #[derive(Subcommand)]
 enum Cmd {
     /// Run the storage server: create or open the pool and serve every volume over NBD.
-    Serve(ServeArgs),
+    Serve {
+        #[command(flatten)]
+        mgmt: Mgmt,
+        #[command(flatten)]
+        args: ServeArgs,
+    },
     /// Create, list, resize and delete volumes on a running server.
-    #[command(subcommand)]
-    Volume(VolumeCmd),
+    Volume {
+        #[command(flatten)]
+        mgmt: Mgmt,
+        #[command(subcommand)]
+        cmd: VolumeCmd,
+    },
     /// Create, list, delete and diff snapshots on a running server.
-    #[command(subcommand)]
-    Snapshot(SnapshotCmd),
+    Snapshot {
+        #[command(flatten)]
+        mgmt: Mgmt,
+        #[command(subcommand)]
+        cmd: SnapshotCmd,
+    },
     /// Pool information from a running server.
-    #[command(subcommand)]
-    Pool(PoolCmd),
+    Pool {
+        #[command(flatten)]
+        mgmt: Mgmt,
+        #[command(subcommand)]
+        cmd: PoolCmd,
+    },
     /// Verify a stopped pool: checksums, mappings against refcounts, free space.
     /// Exits 1 naming each problem found (a file that holds no pool, or one too damaged
     /// to load, included), 2 if the pool cannot be checked (in use, missing,
@@ -264,12 +293,14 @@ fn main() -> ExitCode {
 }
 
 async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
-    let socket = cli.socket.clone().unwrap_or_else(|| cli.data_dir.join("ferrovol.sock"));
+    let dir = &cli.data_dir;
     match cli.cmd {
-        Cmd::Serve(args) => serve(&cli.data_dir, &socket, args).await.map(|()| ExitCode::SUCCESS),
-        Cmd::Volume(cmd) => volume_cmd(&socket, cmd).await.map(|()| ExitCode::SUCCESS),
-        Cmd::Snapshot(cmd) => snapshot_cmd(&socket, cmd).await.map(|()| ExitCode::SUCCESS),
-        Cmd::Pool(PoolCmd::Status { json }) => pool_status(&socket, json).await.map(|()| ExitCode::SUCCESS),
+        Cmd::Serve { mgmt, args } => serve(dir, &mgmt.path(dir), args).await.map(|()| ExitCode::SUCCESS),
+        Cmd::Volume { mgmt, cmd } => volume_cmd(&mgmt.path(dir), cmd).await.map(|()| ExitCode::SUCCESS),
+        Cmd::Snapshot { mgmt, cmd } => snapshot_cmd(&mgmt.path(dir), cmd).await.map(|()| ExitCode::SUCCESS),
+        Cmd::Pool { mgmt, cmd: PoolCmd::Status { json } } => {
+            pool_status(&mgmt.path(dir), json).await.map(|()| ExitCode::SUCCESS)
+        }
         Cmd::Check { pool } => {
             let path = pool.unwrap_or_else(|| cli.data_dir.join("pool.img"));
             let report = match tokio::task::spawn_blocking(move || storage_engine::check(&path)).await? {
