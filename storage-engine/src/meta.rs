@@ -418,6 +418,10 @@ pub struct Allocator {
     /// and clones. Never decreased between checkpoints (an upper bound); a checkpoint
     /// subtracts what it captured once it is durable.
     pub meta_growth: u64,
+    /// Volumes and snapshots deleted since the last checkpoint: each makes the next
+    /// checkpoint smaller than the last (its record and page references go), which
+    /// `meta` and `meta_growth` do not show. A checkpoint subtracts what it captured.
+    pub meta_shrinks: u64,
 }
 
 impl Allocator {
@@ -441,6 +445,7 @@ impl Allocator {
             used: 0,
             meta: 0,
             meta_growth: 0,
+            meta_shrinks: 0,
         }
     }
 

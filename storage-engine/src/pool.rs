@@ -828,6 +828,8 @@ impl Pool {
     /// is durable); its snapshots and clones stay intact. Open handles fail with
     /// [`ErrorKind::NotFound`] from then on. Costs in-memory metadata work proportional
     /// to the volume's mapped pages and one log record; no data is read or rewritten.
+    /// In a pool too full to allocate, also a checkpoint, which gives back at once the
+    /// room the deleted metadata held.
     ///
     /// Errors: [`ErrorKind::NotFound`] (also for a snapshot name: use
     /// [`Pool::delete_snapshot`]), [`ErrorKind::Failed`]/[`ErrorKind::Io`].
@@ -840,7 +842,8 @@ impl Pool {
         self.delete_any(name, "delete volume").await
     }
 
-    /// Deletes snapshot `snapshot` of `volume`; space only it held is freed at once.
+    /// Deletes snapshot `snapshot` of `volume`; space only it held is freed at once
+    /// (with a checkpoint in a pool too full to allocate, as [`Pool::delete_volume`]).
     ///
     /// Errors: [`ErrorKind::NotFound`], [`ErrorKind::Failed`]/[`ErrorKind::Io`].
     pub async fn delete_snapshot(&self, volume: &str, snapshot: &str) -> Result<()> {
@@ -865,9 +868,24 @@ impl Pool {
             for u in unshared {
                 alloc.unsettle(u);
             }
+            alloc.meta_shrinks += 1;
         }
         self.inner.commit().await.map_err(err)?;
         tracing::info!(name, op, "deleted");
+        // In a pool too full to allocate, the room the deleted metadata held comes back
+        // only with a checkpoint (until then the last one, still holding it, sets what
+        // is held back): take it now, so that the room is free when the delete returns.
+        let tight = {
+            let a = self.inner.alloc.lock();
+            a.free_count() <= self.inner.reserve(&a) && self.inner.checkpoint_frees_room(&a)
+        };
+        if tight {
+            if let Err(e) = self.inner.checkpoint_async().await {
+                // The delete itself is durable; a failed checkpoint fails the pool,
+                // which every later change reports.
+                tracing::error!(error = %e, name, "checkpoint after a delete in a full pool failed");
+            }
+        }
         Ok(())
     }
 
@@ -888,9 +906,10 @@ impl Pool {
 
     /// Writes a checkpoint now (docs/on-disk-format.md 6.3): the log is emptied, and the
     /// room held back for metadata is computed afresh from what the metadata takes.
-    /// The engine checkpoints by itself when the log fills and when an allocation or a
-    /// snapshot finds the room held back inflated by metadata growth since the last
-    /// checkpoint; this is for tools and tests.
+    /// The engine checkpoints by itself when the log fills, when an allocation or a
+    /// snapshot finds the room held back inflated by metadata changes since the last
+    /// checkpoint, and after a delete in a pool too full to allocate; this is for tools
+    /// and tests.
     ///
     /// Errors: [`ErrorKind::Failed`] or [`ErrorKind::NoSpace`]: the pool failed
     /// earlier, is closing, or failed in this checkpoint (see `PoolInner::checkpoint_async`).
@@ -903,7 +922,7 @@ impl Pool {
     /// once more.
     async fn share_or_checkpoint(&self, source: &str, target: &str, snapshot: bool) -> Result<VolumeInfo> {
         match self.share(source, target, snapshot).await {
-            Err(e) if e.kind() == ErrorKind::NoSpace && self.inner.growth_holds_room(&self.inner.alloc.lock()) => {
+            Err(e) if e.kind() == ErrorKind::NoSpace && self.inner.checkpoint_frees_room(&self.inner.alloc.lock()) => {
                 self.inner.checkpoint_async().await?;
                 self.share(source, target, snapshot).await
             }
@@ -1387,14 +1406,17 @@ impl PoolInner {
         }
     }
 
-    /// Whether a checkpoint now would lower what the pool holds back for metadata:
-    /// metadata grew since the last checkpoint without allocating data (snapshots,
-    /// clones, mapping pages copied on write), and that growth, not the estimate from
-    /// use, sets the next checkpoint's need. The growth is an upper bound (deleted
-    /// snapshots and dropped page copies stay counted until a checkpoint), so in a
-    /// full pool a checkpoint can give room back.
-    pub fn growth_holds_room(&self, a: &Allocator) -> bool {
-        a.meta_growth > 0
+    /// Whether a checkpoint now would lower what the pool holds back for metadata: the
+    /// metadata changed since the last checkpoint without allocating data (snapshots,
+    /// clones and mapping pages copied on write made it grow; deleted volumes and
+    /// snapshots made it shrink), and the last checkpoint with that growth, not the
+    /// estimate from use, sets the next checkpoint's need. The growth is an upper
+    /// bound, and the last checkpoint still holds what deletes removed, so in a full
+    /// pool a checkpoint can give room back. Once a checkpoint has captured the
+    /// changes this is false again, so a pool whose estimate runs low does not
+    /// checkpoint over and over.
+    pub fn checkpoint_frees_room(&self, a: &Allocator) -> bool {
+        (a.meta_growth > 0 || a.meta_shrinks > 0)
             && self.last_checkpoint_grown(a) > checkpoint_estimate(a.used, self.volumes_len_hint(), self.geo.unit_size)
     }
 
@@ -1624,12 +1646,12 @@ impl PoolInner {
     /// [`Self::checkpoint`] with the log lock held by the caller.
     fn checkpoint_locked(&self, log: &mut LogState, seq_jump: u64) -> Result<()> {
         // 1. A consistent snapshot: all volume maps, the allocator and the journal.
-        let (snapshot, pending, upto, growth) = {
+        let (snapshot, pending, upto, (growth, shrinks)) = {
             let vols = self.volumes.read();
             let maps: Vec<_> = vols.values().map(|v| (v.clone(), v.map.read())).collect();
             let alloc = self.alloc.lock();
-            // Covered by this checkpoint once it is durable; what grows meanwhile is not.
-            let growth = alloc.meta_growth;
+            // Covered by this checkpoint once it is durable; what changes meanwhile is not.
+            let (growth, shrinks) = (alloc.meta_growth, alloc.meta_shrinks);
             let mut j = self.journal.lock();
             j.bytes.clear(); // captured by the snapshot itself
             let volumes = maps
@@ -1659,7 +1681,7 @@ impl PoolInner {
                 alloc: copy,
                 unit_size: self.geo.unit_size,
             };
-            (st, alloc.pending_mark(), self.records_logged.load(Ordering::SeqCst), growth)
+            (st, alloc.pending_mark(), self.records_logged.load(Ordering::SeqCst), (growth, shrinks))
         };
         self.writes_since_sync.store(0, Ordering::SeqCst);
         // 2. Encode and write the chunks one at a time, each into a freshly allocated
@@ -1751,6 +1773,7 @@ impl PoolInner {
             a.free_meta(u);
         }
         a.meta_growth = a.meta_growth.saturating_sub(growth);
+        a.meta_shrinks = a.meta_shrinks.saturating_sub(shrinks);
         a.release_pending(pending, &self.pins);
         drop(a);
         self.records_durable.fetch_max(upto, Ordering::SeqCst);

@@ -425,11 +425,11 @@ impl Volume {
         let u1 = (b1 - 1) / bpu + 1;
         // Allocate data units for unmapped logical units. If the pool is full but frees
         // wait for a commit to become durable, commit and try once more; if metadata
-        // growth since the last checkpoint holds room back, checkpoint and try once more.
+        // changes since the last checkpoint hold room back, checkpoint and try once more.
         let mut allocated: Vec<(u64, u32)> = Vec::new();
         for attempt in 0..2 {
             let mut frees_pending = false;
-            let mut growth_holds_room = false;
+            let mut checkpoint_frees_room = false;
             let needs = {
                 let map = self.vol.map.read();
                 (u0..u1).any(|u| !map.get(u).is_mapped())
@@ -447,7 +447,7 @@ impl Volume {
                         Some(p) => allocated.push((u, p)),
                         None => {
                             frees_pending = !a.pending_free.is_empty();
-                            growth_holds_room = self.pool.growth_holds_room(&a);
+                            checkpoint_frees_room = self.pool.checkpoint_frees_room(&a);
                             // Give back what this request took; nothing was logged for it.
                             for &(_, p) in &allocated {
                                 a.decref(p);
@@ -467,14 +467,14 @@ impl Volume {
             } else {
                 break;
             }
-            if attempt == 1 || !(frees_pending || growth_holds_room) {
+            if attempt == 1 || !(frees_pending || checkpoint_frees_room) {
                 return Err(self.err(
                     Error::new(ErrorKind::NoSpace, "no free data unit for an allocating write"),
                     "write",
                     offset,
                 ));
             }
-            if growth_holds_room {
+            if checkpoint_frees_room {
                 // Also releases the pending frees, once it is durable.
                 Box::pin(self.pool.checkpoint_async()).await.map_err(|e| self.err(e, "write", offset))?;
             } else {
@@ -866,7 +866,7 @@ impl Volume {
                     let mut a = self.pool.alloc.lock();
                     match self.pool.check_meta_room(&mut a, page_copy_bytes(mapped), volumes) {
                         Ok(()) => {}
-                        Err(_) if retried_page != Some(u / page_units) && self.pool.growth_holds_room(&a) => {
+                        Err(_) if retried_page != Some(u / page_units) && self.pool.checkpoint_frees_room(&a) => {
                             retried_page = Some(u / page_units);
                             break 'page true;
                         }

@@ -308,23 +308,20 @@ fn pool_full_with_snapshot_refuses_copy_on_write_only() {
     assert_clean(dir.path());
 }
 
-/// Snapshots, and trims that copy a mapping page shared with a snapshot, add metadata
-/// without allocating data. In a full pool that growth must stop while the next
-/// checkpoint still fits beside the last one: before, it went on until the pool closed
-/// cleanly and could never be opened again ("no free unit for the checkpoint").
-#[test]
-fn metadata_growth_in_a_full_pool_leaves_room_for_the_checkpoint() {
-    const UNIT: u64 = 16 * 1024;
-    const PAGE: u64 = 512 * UNIT; // volume bytes one mapping page covers
-    let dir = tempfile::tempdir().unwrap();
-    let rt = rt();
-    let pool = create_with_unit(dir.path(), 128 * MIB, UNIT as u32);
+const UNIT: u64 = 16 * 1024;
+const PAGE: u64 = 512 * UNIT; // volume bytes one mapping page covers
+
+/// A 128 MiB pool of 16 KiB units whose volume `v` fills it with 0xab, then rounds of a
+/// snapshot and a 4 KiB trim in every mapping page (which copies each page, shared
+/// with the snapshot) until the metadata runs short: snapshots and trims add metadata
+/// without allocating data. Returns the pool, the volume and the bytes filled; asserts
+/// that some of it was refused and at least one round done.
+fn metadata_filled(dir: &std::path::Path, rt: &tokio::runtime::Runtime) -> (Pool, storage_engine::Volume, u64) {
+    let pool = create_with_unit(dir, 128 * MIB, UNIT as u32);
     rt.block_on(pool.create_volume("v", 512 * MIB)).unwrap();
     let v = pool.volume("v").unwrap();
-    let filled = fill(&rt, &v, MIB as usize, 0xab);
+    let filled = fill(rt, &v, MIB as usize, 0xab);
     assert!(filled > 64 * MIB, "only {filled} bytes fit");
-    // Each round: a snapshot, then a 4 KiB trim in every mapping page of the volume,
-    // which copies each page (the snapshot shares them all).
     let (mut rounds_done, mut refused) = (0, 0);
     for round in 1..=24u64 {
         match rt.block_on(pool.create_snapshot("v", &format!("s{round}"))) {
@@ -347,6 +344,18 @@ fn metadata_growth_in_a_full_pool_leaves_room_for_the_checkpoint() {
     }
     assert!(refused > 0, "the metadata never ran short after {rounds_done} rounds: the test shows nothing");
     assert!(rounds_done >= 1, "a snapshot of the full volume was refused from the start");
+    (pool, v, filled)
+}
+
+/// Snapshots, and trims that copy a mapping page shared with a snapshot, add metadata
+/// without allocating data. In a full pool that growth must stop while the next
+/// checkpoint still fits beside the last one: before, it went on until the pool closed
+/// cleanly and could never be opened again ("no free unit for the checkpoint").
+#[test]
+fn metadata_growth_in_a_full_pool_leaves_room_for_the_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let rt = rt();
+    let (pool, v, _) = metadata_filled(dir.path(), &rt);
     drop(v);
     pool.close().unwrap();
     assert_clean(dir.path());
@@ -365,6 +374,42 @@ fn metadata_growth_in_a_full_pool_leaves_room_for_the_checkpoint() {
     let v = pool.volume("v").unwrap();
     rt.block_on(v.trim(0, PAGE, false)).unwrap();
     rt.block_on(pool.create_snapshot("v", "again")).unwrap();
+    drop(v);
+    pool.close().unwrap();
+    assert_clean(dir.path());
+}
+
+/// The same full pool, without a reopen: deleting the snapshots gives the room their
+/// metadata held back at once. Before, the last checkpoint (which still held them) set
+/// what was held back until the next one, so snapshots and clones stayed refused, and
+/// `status` showed the same reserve, until the server restarted.
+#[test]
+fn deleting_snapshots_in_a_full_pool_gives_the_metadata_room_back_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let rt = rt();
+    let (pool, v, _) = metadata_filled(dir.path(), &rt);
+    let before = pool.status();
+    assert_eq!(
+        rt.block_on(pool.create_snapshot("v", "refused")).unwrap_err().kind(),
+        ErrorKind::NoSpace,
+        "the metadata is short before the deletes"
+    );
+    for round in 1..=24u64 {
+        let _ = rt.block_on(pool.delete_snapshot("v", &format!("s{round}")));
+    }
+    let after = pool.status();
+    assert!(
+        after.metadata < before.metadata && after.free > before.free,
+        "metadata {} then {} bytes; free {} then {} bytes",
+        before.metadata,
+        after.metadata,
+        before.free,
+        after.free
+    );
+    rt.block_on(pool.create_snapshot("v", "again")).unwrap();
+    rt.block_on(pool.clone_volume("v@again", "c")).unwrap();
+    rt.block_on(v.trim(0, PAGE, false)).unwrap();
+    assert_eq!(rt.block_on(read(&v, PAGE, 4096)), vec![0xab; 4096]);
     drop(v);
     pool.close().unwrap();
     assert_clean(dir.path());
