@@ -180,5 +180,11 @@ pub async fn connect(path: &Path) -> anyhow::Result<pb::management_client::Manag
                 path_shown
             ))
         })?;
-    Ok(pb::management_client::ManagementClient::new(channel))
+    // Replies are not paged: a listing of tens of thousands of volumes, or the diff of
+    // a fragmented volume, passes gRPC's default limit of 4 MiB per message.
+    Ok(pb::management_client::ManagementClient::new(channel).max_decoding_message_size(MAX_REPLY_BYTES))
 }
+
+/// The largest management reply [`connect`]'s client accepts, in bytes: about four
+/// million volumes in a listing, or a hundred million ranges in a diff.
+pub const MAX_REPLY_BYTES: usize = 1 << 30;
