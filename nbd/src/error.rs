@@ -19,9 +19,9 @@ pub enum Error {
     /// oversized option data, ...); the server hard-disconnected.
     #[error("NBD protocol violation by the client: {0}")]
     Protocol(String),
-    /// Option haggling did not reach the transmission phase within the configured
+    /// A client in the handshake sent and read nothing for the configured
     /// `handshake_timeout`.
-    #[error("NBD handshake did not finish within {0:?}")]
+    #[error("NBD handshake made no progress for {0:?}")]
     HandshakeTimeout(Duration),
     /// The client asked for an unknown export with `NBD_OPT_EXPORT_NAME`, which cannot be
     /// answered with an error, so the server closed the connection (proto.md,

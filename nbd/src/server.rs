@@ -27,9 +27,11 @@ use crate::{handshake, transmission};
 /// [`ServerConfig::default`] and override what you need.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServerConfig {
-    /// How long a client may take from connecting until it enters the transmission
-    /// phase (`NBD_OPT_GO` or `NBD_OPT_EXPORT_NAME`); past it the connection is closed
-    /// with [`Error::HandshakeTimeout`]. Default 30 s.
+    /// How long a client in the handshake may go without sending or reading a byte;
+    /// past it the connection is closed with [`Error::HandshakeTimeout`]. Default 30 s.
+    /// A timeout on progress, not on the whole handshake: a client listing hundreds of
+    /// exports one option at a time (`nbdinfo --list`, whose libnbd waits about 200 ms
+    /// per export over TCP, against any server) is not cut off.
     pub handshake_timeout: Duration,
     /// Largest option data accepted during option haggling, in bytes; a longer option is
     /// a hard disconnect (no buffer of the claimed size is allocated). Default 64 KiB.
@@ -300,12 +302,15 @@ impl<R: ExportRegistry> Server<R> {
         S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
         let config = &self.config;
-        let negotiated = tokio::time::timeout(
-            config.handshake_timeout,
-            handshake::handshake(&mut stream, &*self.registry, config, &self.live),
-        )
-        .await
-        .map_err(|_| Error::HandshakeTimeout(config.handshake_timeout))??;
+        let progress = Progress::new();
+        let mut tracked = progress.track(&mut stream);
+        let negotiated = tokio::select! {
+            r = handshake::handshake(&mut tracked, &*self.registry, config, &self.live) => r?,
+            () = progress.stalled(config.handshake_timeout) => {
+                return Err(Error::HandshakeTimeout(config.handshake_timeout));
+            }
+        };
+        drop(tracked);
         let Some(negotiated) = negotiated else {
             tracing::debug!("client ended option haggling");
             return Ok(());
@@ -486,4 +491,86 @@ pub(crate) async fn read_full_or_eof<R: AsyncRead + Unpin>(reader: &mut R, buf: 
         filled += n;
     }
     Ok(true)
+}
+
+/// When a connection in the handshake last moved a byte, for a timeout on progress.
+struct Progress {
+    start: tokio::time::Instant,
+    /// Nanoseconds from `start` to the last byte read or written.
+    last: AtomicU64,
+}
+
+impl Progress {
+    fn new() -> Progress {
+        Progress { start: tokio::time::Instant::now(), last: AtomicU64::new(0) }
+    }
+
+    fn touch(&self) {
+        self.last.store(self.start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    }
+
+    /// `stream`, noting here each read or write that moves bytes.
+    fn track<'a, S>(&'a self, stream: &'a mut S) -> Tracked<'a, S> {
+        Tracked { inner: stream, progress: self }
+    }
+
+    /// Resolves once `timeout` has passed without progress.
+    async fn stalled(&self, timeout: Duration) {
+        loop {
+            let last = self.start + Duration::from_nanos(self.last.load(Ordering::Relaxed));
+            if last.elapsed() >= timeout {
+                return;
+            }
+            tokio::time::sleep_until(last + timeout).await;
+        }
+    }
+}
+
+/// A stream that reports its progress to a [`Progress`].
+struct Tracked<'a, S> {
+    inner: &'a mut S,
+    progress: &'a Progress,
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Tracked<'_, S> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let r = std::pin::Pin::new(&mut *self.inner).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            self.progress.touch();
+        }
+        r
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Tracked<'_, S> {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let r = std::pin::Pin::new(&mut *self.inner).poll_write(cx, buf);
+        if matches!(r, std::task::Poll::Ready(Ok(n)) if n > 0) {
+            self.progress.touch();
+        }
+        r
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut *self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut *self.inner).poll_shutdown(cx)
+    }
 }

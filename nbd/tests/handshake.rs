@@ -311,6 +311,26 @@ async fn handshake_timeout() {
     assert!(matches!(finish(task).await, Err(nbd::Error::HandshakeTimeout(_))));
 }
 
+/// The handshake timeout is on progress: a client that takes four times it to reach
+/// the transmission phase, sending an option and reading its reply every half timeout,
+/// is not closed (nbdinfo --list over TCP takes about 200 ms per export).
+#[tokio::test]
+async fn handshake_timeout_counts_progress_not_the_whole_handshake() {
+    let config = ServerConfig { handshake_timeout: Duration::from_millis(300), ..Default::default() };
+    let (mut c, task) = start(registry(), config);
+    greet(&mut c, NBD_FLAG_C_FIXED_NEWSTYLE).await;
+    for _ in 0..8 {
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        send_option(&mut c, NBD_OPT_LIST, &[]).await;
+        assert_eq!(read_option_replies(&mut c).await.last().unwrap().0.reply_type, NBD_REP_ACK);
+    }
+    let req = InfoRequest { name: "disk".into(), requests: vec![] };
+    send_option(&mut c, NBD_OPT_GO, &req.encode()).await;
+    assert_eq!(read_option_replies(&mut c).await.last().unwrap().0.reply_type, NBD_REP_ACK);
+    send_request(&mut c, Command::Disc, 0, 1, 0, 0).await;
+    finish(task).await.unwrap();
+}
+
 #[tokio::test]
 async fn meta_context_list_and_set() {
     let (mut c, task) = start_default();

@@ -122,7 +122,8 @@ struct ServeArgs {
     /// as a new one (destroys its contents).
     #[arg(long)]
     format: bool,
-    /// Seconds a client may take from connecting to choosing an export.
+    /// Seconds a client in the handshake (before it chooses an export) may go without
+    /// sending or reading a byte.
     #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
     handshake_timeout: u64,
     /// Seconds without requests after which an idle NBD connection is closed; 0 never
