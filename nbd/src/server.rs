@@ -310,7 +310,6 @@ impl<R: ExportRegistry> Server<R> {
                 return Err(Error::HandshakeTimeout(config.handshake_timeout));
             }
         };
-        drop(tracked);
         let Some(negotiated) = negotiated else {
             tracing::debug!("client ended option haggling");
             return Ok(());
