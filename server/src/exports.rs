@@ -137,7 +137,7 @@ impl ExportRegistry for PoolRegistry {
     type Export = VolumeExport;
 
     fn lookup(&self, name: &str) -> Option<Arc<VolumeExport>> {
-        self.pool.volume(name).ok().map(|vol| Arc::new(VolumeExport { m: self.metrics.volume(name), vol }))
+        self.pool.volume(name).ok().map(|vol| Arc::new(VolumeExport { m: self.metrics.volume(name, vol.id()), vol }))
     }
 
     /// Cheap whatever the pool holds (no space accounting): it runs on the data plane.

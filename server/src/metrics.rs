@@ -58,7 +58,7 @@ pub struct Metrics {
     nbd_connections: Gauge,
     nbd_stalled: Counter,
     /// Names that have series, so that those of deleted volumes can be dropped.
-    labelled: std::sync::Mutex<std::collections::BTreeSet<String>>,
+    labelled: std::sync::Mutex<std::collections::BTreeMap<String, u64>>,
 }
 
 impl Default for Metrics {
@@ -126,9 +126,17 @@ impl Metrics {
         Metrics { registry: r, ..m }
     }
 
-    /// Handles for one volume's series (created on first use).
-    pub fn volume(&self, name: &str) -> VolumeMetrics {
-        self.labelled.lock().unwrap_or_else(|e| e.into_inner()).insert(name.to_owned());
+    /// Handles for the series of volume `name` whose id is `id` (created on first use).
+    /// The series of an earlier volume of that name (another id, since deleted) are
+    /// dropped first, so the new volume's start from zero, and handles still held for
+    /// the old one no longer reach the exposition.
+    pub fn volume(&self, name: &str, id: u64) -> VolumeMetrics {
+        {
+            let mut labelled = self.labelled.lock().unwrap_or_else(|e| e.into_inner());
+            if labelled.insert(name.to_owned(), id).is_some_and(|old| old != id) {
+                self.remove_series(name);
+            }
+        }
         let l = VolumeLabel { volume: name.to_owned() };
         VolumeMetrics {
             read_ops: self.read_ops.get_or_create(&l).clone(),
@@ -143,26 +151,33 @@ impl Metrics {
         }
     }
 
-    /// Drops the series of volumes and snapshots that no longer exist, so that a
-    /// deleted volume's series leave the exposition (a volume created again under the
-    /// same name starts new series from zero, which Prometheus reads as a reset).
+    /// Drops the series of volumes and snapshots that no longer exist (by id: a volume
+    /// deleted and created again under its name between two scrapes is gone too), so
+    /// that a deleted volume's series leave the exposition (a volume created again
+    /// under the same name starts new series from zero, which Prometheus reads as a
+    /// reset).
     fn forget_deleted(&self, pool: &Pool) {
         let mut labelled = self.labelled.lock().unwrap_or_else(|e| e.into_inner());
-        labelled.retain(|name| {
-            if pool.volume(name).is_ok() {
+        labelled.retain(|name, id| {
+            if pool.volume(name).is_ok_and(|v| v.id() == *id) {
                 return true;
             }
-            let l = VolumeLabel { volume: name.clone() };
-            for f in [&self.read_ops, &self.read_bytes, &self.write_ops, &self.write_bytes] {
-                f.remove(&l);
-            }
-            for f in [&self.flushes, &self.trims, &self.errors] {
-                f.remove(&l);
-            }
-            self.read_seconds.remove(&l);
-            self.write_seconds.remove(&l);
+            self.remove_series(name);
             false
         });
+    }
+
+    /// Removes every series labelled with volume `name`.
+    fn remove_series(&self, name: &str) {
+        let l = VolumeLabel { volume: name.to_owned() };
+        for f in [&self.read_ops, &self.read_bytes, &self.write_ops, &self.write_bytes] {
+            f.remove(&l);
+        }
+        for f in [&self.flushes, &self.trims, &self.errors] {
+            f.remove(&l);
+        }
+        self.read_seconds.remove(&l);
+        self.write_seconds.remove(&l);
     }
 
     /// The text exposition (OpenMetrics text format), with the pool gauges read from

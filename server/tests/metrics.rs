@@ -1,7 +1,7 @@
 //! The Prometheus endpoint (`serve --metrics-listen`): after qemu-io writes, reads and
 //! flushes a volume, a scrape shows exactly those bytes for that volume, the latency
 //! histograms, the pool's used bytes and the NBD connection gauge; once the volume is
-//! deleted its series are gone.
+//! deleted its series are gone, also when a volume of the same name replaces it.
 
 mod common;
 
@@ -40,4 +40,61 @@ fn metrics_count_volume_io_and_pool_usage() {
     let text = scrape(port);
     assert!(!text.contains("volume=\"m\""), "series of a deleted volume remain:\n{text}");
     assert_eq!(sample(&text, "ferrovol_pool_used_bytes"), Some(0.0), "pool used after the delete:\n{text}");
+}
+
+/// Waits for the client to open `sys.argv[1]`, says so, then on a line from stdin sends
+/// five 4 KiB writes and prints how many failed.
+const LATE_WRITER: &str = r#"
+import sys, nbd
+h = nbd.NBD(); h.connect_uri(sys.argv[1])
+print("open", flush=True)
+sys.stdin.readline()
+failed = 0
+for i in range(5):
+    try:
+        h.pwrite(b"x" * 4096, i * 4096)
+    except nbd.Error:
+        failed += 1
+print("failed", failed, flush=True)
+"#;
+
+/// A volume deleted and created again under its name between two scrapes: the new one's
+/// series start from zero, and the old volume's clients, whose requests now fail, do
+/// not count against it. Before, series were keyed by name alone: the new volume showed
+/// the old one's bytes and its clients' errors.
+#[test]
+fn a_volume_created_again_under_a_deleted_name_starts_from_zero() {
+    use std::io::{BufRead, BufReader, Write};
+    require_python_nbd();
+    let td = TestDir::new();
+    let port = free_port();
+    let s = Server::start_with(&td.data(), "2GiB", &["--metrics-listen", &format!("127.0.0.1:{port}")]);
+    s.create_volume("r", "64MiB");
+    qemu_io_ok(&s.uri("r"), &["write -P 0x61 0 1M"]);
+    let mut old = std::process::Command::new(PYTHON)
+        .args(["-c", LATE_WRITER, &s.uri("r")])
+        .env("PATH", peer_path())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(old.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "open");
+    let v = |text: &str, metric: &str| sample(text, &format!("ferrovol_{metric}{{volume=\"r\"}}"));
+    assert_eq!(v(&scrape(port), "volume_write_bytes_total"), Some(1048576.0));
+
+    s.cli_ok(&["volume", "delete", "r"]);
+    s.create_volume("r", "64MiB");
+    qemu_io_ok(&s.uri("r"), &["write -P 0x62 0 4k"]);
+    writeln!(old.stdin.as_mut().unwrap()).unwrap();
+    line.clear();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "failed 5", "the old volume's client writes to a deleted volume");
+    old.wait().unwrap();
+
+    let text = scrape(port);
+    assert_eq!(v(&text, "volume_write_bytes_total"), Some(4096.0), "the new volume's bytes only:\n{text}");
+    assert_eq!(v(&text, "volume_errors_total"), Some(0.0), "the old volume's errors:\n{text}");
 }

@@ -129,6 +129,12 @@ impl Volume {
         &self.vol.name
     }
 
+    /// The volume's id: unique in the pool and never reused, so a volume created again
+    /// under a deleted one's name has another.
+    pub fn id(&self) -> u64 {
+        self.vol.id
+    }
+
     /// Current virtual size in bytes (grows with online resize).
     pub fn size(&self) -> u64 {
         self.vol.size.load(Ordering::Acquire)
