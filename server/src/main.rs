@@ -334,7 +334,18 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     }
 }
 
+/// The error of a management call: the server's message, or, when the call broke on
+/// the way (the server stopped or was killed during it: a status made by the client,
+/// which carries its cause), a message saying its outcome is unknown.
 fn status_err(s: tonic::Status) -> anyhow::Error {
+    use std::error::Error as _;
+    if s.source().is_some() || s.code() == tonic::Code::Unknown {
+        return anyhow::anyhow!(
+            "the connection to the server broke during the call ({}: the server stopped or was killed?); \
+             whether the change was made is unknown: list the volumes and snapshots once it runs again",
+            s.message()
+        );
+    }
     anyhow::anyhow!("{}", s.message())
 }
 
@@ -572,11 +583,7 @@ async fn serve(data_dir: &Path, mgmt_socket: &Path, args: ServeArgs) -> anyhow::
             tokio::net::TcpListener::from_std(l)
         })
         .with_context(|| format!("bind NBD on {}", args.listen))?;
-    let unix = {
-        let _rt = dataplane.handle().enter();
-        bind_unix(&nbd_sock)?
-    };
-    let mgmt_listener = bind_unix(mgmt_socket)?;
+    // TCP before the unix sockets: a busy port leaves no socket file behind either.
     let metrics_listener = match args.metrics_listen {
         Some(addr) => Some(
             tokio::net::TcpListener::bind(addr)
@@ -584,6 +591,17 @@ async fn serve(data_dir: &Path, mgmt_socket: &Path, args: ServeArgs) -> anyhow::
                 .with_context(|| format!("bind the metrics endpoint on {addr}"))?,
         ),
         None => None,
+    };
+    let unix = {
+        let _rt = dataplane.handle().enter();
+        bind_unix(&nbd_sock)?
+    };
+    let mgmt_listener = match bind_unix(mgmt_socket) {
+        Ok(l) => l,
+        Err(e) => {
+            let _ = std::fs::remove_file(&nbd_sock);
+            return Err(e);
+        }
     };
     let p = pool_path.clone();
     let format = args.format;

@@ -164,7 +164,10 @@ impl Management for ManagementService {
 /// with this data dir?).
 pub async fn connect(path: &Path) -> anyhow::Result<pb::management_client::ManagementClient<Channel>> {
     if !path.exists() {
-        anyhow::bail!("no management socket at {} (is `ferrovol serve` running with this --data-dir?)", path.display());
+        anyhow::bail!(
+            "no management socket at {} (is `ferrovol serve` running with this --data-dir or --socket?)",
+            path.display()
+        );
     }
     let path_shown = path.display().to_string();
     let path: PathBuf = path.to_owned();
@@ -175,10 +178,16 @@ pub async fn connect(path: &Path) -> anyhow::Result<pb::management_client::Manag
         }))
         .await
         .map_err(|e| {
-            anyhow::Error::new(e).context(format!(
-                "cannot connect to the management socket {} (is `ferrovol serve` running with this --data-dir? A server that was killed leaves its socket behind)",
-                path_shown
-            ))
+            // The innermost cause only: the layers above it repeat it.
+            let mut cause: &dyn std::error::Error = &e;
+            while let Some(inner) = cause.source() {
+                cause = inner;
+            }
+            anyhow::anyhow!(
+                "cannot connect to the management socket {path_shown}: {cause} (is `ferrovol serve` running with \
+                 this --data-dir or --socket? A server that is stopping no longer takes calls, and one that was \
+                 killed leaves its socket behind)"
+            )
         })?;
     // Replies are not paged: a listing of tens of thousands of volumes, or the diff of
     // a fragmented volume, passes gRPC's default limit of 4 MiB per message.

@@ -869,3 +869,67 @@ fn name_errors_say_which_name_and_operation() {
         }
     }
 }
+
+#[test]
+fn serve_refuses_a_pool_size_past_the_format_and_leaves_nothing_behind() {
+    // 8 EiB with 64 KiB units is past 2^32 units: the error says so (it said only "out of
+    // range" from the file system), and no pool file or socket is left.
+    let td = TestDir::new();
+    let port = free_port().to_string();
+    let o = output(Command::new(BIN).arg("--data-dir").arg(td.data()).args([
+        "serve",
+        "--pool-size",
+        "8EiB",
+        "--listen",
+        &format!("127.0.0.1:{port}"),
+    ]));
+    assert!(!o.status.success());
+    assert!(text(&o).contains("too large"), "{}", text(&o));
+    let left: Vec<_> =
+        std::fs::read_dir(td.data()).map(|d| d.map(|e| e.unwrap().file_name()).collect()).unwrap_or_default();
+    assert!(left.is_empty(), "a refused serve left {left:?}");
+}
+
+#[test]
+fn serve_with_a_busy_metrics_port_leaves_no_sockets() {
+    let td = TestDir::new();
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let metrics = busy.local_addr().unwrap().to_string();
+    let port = free_port().to_string();
+    let o = output(Command::new(BIN).arg("--data-dir").arg(td.data()).args([
+        "serve",
+        "--pool-size",
+        "1GiB",
+        "--listen",
+        &format!("127.0.0.1:{port}"),
+        "--metrics-listen",
+        &metrics,
+    ]));
+    assert!(!o.status.success());
+    assert!(text(&o).contains("metrics"), "{}", text(&o));
+    for sock in ["nbd.sock", "ferrovol.sock"] {
+        assert!(!td.data().join(sock).exists(), "a refused serve left {sock}");
+    }
+}
+
+#[test]
+fn a_management_call_cut_by_a_killed_server_says_its_outcome_is_unknown() {
+    // The server is stopped (SIGSTOP) so that the call is in flight when it is killed.
+    let td = TestDir::new();
+    let mut s = Server::start(&td.data());
+    let pid = s.pid().to_string();
+    assert!(Command::new("kill").args(["-STOP", &pid]).status().unwrap().success());
+    let call = Command::new(BIN)
+        .arg("--data-dir")
+        .arg(td.data())
+        .args(["volume", "create", "x", "--size", "1MiB"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    s.kill9();
+    let o = call.wait_with_output().unwrap();
+    assert!(!o.status.success());
+    assert!(text(&o).contains("unknown"), "the message does not say the outcome is unknown: {}", text(&o));
+}

@@ -594,12 +594,7 @@ impl Pool {
         if !is_dev {
             file.set_len(0).map_err(|e| discard(Error::io("truncate a leftover pool file", e)))?;
         }
-        let size = if is_dev {
-            io::device_size(&file).map_err(|e| Error::io("size of device", e))?
-        } else {
-            file.set_len(opts.size).map_err(|e| discard(Error::io("size pool file", e)))?;
-            opts.size
-        };
+        let size = if is_dev { io::device_size(&file).map_err(|e| Error::io("size of device", e))? } else { opts.size };
         let log_size = (size / 64).clamp(4 * MAX_BATCH_BYTES as u64, 64 << 20) / BLOCK_SIZE * BLOCK_SIZE;
         let unit = u64::from(unit);
         let data_offset = (LOG_OFFSET + log_size).div_ceil(unit) * unit;
@@ -622,6 +617,11 @@ impl Pool {
                 )
             };
             return Err(Error::new(ErrorKind::InvalidArgument, message));
+        }
+        if !is_dev {
+            // Checked above: a size past the unit count's bound never reaches the file
+            // system (which says only "out of range").
+            file.set_len(size).map_err(|e| discard(Error::io("size pool file", e)))?;
         }
         let mut sb = Superblock {
             magic: SUPERBLOCK_MAGIC,
