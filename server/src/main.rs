@@ -266,6 +266,7 @@ enum SnapshotCmd {
 enum PoolCmd {
     /// Capacity, used, metadata and free bytes (and the part of free reserved for metadata).
     Status {
+        /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
     },
@@ -460,8 +461,9 @@ async fn volume_cmd(socket: &Path, cmd: VolumeCmd) -> anyhow::Result<()> {
                 out!("{}", volume_json(&v));
             } else {
                 out!(
-                    "name: {}\nid: {}\nsize: {} ({})\nallocated: {} ({})\nexport: {}",
+                    "name: {}\ntype: {}\nid: {}\nsize: {} ({})\nallocated: {} ({})\nexport: {}",
                     v.name,
+                    if v.snapshot { "snapshot (read-only)" } else { "volume" },
                     v.id,
                     v.size_bytes,
                     human(v.size_bytes),
@@ -551,8 +553,16 @@ async fn serve(data_dir: &Path, mgmt_socket: &Path, args: ServeArgs) -> anyhow::
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = signal(SignalKind::terminate())?;
     let mut interrupt = signal(SignalKind::interrupt())?;
-    std::fs::create_dir_all(data_dir).with_context(|| format!("create data dir {}", data_dir.display()))?;
     let pool_path = args.pool.clone().unwrap_or_else(|| data_dir.join("pool.img"));
+    if args.format {
+        use std::os::unix::fs::FileTypeExt;
+        let is_dev = std::fs::metadata(&pool_path).is_ok_and(|m| m.file_type().is_block_device());
+        anyhow::ensure!(
+            is_dev,
+            "--format formats a block device, and {} is not one (a missing pool file is created without it)",
+            pool_path.display()
+        );
+    }
     anyhow::ensure!(
         args.max_in_flight_bytes >= 1 << 20,
         "--max-in-flight-bytes must be at least 1MiB (one maximum-size request may still exceed it)"
@@ -561,6 +571,7 @@ async fn serve(data_dir: &Path, mgmt_socket: &Path, args: ServeArgs) -> anyhow::
         args.max_total_in_flight_bytes >= 1 << 20,
         "--max-total-in-flight-bytes must be at least 1MiB (one maximum-size request may still exceed it)"
     );
+    std::fs::create_dir_all(data_dir).with_context(|| format!("create data dir {}", data_dir.display()))?;
     let dataplane = DataPlane::start(args.dataplane_threads as usize).context("start the NBD data-plane threads")?;
     let opts = PoolOptions {
         size: args.pool_size,

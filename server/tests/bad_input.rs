@@ -933,3 +933,14 @@ fn a_management_call_cut_by_a_killed_server_says_its_outcome_is_unknown() {
     assert!(!o.status.success());
     assert!(text(&o).contains("unknown"), "the message does not say the outcome is unknown: {}", text(&o));
 }
+
+#[test]
+fn format_on_a_pool_file_is_refused() {
+    // --format formats a block device; on a file (here the default pool file, missing)
+    // it is an error that creates nothing, not silently ignored.
+    let td = TestDir::new();
+    let o = output(Command::new(BIN).arg("--data-dir").arg(td.data()).args(["serve", "--format"]));
+    assert!(!o.status.success());
+    assert!(text(&o).contains("block device"), "{}", text(&o));
+    assert!(!td.data().exists(), "a refused serve created the data dir");
+}

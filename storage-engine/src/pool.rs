@@ -1057,8 +1057,9 @@ impl Pool {
         Ok(out)
     }
 
-    /// Grows a volume to `size` bytes (a multiple of 4096); connected clients keep
-    /// working and see the new size on their next request's range check. Durable on return.
+    /// Grows a volume to `size` bytes (a multiple of 4096). Durable on return. Requests
+    /// are checked against the new size at once, but an NBD client learns an export's
+    /// size only in its handshake: connected clients see the growth after reconnecting.
     ///
     /// Errors: [`ErrorKind::NotFound`], [`ErrorKind::InvalidArgument`] (shrink, bad size, or a snapshot).
     pub async fn resize_volume(&self, name: &str, size: u64) -> Result<VolumeInfo> {

@@ -948,8 +948,13 @@ impl Volume {
     /// tokio runtime, which finishes even if this future is dropped; on a current-thread
     /// runtime, keep the runtime driven until it has (other commits wait for it).
     ///
-    /// Errors: [`ErrorKind::Failed`].
+    /// Errors: [`ErrorKind::NotFound`] once the volume was deleted (as every other
+    /// operation on it: nothing written to it can be made durable any more),
+    /// [`ErrorKind::Failed`].
     pub async fn flush(&self) -> Result<()> {
+        if self.vol.deleted.load(Ordering::Acquire) {
+            return Err(self.deleted("flush", 0));
+        }
         self.pool.commit().await.map_err(|e| e.op("flush").volume(&self.vol.name))
     }
 

@@ -138,6 +138,7 @@ fn volume_operations_persist_and_validate() {
     rt.block_on(write(&va, 12 * MIB, &[3; 4096], false)).unwrap();
     rt.block_on(pool.delete_volume("b")).unwrap();
     assert_eq!(rt.block_on(vb.read(0, 4096)).unwrap_err().kind(), ErrorKind::NotFound);
+    assert_eq!(rt.block_on(vb.flush()).unwrap_err().kind(), ErrorKind::NotFound, "a flush of a deleted volume");
     let used = pool.status().used;
     assert_eq!(used, 2 * 65536, "b's unit was freed");
     drop((va, vb));
