@@ -828,8 +828,9 @@ impl Pool {
     /// is durable); its snapshots and clones stay intact. Open handles fail with
     /// [`ErrorKind::NotFound`] from then on. Costs in-memory metadata work proportional
     /// to the volume's mapped pages and one log record; no data is read or rewritten.
-    /// In a pool too full to allocate, also a checkpoint, which gives back at once the
-    /// room the deleted metadata held.
+    /// In a pool too full to allocate, also asks for a checkpoint in the background,
+    /// which gives back the room the deleted metadata held (a snapshot, clone or write
+    /// that needs that room before it ran checkpoints by itself).
     ///
     /// Errors: [`ErrorKind::NotFound`] (also for a snapshot name: use
     /// [`Pool::delete_snapshot`]), [`ErrorKind::Failed`]/[`ErrorKind::Io`].
@@ -843,7 +844,8 @@ impl Pool {
     }
 
     /// Deletes snapshot `snapshot` of `volume`; space only it held is freed at once
-    /// (with a checkpoint in a pool too full to allocate, as [`Pool::delete_volume`]).
+    /// (its metadata's share by a checkpoint in a pool too full to allocate, as
+    /// [`Pool::delete_volume`]).
     ///
     /// Errors: [`ErrorKind::NotFound`], [`ErrorKind::Failed`]/[`ErrorKind::Io`].
     pub async fn delete_snapshot(&self, volume: &str, snapshot: &str) -> Result<()> {
@@ -874,17 +876,16 @@ impl Pool {
         tracing::info!(name, op, "deleted");
         // In a pool too full to allocate, the room the deleted metadata held comes back
         // only with a checkpoint (until then the last one, still holding it, sets what
-        // is held back): take it now, so that the room is free when the delete returns.
+        // is held back). A change that needs the room checkpoints by itself; this asks
+        // for one in the background as well, so that the room shows as free soon.
+        // Deletes made while it is pending share it: a burst of deletes costs one or
+        // two checkpoints, not one each.
         let tight = {
             let a = self.inner.alloc.lock();
             a.free_count() <= self.inner.reserve(&a) && self.inner.checkpoint_frees_room(&a)
         };
         if tight {
-            if let Err(e) = self.inner.checkpoint_async().await {
-                // The delete itself is durable; a failed checkpoint fails the pool,
-                // which every later change reports.
-                tracing::error!(error = %e, name, "checkpoint after a delete in a full pool failed");
-            }
+            self.inner.request_checkpoint();
         }
         Ok(())
     }
@@ -908,8 +909,8 @@ impl Pool {
     /// room held back for metadata is computed afresh from what the metadata takes.
     /// The engine checkpoints by itself when the log fills, when an allocation or a
     /// snapshot finds the room held back inflated by metadata changes since the last
-    /// checkpoint, and after a delete in a pool too full to allocate; this is for tools
-    /// and tests.
+    /// checkpoint, and (in the background) after a delete in a pool too full to
+    /// allocate; this is for tools and tests.
     ///
     /// Errors: [`ErrorKind::Failed`] or [`ErrorKind::NoSpace`]: the pool failed
     /// earlier, is closing, or failed in this checkpoint (see `PoolInner::checkpoint_async`).
@@ -1375,6 +1376,19 @@ impl PoolInner {
     /// [`ErrorKind::NoSpace`] then).
     pub async fn checkpoint_async(&self) -> Result<()> {
         self.on_committer(true).await
+    }
+
+    /// Asks the committer for a checkpoint and does not wait for it; requests made
+    /// while one is pending are served by one checkpoint. A failed checkpoint fails the
+    /// pool, which every later change reports.
+    fn request_checkpoint(&self) {
+        let mut q = self.commits.queue.lock();
+        if q.shutdown {
+            return;
+        }
+        q.checkpoint = true;
+        q.background = true;
+        self.commits.cv.notify_one();
     }
 
     /// Queues a cycle on the committer thread (a checkpoint if `checkpoint`, else a
