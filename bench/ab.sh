@@ -28,18 +28,10 @@ for rep in $(seq "$REPS"); do
     stop_server
   done
 done
-/usr/bin/python3 - "$TSV" <<'PY'
-import sys, statistics as st, collections
-rows = collections.defaultdict(list)
-for line in open(sys.argv[1]):
-    f = line.split()
-    if len(f) < 7:
-        continue
-    label, job, iops, _mbs, mean, _p99, cpu = f[:7]
-    try:
-        rows[(label, job)].append((float(iops), float(mean), float(cpu)))
-    except ValueError:
-        pass
+PYTHONPATH=bench /usr/bin/python3 - "$TSV" <<'PY'
+import sys, statistics as st
+from tsv import load
+rows = load(sys.argv[1])
 jobs = sorted({j for (_, j) in rows}, key=lambda j: j)
 print(f"{'job':<14} {'IOPS A':>9} {'IOPS B':>9} {'B/A':>6} {'mean A':>8} {'mean B':>8} {'cpu/kIOPS A':>12} {'B':>6} {'B/A':>6}")
 for j in jobs:

@@ -65,17 +65,10 @@ for rep in $(seq "$REPS"); do
   kill $OTHER; wait $OTHER 2>/dev/null || true; OTHER=
 done
 
-/usr/bin/python3 - "$TSV" <<'PY'
-import sys, statistics as st, collections
-rows = collections.defaultdict(list)
-for line in open(sys.argv[1]):
-    f = line.split()
-    if len(f) < 7:
-        continue
-    try:
-        rows[(f[0], f[1])].append((float(f[2]), float(f[4]), float(f[6])))
-    except ValueError:
-        pass
+PYTHONPATH=bench /usr/bin/python3 - "$TSV" <<'PY'
+import sys, statistics as st
+from tsv import load
+rows = load(sys.argv[1])
 labels = ["ferrovol", "uring-proto", "qemu-nbd"]
 print(f"{'job':<14}" + "".join(f"{l + ' IOPS':>17}" for l in labels) + f"{'proto/ferrovol':>16}{'ferrovol/qemu':>15}")
 for job in sorted({j for (_, j) in rows}):
