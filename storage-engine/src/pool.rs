@@ -830,7 +830,7 @@ impl Pool {
     /// to the volume's mapped pages and one log record; no data is read or rewritten.
     /// In a pool too full to allocate, also asks for a checkpoint in the background,
     /// which gives back the room the deleted metadata held (a snapshot, clone or write
-    /// that needs that room before it ran checkpoints by itself).
+    /// that needs the room before then takes a checkpoint itself).
     ///
     /// Errors: [`ErrorKind::NotFound`] (also for a snapshot name: use
     /// [`Pool::delete_snapshot`]), [`ErrorKind::Failed`]/[`ErrorKind::Io`].
