@@ -50,9 +50,11 @@ pub struct ServerConfig {
     pub max_in_flight_bytes: usize,
     /// Bytes requests hold in memory over every connection of one [`Server`]: READ data
     /// and BLOCK_STATUS replies until written (charged when the request is read), WRITE
-    /// payloads until the write is answered (charged 256 KiB at a time as they arrive,
-    /// so a header whose payload never comes holds one piece). A request that would pass
-    /// it waits. So that no client can stop another through it, each connection also
+    /// payloads until the write is answered (charged to the connection's allowance 256
+    /// KiB at a time as they arrive while it has room, then the rest to this budget in
+    /// one piece, so a header whose payload never comes holds one piece of the
+    /// allowance, and no WRITE holds part of this budget while waiting for more). A
+    /// request that would pass it waits. So that no client can stop another through it, each connection also
     /// has an allowance of [`UNMETERED_BYTES_PER_CONNECTION`] outside it, used first: memory is
     /// bounded by this plus 2 MiB per connection. Default 1 GiB.
     pub max_total_in_flight_bytes: usize,

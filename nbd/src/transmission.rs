@@ -44,9 +44,9 @@ const MAX_BLOCK_STATUS_DESCRIPTORS: usize = 1 << 16;
 const BYTE_UNIT: usize = 4096;
 
 /// Bytes of a reply or WRITE payload that must move within
-/// [`ServerConfig::stall_timeout`]; a WRITE payload is also charged to the server's
-/// budget in pieces of this size as it arrives, so that a header whose payload never
-/// comes holds no more than this.
+/// [`ServerConfig::stall_timeout`]; a WRITE payload is also charged to the
+/// connection's unmetered allowance in pieces of this size as it arrives, so that a
+/// header whose payload never comes holds no more than this.
 const STALL_CHUNK: usize = 256 * 1024;
 
 /// A request that passed validation, ready to run against the export. Offsets and
@@ -220,8 +220,9 @@ struct Permits {
     _bytes: Option<OwnedSemaphorePermit>,
     /// The request's memory charged outside the connection's own budget, to the
     /// connection's unmetered allowance and to the server's budget: in one piece (a
-    /// READ, a BLOCK_STATUS) or one per [`STALL_CHUNK`] of a WRITE payload as it
-    /// arrives, merged into one permit per semaphore.
+    /// READ, a BLOCK_STATUS), or for a WRITE payload one per [`STALL_CHUNK`] from the
+    /// allowance as it arrives and the rest from the server's budget in one piece,
+    /// merged into one permit per semaphore.
     unmetered: Option<OwnedSemaphorePermit>,
     total: Option<OwnedSemaphorePermit>,
 }
@@ -610,6 +611,34 @@ impl Budget {
         Some(())
     }
 
+    /// Charges `bytes` to the connection's unmetered allowance if it has room for them
+    /// now; false (nothing charged) if not.
+    fn try_unmetered(&self, permits: &mut Permits, bytes: usize) -> bool {
+        let units = bytes.div_ceil(BYTE_UNIT) as u32;
+        if units == 0 {
+            return true;
+        }
+        match Arc::clone(&self.unmetered).try_acquire_many_owned(units) {
+            Ok(p) => {
+                add(&mut permits.unmetered, p);
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// Charges `bytes` to the server's budget in one piece (at most the whole budget),
+    /// waiting until it is free. A request takes from the server's budget once, never
+    /// a part while it waits for more: parts held while waiting for the rest let WRITEs
+    /// deadlock each other.
+    async fn reserve_total(&self, permits: &mut Permits, bytes: usize) -> Option<()> {
+        let units = bytes.div_ceil(BYTE_UNIT).min(self.total.units as usize) as u32;
+        if units > 0 {
+            add(&mut permits.total, Arc::clone(&self.total.bytes).acquire_many_owned(units).await.ok()?);
+        }
+        Some(())
+    }
+
     /// [`Budget::admit`] and [`Budget::charge`] of the whole of `bytes`.
     async fn acquire(&self, bytes: usize) -> Option<Permits> {
         let mut permits = self.admit(bytes).await?;
@@ -684,21 +713,30 @@ struct Payload<'a, B> {
 }
 
 impl<B> Payload<'_, B> {
-    /// Reads `dst` from `reader`, each [`STALL_CHUNK`] within the stall timeout, charging
-    /// each chunk to `permits` before it is read.
+    /// Reads `dst` from `reader`, each [`STALL_CHUNK`] within the stall timeout. Each
+    /// chunk is charged to the connection's unmetered allowance before it is read, while
+    /// the allowance has room; once it has none, everything still to come is charged to
+    /// the server's budget in one piece before more is read. So a client that sends a
+    /// WRITE header and little payload holds little of the server's budget, and no WRITE
+    /// holds part of it while waiting for more (which deadlocked concurrent WRITEs, and
+    /// a single WRITE larger than the budget).
     async fn receive<R: AsyncRead + Unpin>(
         mut self,
         reader: &mut R,
         dst: &mut [u8],
         permits: &mut Permits,
     ) -> Result<(), Interrupted> {
+        let len = dst.len();
         let mut received = 0u32;
+        let mut reserved = false;
         for chunk in dst.chunks_mut(STALL_CHUNK) {
-            let charge = self.budget.charge(permits, chunk.len());
-            match budget_unless_interrupted(charge, self.tx, self.shutting_down.as_deref_mut()).await {
-                Waited::Got(()) => {}
-                Waited::Gone => return Err(Interrupted::Gone),
-                Waited::ShuttingDown => return Err(Interrupted::ShuttingDown { received }),
+            if !reserved && !self.budget.try_unmetered(permits, chunk.len()) {
+                let rest = self.budget.reserve_total(permits, len - received as usize);
+                match budget_unless_interrupted(rest, self.tx, self.shutting_down.as_deref_mut()).await {
+                    Waited::Got(()) => reserved = true,
+                    Waited::Gone => return Err(Interrupted::Gone),
+                    Waited::ShuttingDown => return Err(Interrupted::ShuttingDown { received }),
+                }
             }
             let read = within(self.stall, "receiving a WRITE payload", reader.read_exact(chunk));
             read.await.map_err(Interrupted::Failed)?;

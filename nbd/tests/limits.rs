@@ -414,3 +414,50 @@ async fn requests_waiting_for_the_server_budget_get_eshutdown_at_shutdown() {
     assert!(registry.get("big").snapshot(0..MIB as usize) == first, "the WRITE was not applied");
     drop(stalled);
 }
+
+#[tokio::test]
+async fn writes_beyond_the_server_budget_complete_and_do_not_deadlock() {
+    // With an 8 MiB server budget: one 16 MiB WRITE (more than the budget and a
+    // connection's 2 MiB allowance together), then eight 8 MiB WRITEs at once on eight
+    // connections. Each must be answered. Before, a WRITE took the server's budget a
+    // piece at a time as its payload arrived and held what it had while waiting for
+    // more: the single WRITE waited forever, and the eight deadlocked each other.
+    let config = ServerConfig { max_total_in_flight_bytes: 8 << 20, ..Default::default() };
+    let (addr, _server, registry) = start_big_server(config).await;
+    let mut one = TcpStream::connect(addr).await.unwrap();
+    one.set_nodelay(true).unwrap();
+    connect(&mut one, "big", false, false).await;
+    let big = vec![0x5a; 16 * MIB as usize];
+    let written = async {
+        send_write(&mut one, 0, 1, 0, &big).await;
+        simple_reply(&mut one, 1, 0).await.0
+    };
+    let error = tokio::time::timeout(Duration::from_secs(20), written).await.expect("a 16 MiB WRITE is answered");
+    assert_eq!(error, 0);
+    assert!(registry.get("big").snapshot(0..16 * MIB as usize) == big, "the 16 MiB WRITE's data");
+
+    let mut writers = Vec::new();
+    for w in 0..8u64 {
+        writers.push(tokio::spawn(async move {
+            let mut c = TcpStream::connect(addr).await.unwrap();
+            c.set_nodelay(true).unwrap();
+            connect(&mut c, "big", false, false).await;
+            send_write(&mut c, 0, w, w * 8 * u64::from(MIB), &vec![w as u8; 8 * MIB as usize]).await;
+            simple_reply(&mut c, w, 0).await.0
+        }));
+    }
+    for (w, writer) in writers.into_iter().enumerate() {
+        let error = tokio::time::timeout(Duration::from_secs(20), writer)
+            .await
+            .unwrap_or_else(|_| panic!("WRITE {w} of eight concurrent 8 MiB WRITEs is answered"))
+            .unwrap();
+        assert_eq!(error, 0);
+    }
+    let data = registry.get("big").snapshot(0..64 * MIB as usize);
+    for w in 0..8usize {
+        assert!(
+            data[w * 8 * MIB as usize..(w + 1) * 8 * MIB as usize].iter().all(|&b| b == w as u8),
+            "WRITE {w}'s data"
+        );
+    }
+}
