@@ -20,8 +20,8 @@ pub enum Error {
     #[error("NBD protocol violation by the client: {0}")]
     Protocol(String),
     /// A client in the handshake sent and read nothing for the configured
-    /// `handshake_timeout`.
-    #[error("NBD handshake made no progress for {0:?}")]
+    /// `handshake_timeout`, or took ten times it in all.
+    #[error("NBD handshake made no progress for {0:?}, or took ten times that in all")]
     HandshakeTimeout(Duration),
     /// The client asked for an unknown export with `NBD_OPT_EXPORT_NAME`, which cannot be
     /// answered with an error, so the server closed the connection (proto.md,

@@ -29,9 +29,9 @@ use crate::{handshake, transmission};
 pub struct ServerConfig {
     /// How long a client in the handshake may go without sending or reading a byte;
     /// past it the connection is closed with [`Error::HandshakeTimeout`]. Default 30 s.
-    /// A timeout on progress, not on the whole handshake: a client listing hundreds of
-    /// exports one option at a time (`nbdinfo --list`, whose libnbd waits about 200 ms
-    /// per export over TCP, against any server) is not cut off.
+    /// A timeout on progress: a client listing hundreds of exports one option at a time
+    /// (`nbdinfo --list`, whose libnbd waits about 200 ms per export over TCP, against
+    /// any server) is not cut off. The whole handshake may take ten times this at most.
     pub handshake_timeout: Duration,
     /// Largest option data accepted during option haggling, in bytes; a longer option is
     /// a hard disconnect (no buffer of the claimed size is allocated). Default 64 KiB.
@@ -311,6 +311,10 @@ impl<R: ExportRegistry> Server<R> {
             () = progress.stalled(config.handshake_timeout) => {
                 return Err(Error::HandshakeTimeout(config.handshake_timeout));
             }
+            // Progress or not, a connection slot is not held in the handshake for ever.
+            () = tokio::time::sleep(config.handshake_timeout.saturating_mul(HANDSHAKE_TIMEOUTS_IN_ALL)) => {
+                return Err(Error::HandshakeTimeout(config.handshake_timeout));
+            }
         };
         let Some(negotiated) = negotiated else {
             tracing::debug!("client ended option haggling");
@@ -493,6 +497,11 @@ pub(crate) async fn read_full_or_eof<R: AsyncRead + Unpin>(reader: &mut R, buf: 
     }
     Ok(true)
 }
+
+/// The longest a whole handshake may take, in handshake timeouts (5 minutes by default:
+/// `nbdinfo --list` of 1,500 exports), so that a client trickling bytes cannot hold a
+/// connection slot for ever.
+const HANDSHAKE_TIMEOUTS_IN_ALL: u32 = 10;
 
 /// When a connection in the handshake last moved a byte, for a timeout on progress.
 struct Progress {

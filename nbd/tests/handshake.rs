@@ -331,6 +331,30 @@ async fn handshake_timeout_counts_progress_not_the_whole_handshake() {
     finish(task).await.unwrap();
 }
 
+/// A client that keeps sending bytes, one at a time, never finishes its handshake: it is
+/// closed once ten handshake timeouts have passed, so it cannot hold a connection slot
+/// for ever.
+#[tokio::test]
+async fn a_trickling_handshake_is_closed_after_ten_timeouts() {
+    let config = ServerConfig { handshake_timeout: Duration::from_millis(100), ..Default::default() };
+    let (mut c, task) = start(registry(), config);
+    greet(&mut c, NBD_FLAG_C_FIXED_NEWSTYLE).await;
+    let started = tokio::time::Instant::now();
+    let trickle = async {
+        // The header of an option whose data never ends, a byte every 50 ms.
+        let header = OptionHeader { option: NBD_OPT_GO, length: 4000 }.encode();
+        for b in header.iter().chain(std::iter::repeat(&0u8)) {
+            if c.write_all(&[*b]).await.is_err() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), trickle).await.expect("the trickling client is closed");
+    assert!(started.elapsed() >= Duration::from_millis(900), "closed before ten timeouts: {:?}", started.elapsed());
+    assert!(matches!(finish(task).await, Err(nbd::Error::HandshakeTimeout(_))));
+}
+
 #[tokio::test]
 async fn meta_context_list_and_set() {
     let (mut c, task) = start_default();

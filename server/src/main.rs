@@ -123,7 +123,7 @@ struct ServeArgs {
     #[arg(long)]
     format: bool,
     /// Seconds a client in the handshake (before it chooses an export) may go without
-    /// sending or reading a byte.
+    /// sending or reading a byte; the whole handshake may take ten times this at most.
     #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
     handshake_timeout: u64,
     /// Seconds without requests after which an idle NBD connection is closed; 0 never
@@ -343,7 +343,8 @@ fn status_err(s: tonic::Status) -> anyhow::Error {
     if s.source().is_some() || s.code() == tonic::Code::Unknown {
         return anyhow::anyhow!(
             "the connection to the server broke during the call ({}: the server stopped or was killed?); \
-             whether the change was made is unknown: list the volumes and snapshots once it runs again",
+             its outcome is unknown: if it was a change, list the volumes and snapshots once the server \
+             runs again",
             s.message()
         );
     }
