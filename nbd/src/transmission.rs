@@ -592,29 +592,29 @@ impl Budget {
     /// Clients holding the server's budget can so slow another client to what its
     /// allowance holds at a time, but not stop it.
     async fn charge(&self, permits: &mut Permits, bytes: usize) -> Option<()> {
-        let units = bytes.div_ceil(BYTE_UNIT).min(self.total.units as usize) as u32;
-        if units == 0 {
+        let units = self.total_units(bytes);
+        if units > UNMETERED_UNITS {
+            return self.reserve_total(permits, bytes).await;
+        }
+        if self.try_unmetered(permits, units) {
             return Some(());
         }
-        let total = Arc::clone(&self.total.bytes);
-        if units > UNMETERED_UNITS {
-            add(&mut permits.total, total.acquire_many_owned(units).await.ok()?);
-        } else if let Ok(p) = Arc::clone(&self.unmetered).try_acquire_many_owned(units) {
-            add(&mut permits.unmetered, p);
-        } else {
-            tokio::select! {
-                biased;
-                p = Arc::clone(&self.unmetered).acquire_many_owned(units) => add(&mut permits.unmetered, p.ok()?),
-                p = total.acquire_many_owned(units) => add(&mut permits.total, p.ok()?),
-            }
+        tokio::select! {
+            biased;
+            p = Arc::clone(&self.unmetered).acquire_many_owned(units) => add(&mut permits.unmetered, p.ok()?),
+            p = Arc::clone(&self.total.bytes).acquire_many_owned(units) => add(&mut permits.total, p.ok()?),
         }
         Some(())
     }
 
-    /// Charges `bytes` to the connection's unmetered allowance if it has room for them
-    /// now; false (nothing charged) if not.
-    fn try_unmetered(&self, permits: &mut Permits, bytes: usize) -> bool {
-        let units = bytes.div_ceil(BYTE_UNIT) as u32;
+    /// Units of the server's budget `bytes` take (at most the whole budget).
+    fn total_units(&self, bytes: usize) -> u32 {
+        bytes.div_ceil(BYTE_UNIT).min(self.total.units as usize) as u32
+    }
+
+    /// Charges `units` ([`BYTE_UNIT`]s) to the connection's unmetered allowance if it
+    /// has room for them now; false (nothing charged) if not.
+    fn try_unmetered(&self, permits: &mut Permits, units: u32) -> bool {
         if units == 0 {
             return true;
         }
@@ -632,7 +632,7 @@ impl Budget {
     /// a part while it waits for more: parts held while waiting for the rest let WRITEs
     /// deadlock each other.
     async fn reserve_total(&self, permits: &mut Permits, bytes: usize) -> Option<()> {
-        let units = bytes.div_ceil(BYTE_UNIT).min(self.total.units as usize) as u32;
+        let units = self.total_units(bytes);
         if units > 0 {
             add(&mut permits.total, Arc::clone(&self.total.bytes).acquire_many_owned(units).await.ok()?);
         }
@@ -730,7 +730,8 @@ impl<B> Payload<'_, B> {
         let mut received = 0u32;
         let mut reserved = false;
         for chunk in dst.chunks_mut(STALL_CHUNK) {
-            if !reserved && !self.budget.try_unmetered(permits, chunk.len()) {
+            let units = chunk.len().div_ceil(BYTE_UNIT) as u32;
+            if !reserved && !self.budget.try_unmetered(permits, units) {
                 let rest = self.budget.reserve_total(permits, len - received as usize);
                 match budget_unless_interrupted(rest, self.tx, self.shutting_down.as_deref_mut()).await {
                     Waited::Got(()) => reserved = true,
