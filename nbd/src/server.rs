@@ -54,9 +54,10 @@ pub struct ServerConfig {
     /// KiB at a time as they arrive while it has room, then the rest to this budget in
     /// one piece, so a header whose payload never comes holds one piece of the
     /// allowance, and no WRITE holds part of this budget while waiting for more). A
-    /// request that would pass it waits. So that no client can stop another through it, each connection also
-    /// has an allowance of [`UNMETERED_BYTES_PER_CONNECTION`] outside it, used first: memory is
-    /// bounded by this plus 2 MiB per connection. Default 1 GiB.
+    /// request that would pass it waits. So that no client can stop another through
+    /// it, each connection also has an allowance of [`UNMETERED_BYTES_PER_CONNECTION`]
+    /// outside it, used first: memory is bounded by this plus 2 MiB per connection.
+    /// Default 1 GiB.
     pub max_total_in_flight_bytes: usize,
     /// The longest a connection may go without moving 256 KiB of a reply it is being
     /// sent, or of a WRITE payload it is sending (less when less is left); a connection
@@ -531,7 +532,11 @@ impl Progress {
             if last.elapsed() >= timeout {
                 return;
             }
-            tokio::time::sleep_until(last + timeout).await;
+            match last.checked_add(timeout) {
+                Some(deadline) => tokio::time::sleep_until(deadline).await,
+                // Past what an Instant can hold: never.
+                None => std::future::pending().await,
+            }
         }
     }
 }

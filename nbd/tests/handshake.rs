@@ -331,6 +331,22 @@ async fn handshake_timeout_counts_progress_not_the_whole_handshake() {
     finish(task).await.unwrap();
 }
 
+/// The largest handshake timeout (the CLI takes any number of seconds) is served like
+/// any other: a client that takes a moment to choose its export gets it, and nothing
+/// overflows computing the deadline.
+#[tokio::test]
+async fn the_largest_handshake_timeout_serves_clients() {
+    let config = ServerConfig { handshake_timeout: Duration::MAX, ..Default::default() };
+    let (mut c, task) = start(registry(), config);
+    greet(&mut c, NBD_FLAG_C_FIXED_NEWSTYLE).await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let req = InfoRequest { name: "disk".into(), requests: vec![] };
+    send_option(&mut c, NBD_OPT_GO, &req.encode()).await;
+    assert_eq!(read_option_replies(&mut c).await.last().unwrap().0.reply_type, NBD_REP_ACK);
+    send_request(&mut c, Command::Disc, 0, 1, 0, 0).await;
+    finish(task).await.unwrap();
+}
+
 /// A client that keeps sending bytes, one at a time, never finishes its handshake: it is
 /// closed once ten handshake timeouts have passed, so it cannot hold a connection slot
 /// for ever.
