@@ -620,9 +620,8 @@ async fn serve(data_dir: &Path, mgmt_socket: &Path, args: ServeArgs) -> anyhow::
     let pool = dataplane
         .handle()
         .spawn_blocking(move || {
-            use std::os::unix::fs::FileTypeExt;
-            let is_dev = std::fs::metadata(&p).map(|m| m.file_type().is_block_device()).unwrap_or(false);
-            if is_dev && format {
+            // `--format` was checked to name a block device at the start.
+            if format {
                 Pool::open_or_format_device(&p, &opts)
             } else {
                 Pool::open_or_create(&p, &opts)
