@@ -97,15 +97,11 @@ pub struct BlockSizes {
 /// One served block device. All methods take byte offsets and lengths that the
 /// protocol layer has already checked: `offset + len <= size()`, `len >= 1` and
 /// `len <= block_sizes().maximum` for READ/WRITE.
-///
-/// The request futures run on a data-plane thread ([`crate::DataPlane`]), a compio
-/// runtime: they need not be `Send`, may use its timers and I/O, and must not block the
-/// thread (nor expect a tokio runtime).
 pub trait Export: Send + Sync + 'static {
     /// The buffer a READ's data comes back in.
     type ReadBuf: AsRef<[u8]> + Send + 'static;
     /// The buffer a WRITE's payload is received into; handed back with [`Export::write`].
-    type WriteBuf: AsMut<[u8]> + AsRef<[u8]> + Send + 'static;
+    type WriteBuf: AsMut<[u8]> + Send + 'static;
 
     /// Current size in bytes (may grow while connected; the protocol layer reads it per request).
     fn size(&self) -> u64;
@@ -119,13 +115,13 @@ pub trait Export: Send + Sync + 'static {
     /// A buffer of exactly `len` bytes for the payload of a WRITE to `offset`.
     fn alloc_write_buf(&self, offset: u64, len: u32) -> Self::WriteBuf;
     /// `NBD_CMD_READ` of `len` bytes at `offset`.
-    fn read(&self, offset: u64, len: u32) -> impl Future<Output = Result<ReadData<Self::ReadBuf>, Errno>>;
+    fn read(&self, offset: u64, len: u32) -> impl Future<Output = Result<ReadData<Self::ReadBuf>, Errno>> + Send;
     /// `NBD_CMD_WRITE`; `fua` is `NBD_CMD_FLAG_FUA`: durable before the reply.
-    fn write(&self, offset: u64, buf: Self::WriteBuf, fua: bool) -> impl Future<Output = Result<(), Errno>>;
+    fn write(&self, offset: u64, buf: Self::WriteBuf, fua: bool) -> impl Future<Output = Result<(), Errno>> + Send;
     /// `NBD_CMD_FLUSH`: every write completed before this call is durable on return.
-    fn flush(&self) -> impl Future<Output = Result<(), Errno>>;
+    fn flush(&self) -> impl Future<Output = Result<(), Errno>> + Send;
     /// `NBD_CMD_TRIM` of `len` bytes at `offset` (the range reads as zeros afterwards).
-    fn trim(&self, offset: u64, len: u64, fua: bool) -> impl Future<Output = Result<(), Errno>>;
+    fn trim(&self, offset: u64, len: u64, fua: bool) -> impl Future<Output = Result<(), Errno>> + Send;
     /// `NBD_CMD_WRITE_ZEROES`. `may_unmap` is the absence of `NBD_CMD_FLAG_NO_HOLE`;
     /// `fast_only` is `NBD_CMD_FLAG_FAST_ZERO` (return `Enotsup` if it would be slow).
     fn write_zeroes(
@@ -135,9 +131,9 @@ pub trait Export: Send + Sync + 'static {
         may_unmap: bool,
         fast_only: bool,
         fua: bool,
-    ) -> impl Future<Output = Result<(), Errno>>;
+    ) -> impl Future<Output = Result<(), Errno>> + Send;
     /// `NBD_CMD_CACHE`: a hint to prefetch; may do nothing.
-    fn cache(&self, offset: u64, len: u64) -> impl Future<Output = Result<(), Errno>>;
+    fn cache(&self, offset: u64, len: u64) -> impl Future<Output = Result<(), Errno>> + Send;
     /// `base:allocation` extents for up to `len` bytes at `offset`, in order, starting at
     /// `offset`; may cover less than `len` but at least one byte.
     fn block_status(&self, offset: u64, len: u64) -> Result<Vec<Extent>, Errno>;

@@ -17,17 +17,14 @@
 //! that clients and tests can speak it too; [`testing`] holds an in-memory export and
 //! the fuzz targets' entry points.
 
-pub mod dataplane;
 pub mod error;
 pub mod export;
 mod handshake;
 pub mod proto;
 pub mod server;
-mod sockio;
 pub mod testing;
 mod transmission;
 
-pub use dataplane::DataPlane;
 pub use error::Error;
 pub use export::{BlockSizes, Errno, Export, ExportFlags, ExportRegistry, Extent, ReadData};
-pub use server::{serve_connection, serve_tcp, serve_unix, Connection, Server, ServerConfig};
+pub use server::{serve_connection, serve_tcp, serve_unix, Server, ServerConfig};

@@ -19,7 +19,6 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
 use tokio::net::{TcpListener, UnixListener};
 use tracing::Instrument;
 
-use crate::dataplane::DataPlane;
 use crate::error::Error;
 use crate::export::ExportRegistry;
 use crate::{handshake, transmission};
@@ -112,8 +111,9 @@ pub struct Server<R> {
     live: Arc<Live>,
     /// Becomes true at [`Server::shut_down`].
     shutting_down: tokio::sync::watch::Sender<bool>,
-    /// Where the transmission phase of each connection runs.
-    dataplane: Arc<DataPlane>,
+    /// Where accepted connections run ([`Server::new_on`]); empty: the accept loop's own
+    /// runtime.
+    runtimes: Vec<Placement>,
     /// The server-wide memory budget ([`ServerConfig::max_total_in_flight_bytes`]).
     total_in_flight: Arc<transmission::TotalBudget>,
     /// Connections closed so far because they stalled ([`Error::Stalled`]).
@@ -126,50 +126,48 @@ pub struct Server<R> {
 /// `max_sectors_kb`, seen on Debian's 6.12 kernel).
 pub const UNMETERED_BYTES_PER_CONNECTION: usize = 2 << 20;
 
-/// A stream the accept loops take and the handshake runs on: tokio's TCP and Unix
-/// streams. After the handshake the connection moves to a data-plane thread, where its
-/// receives and sends are entries of that thread's io_uring.
-pub trait Connection: AsyncRead + AsyncWrite + Unpin + Send + 'static + sealed::Rehome {}
+/// A runtime connections may be placed on, and how many of them it serves now.
+struct Placement {
+    handle: tokio::runtime::Handle,
+    connections: Arc<AtomicUsize>,
+}
 
-impl Connection for tokio::net::TcpStream {}
-impl Connection for tokio::net::UnixStream {}
+/// One connection counted on a [`Placement`]; uncounted on drop.
+struct PlacementSlot(Arc<AtomicUsize>);
 
-mod sealed {
-    /// How a [`super::Connection`] moves from tokio to a data-plane thread.
-    pub trait Rehome: Sized {
-        /// The std stream the connection travels as between threads.
-        type Std: Send + 'static;
-        /// The stream on the data-plane thread's ring.
-        type Ring: crate::sockio::Socket;
-        /// Takes the stream off tokio's reactor.
-        fn into_std(self) -> std::io::Result<Self::Std>;
-        /// Puts it on the current data-plane thread's ring, in blocking mode: io_uring
-        /// waits for a blocking socket by itself, and fails at once on a non-blocking one.
-        fn into_ring(s: Self::Std) -> std::io::Result<Self::Ring>;
+impl Drop for PlacementSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
     }
+}
 
-    impl Rehome for tokio::net::TcpStream {
-        type Std = std::net::TcpStream;
-        type Ring = compio::net::TcpStream;
-        fn into_std(self) -> std::io::Result<Self::Std> {
-            tokio::net::TcpStream::into_std(self)
-        }
-        fn into_ring(s: Self::Std) -> std::io::Result<Self::Ring> {
-            s.set_nonblocking(false)?;
-            compio::net::TcpStream::from_std(s)
-        }
+/// A stream an accept loop can hand to another runtime: taken off the accepting
+/// runtime's reactor as a std stream, and registered with the target's.
+pub(crate) trait Rehome: Sized {
+    /// The std stream (non-blocking).
+    type Std: Send + 'static;
+    fn into_std(self) -> std::io::Result<Self::Std>;
+    /// Must run inside the target runtime.
+    fn from_std(s: Self::Std) -> std::io::Result<Self>;
+}
+
+impl Rehome for tokio::net::TcpStream {
+    type Std = std::net::TcpStream;
+    fn into_std(self) -> std::io::Result<Self::Std> {
+        tokio::net::TcpStream::into_std(self)
     }
+    fn from_std(s: Self::Std) -> std::io::Result<Self> {
+        tokio::net::TcpStream::from_std(s)
+    }
+}
 
-    impl Rehome for tokio::net::UnixStream {
-        type Std = std::os::unix::net::UnixStream;
-        type Ring = compio::net::UnixStream;
-        fn into_std(self) -> std::io::Result<Self::Std> {
-            tokio::net::UnixStream::into_std(self)
-        }
-        fn into_ring(s: Self::Std) -> std::io::Result<Self::Ring> {
-            s.set_nonblocking(false)?;
-            compio::net::UnixStream::from_std(s)
-        }
+impl Rehome for tokio::net::UnixStream {
+    type Std = std::os::unix::net::UnixStream;
+    fn into_std(self) -> std::io::Result<Self::Std> {
+        tokio::net::UnixStream::into_std(self)
+    }
+    fn from_std(s: Self::Std) -> std::io::Result<Self> {
+        tokio::net::UnixStream::from_std(s)
     }
 }
 
@@ -234,28 +232,26 @@ impl Live {
 }
 
 impl<R: ExportRegistry> Server<R> {
-    /// A server of the exports in `registry` with `config`'s limits, with a data plane
-    /// of one thread of its own (named `nbd-dataplane`).
-    ///
-    /// Panics if that thread cannot be started (io_uring unavailable).
+    /// A server of the exports in `registry` with `config`'s limits.
     pub fn new(registry: Arc<R>, config: ServerConfig) -> Arc<Self> {
-        let dataplane = DataPlane::start(1, "nbd-dataplane").expect("start the NBD data-plane thread");
-        Server::new_on(registry, config, dataplane)
+        Server::new_on(registry, config, Vec::new())
     }
 
-    /// A server like [`Server::new`] whose connections run their transmission phase on
-    /// `dataplane`: each on the thread serving the fewest connections when its
-    /// handshake ends, where it stays, so that its requests, their storage I/O and the
-    /// replies stay on one thread. The handshake runs where the connection was
-    /// accepted.
-    pub fn new_on(registry: Arc<R>, config: ServerConfig, dataplane: Arc<DataPlane>) -> Arc<Self> {
+    /// A server like [`Server::new`] whose accept loops place each connection on one of
+    /// `runtimes`: the one serving the fewest connections at that moment. With one
+    /// current-thread runtime per core, a connection's requests, its storage I/O and its
+    /// replies stay on one thread, and connections spread over the cores. The runtimes
+    /// need I/O and time enabled and must keep running while connections are open. An
+    /// empty list: connections run on the accept loop's runtime.
+    pub fn new_on(registry: Arc<R>, config: ServerConfig, runtimes: Vec<tokio::runtime::Handle>) -> Arc<Self> {
+        let runtimes = runtimes.into_iter().map(|handle| Placement { handle, connections: Arc::default() }).collect();
         let total_in_flight = Arc::new(transmission::TotalBudget::new(config.max_total_in_flight_bytes));
         Arc::new(Server {
             registry,
             config,
             live: Arc::default(),
             shutting_down: Default::default(),
-            dataplane,
+            runtimes,
             total_in_flight,
             stalled: AtomicU64::new(0),
         })
@@ -304,9 +300,10 @@ impl<R: ExportRegistry> Server<R> {
     ///
     /// This does not count against `max_connections` (the accept loops do). Set
     /// `TCP_NODELAY` on TCP streams before calling this ([`Server::serve_tcp`] does).
-    /// Call it on a tokio runtime (the handshake runs there); the transmission phase
-    /// runs on a data-plane thread meanwhile.
-    pub async fn serve_connection<S: Connection>(&self, mut stream: S) -> Result<(), Error> {
+    pub async fn serve_connection<S>(&self, mut stream: S) -> Result<(), Error>
+    where
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
         let config = &self.config;
         let progress = Progress::new();
         let mut tracked = progress.track(&mut stream);
@@ -330,31 +327,8 @@ impl<R: ExportRegistry> Server<R> {
             block_status = negotiated.params.base_allocation.is_some(),
             "entering transmission phase"
         );
-        let std_stream = sealed::Rehome::into_std(stream)?;
-        let placed = self.dataplane.place();
-        let thread = placed.thread;
-        let (done, result) = tokio::sync::oneshot::channel();
-        let (config, total) = (self.config.clone(), Arc::clone(&self.total_in_flight));
-        let shutting_down = self.shutting_down.subscribe();
-        let span = tracing::Span::current();
-        // Only the parts travel; the connection's future is made on its thread.
-        self.dataplane.run_on(thread, move || {
-            crate::dataplane::spawn_local(
-                async move {
-                    let r = match <S as sealed::Rehome>::into_ring(std_stream) {
-                        Ok(socket) => {
-                            transmission::transmission(socket, negotiated, &config, total, shutting_down).await
-                        }
-                        Err(e) => Err(e.into()),
-                    };
-                    // Uncounted on its thread before the connection counts as closed.
-                    drop(placed);
-                    let _ = done.send(r);
-                }
-                .instrument(span),
-            )
-        })?;
-        result.await.unwrap_or_else(|_| Err(Error::Io(std::io::Error::other("the data plane stopped"))))
+        let total = Arc::clone(&self.total_in_flight);
+        transmission::transmission(stream, negotiated, config, total, self.shutting_down.subscribe()).await
     }
 
     /// Accepts TCP clients until `shutdown` resolves, serving each with
@@ -400,7 +374,7 @@ impl<R: ExportRegistry> Server<R> {
     where
         A: FnMut() -> AF,
         AF: Future<Output = std::io::Result<(S, tracing::Span)>>,
-        S: Connection,
+        S: AsyncRead + AsyncWrite + Unpin + Send + Rehome + 'static,
         F: Future,
     {
         tokio::pin!(shutdown);
@@ -414,7 +388,29 @@ impl<R: ExportRegistry> Server<R> {
                             continue;
                         };
                         let server = Arc::clone(&self);
-                        tokio::spawn(server.run_connection(stream, slot).instrument(span));
+                        let Some(place) = self.runtimes.iter().min_by_key(|p| p.connections.load(Ordering::Acquire)) else {
+                            tokio::spawn(server.run_connection(stream, slot).instrument(span));
+                            continue;
+                        };
+                        let std_stream = match stream.into_std() {
+                            Ok(s) => s,
+                            Err(e) => {
+                                span.in_scope(|| tracing::info!(error = %e, "cannot move the connection to its runtime"));
+                                continue;
+                            }
+                        };
+                        place.connections.fetch_add(1, Ordering::AcqRel);
+                        let placed = PlacementSlot(place.connections.clone());
+                        place.handle.spawn(
+                            async move {
+                                let _placed = placed;
+                                match S::from_std(std_stream) {
+                                    Ok(stream) => server.run_connection(stream, slot).await,
+                                    Err(e) => tracing::info!(error = %e, "cannot register the connection with its runtime"),
+                                }
+                            }
+                            .instrument(span),
+                        );
                     }
                     Err(e) => accept_failed(e).await,
                 },
@@ -424,7 +420,10 @@ impl<R: ExportRegistry> Server<R> {
 
     /// An accepted connection's task: serves it and logs how it ended; `slot` counts it
     /// until then.
-    async fn run_connection<S: Connection>(self: Arc<Self>, stream: S, slot: ConnectionSlot) {
+    async fn run_connection<S>(self: Arc<Self>, stream: S, slot: ConnectionSlot)
+    where
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
         let _slot = slot;
         tracing::debug!("client connected");
         match self.serve_connection(stream).await {
@@ -444,7 +443,7 @@ impl<R: ExportRegistry> Server<R> {
 pub async fn serve_connection<R, S>(registry: Arc<R>, stream: S, config: Arc<ServerConfig>) -> Result<(), Error>
 where
     R: ExportRegistry,
-    S: Connection,
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     Server::new(registry, (*config).clone()).serve_connection(stream).await
 }

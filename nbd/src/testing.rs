@@ -6,7 +6,7 @@
 //! whose reads fail with `NBD_EIO`, a range whose reads panic, and counters of flushes and of the largest write
 //! buffer ever allocated.
 //! [`fuzz_handshake`] and [`fuzz_transmission`] feed arbitrary client bytes to a
-//! server over a Unix socket pair (used by `fuzz/` and by the corpus replay test).
+//! server over an in-memory stream (used by `fuzz/` and by the corpus replay test).
 //! Not here: anything durable; flush only counts.
 
 use std::ops::Range;
@@ -143,7 +143,7 @@ impl Export for MemExport {
 
     async fn read(&self, offset: u64, len: u32) -> Result<ReadData<Vec<u8>>, Errno> {
         if let Some(delay) = &self.read_delay {
-            compio::runtime::time::sleep(delay(offset)).await;
+            tokio::time::sleep(delay(offset)).await;
         }
         let end = offset + u64::from(len);
         if let Some(p) = &self.poison {
@@ -236,7 +236,7 @@ impl ExportRegistry for MemRegistry {
     }
 }
 
-/// Runs a server over a Unix socket pair whose client side sends `data` and then
+/// Runs a server over an in-memory stream whose client side sends `data` and then
 /// closes its write side; reads and discards everything the server sends. Returns when
 /// the server ends the connection. Never panics unless the server does.
 async fn feed(data: Vec<u8>) {
@@ -250,7 +250,7 @@ async fn feed(data: Vec<u8>) {
         ..Default::default()
     };
     let server = crate::Server::new(registry, config);
-    let (mut client, stream) = tokio::net::UnixStream::pair().expect("socket pair");
+    let (mut client, stream) = tokio::io::duplex(256 * 1024);
     let serving = tokio::spawn(async move {
         // A panic in a request handler ends only its connection in a server; here it
         // is a finding.

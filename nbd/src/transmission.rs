@@ -18,27 +18,23 @@
 //! contract makes completed writes durable on flush. `NBD_CMD_DISC` stops reading, waits
 //! for every in-flight request, writes their replies and closes.
 
-use std::cell::{Cell, RefCell};
-use std::collections::VecDeque;
 use std::future::Future;
 use std::ops::Range;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Poll, Waker};
 use std::time::Duration;
 
-use compio::buf::BufResult;
 use futures_util::future::FutureExt;
 use futures_util::stream::{FuturesUnordered, StreamExt};
-use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
+use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 
 use crate::error::Error;
 use crate::export::{Errno, Export, Extent, ReadData};
 use crate::handshake::{Negotiated, Params};
 use crate::proto::*;
-use crate::server::{ServerConfig, UNMETERED_BYTES_PER_CONNECTION};
-use crate::sockio::{before, deadline_after, sleep_until, PayloadBuf, RecvBuf, Slices, Socket, Vectored};
+use crate::server::{read_full_or_eof, ServerConfig, UNMETERED_BYTES_PER_CONNECTION};
 
 /// Most descriptors sent in one `NBD_REPLY_TYPE_BLOCK_STATUS` chunk; the spec lets a
 /// server describe less than the requested length.
@@ -419,10 +415,9 @@ async fn execute<E: Export>(export: &E, structured: bool, handle: u64, op: Op) -
 // Reader, writer, and the connection
 // ---------------------------------------------------------------------------------------
 
-/// Runs the transmission phase on `socket` until the client disconnects. Runs on a
-/// data-plane thread: every receive, send and timer is an entry of its io_uring.
+/// Runs the transmission phase on `stream` until the client disconnects.
 pub(crate) async fn transmission<E, S>(
-    socket: S,
+    stream: S,
     negotiated: Negotiated<E>,
     config: &ServerConfig,
     total: Arc<TotalBudget>,
@@ -430,301 +425,96 @@ pub(crate) async fn transmission<E, S>(
 ) -> Result<(), Error>
 where
     E: Export,
-    S: Socket,
+    S: AsyncRead + AsyncWrite + Unpin + Send,
 {
-    let outbox = Outbox::new();
-    let (read_result, write_result) = futures_util::future::join(
-        read_requests(&socket, negotiated, &outbox, config, total, shutting_down),
-        write_replies(&socket, &outbox, config.stall_timeout),
-    )
-    .await;
+    let stall = config.stall_timeout;
+    let (reader, writer) = tokio::io::split(stream);
+    // Requests arrive back to back at high queue depth: one receive takes many headers.
+    let mut reader = BufReader::with_capacity(64 * 1024, reader);
+    let capacity = config.max_in_flight_requests.clamp(1, Semaphore::MAX_PERMITS);
+    let (tx, rx) = mpsc::channel(capacity);
+    let (read_result, write_result) = tokio::join!(
+        read_requests(&mut reader, negotiated, tx, config, total, shutting_down),
+        write_replies(writer, rx, stall),
+    );
     // A writer failure is the root cause when both ended badly.
     write_result?;
     read_result
 }
 
-/// Replies waiting for the writer, handed over within the connection's task (no
-/// channel: the reader, the requests and the writer all run on one thread).
-struct Outbox<B> {
-    queue: RefCell<VecDeque<Outgoing<B>>>,
-    writer: RefCell<Option<Waker>>,
-    reader: RefCell<Option<Waker>>,
-    /// No more replies will come: the writer ends once the queue is empty.
-    finished: Cell<bool>,
-    /// The writer is gone: replies are dropped, the reader stops.
-    closed: Cell<bool>,
-}
-
-impl<B> Outbox<B> {
-    fn new() -> Self {
-        Outbox {
-            queue: RefCell::new(VecDeque::new()),
-            writer: RefCell::new(None),
-            reader: RefCell::new(None),
-            finished: Cell::new(false),
-            closed: Cell::new(false),
-        }
-    }
-
-    /// Queues a reply; false (and the reply dropped) once the writer is gone.
-    fn push(&self, out: Outgoing<B>) -> bool {
-        if self.closed.get() {
-            return false;
-        }
-        self.queue.borrow_mut().push_back(out);
-        if let Some(w) = self.writer.borrow_mut().take() {
-            w.wake();
-        }
-        true
-    }
-
-    /// No more replies: the writer finishes what is queued, then ends.
-    fn finish(&self) {
-        self.finished.set(true);
-        if let Some(w) = self.writer.borrow_mut().take() {
-            w.wake();
-        }
-    }
-
-    /// The writer is gone.
-    fn close(&self) {
-        self.closed.set(true);
-        self.queue.borrow_mut().clear();
-        if let Some(w) = self.reader.borrow_mut().take() {
-            w.wake();
-        }
-    }
-
-    /// Resolves once the writer is gone.
-    async fn closed(&self) {
-        std::future::poll_fn(|cx| {
-            if self.closed.get() {
-                return Poll::Ready(());
-            }
-            *self.reader.borrow_mut() = Some(cx.waker().clone());
-            Poll::Pending
-        })
-        .await
-    }
-
-    /// Moves up to `max` queued replies into `into`, waiting for one; false once
-    /// finished with nothing left.
-    async fn take(&self, max: usize, into: &mut Vec<Outgoing<B>>) -> bool {
-        std::future::poll_fn(|cx| {
-            let mut q = self.queue.borrow_mut();
-            if q.is_empty() {
-                if self.finished.get() {
-                    return Poll::Ready(false);
-                }
-                *self.writer.borrow_mut() = Some(cx.waker().clone());
-                return Poll::Pending;
-            }
-            let n = q.len().min(max);
-            into.extend(q.drain(..n));
-            Poll::Ready(true)
-        })
-        .await
-    }
-}
-
-/// Marks the outbox finished when the reader is done, however it ends.
-struct FinishOnDrop<'a, B>(&'a Outbox<B>);
-
-impl<B> Drop for FinishOnDrop<'_, B> {
-    fn drop(&mut self) {
-        self.0.finish();
-    }
-}
-
-/// Marks the outbox closed when the writer is done, however it ends.
-struct CloseOnDrop<'a, B>(&'a Outbox<B>);
-
-impl<B> Drop for CloseOnDrop<'_, B> {
-    fn drop(&mut self) {
-        self.0.close();
-    }
-}
-
-/// Most replies sent by one `sendmsg`.
-const MAX_BATCH: usize = 64;
-
-/// Replies taken off the outbox together, sent as one byte stream.
-struct Batch<B>(Vec<Outgoing<B>>);
-
-impl<B: AsRef<[u8]> + 'static> Slices for Batch<B> {
-    fn for_each_slice<'a>(&'a self, f: &mut dyn FnMut(&'a [u8]) -> bool) {
-        for out in &self.0 {
-            let reply = &out.reply;
-            for piece in &reply.pieces {
-                let bytes: &[u8] = match piece {
-                    Piece::Bytes(b) => b,
-                    // Ranges are built from the checked buffer length.
-                    Piece::Data(range) => reply.buf.as_ref().and_then(|b| b.as_ref().get(range.clone())).unwrap_or(&[]),
-                };
-                if !f(bytes) {
-                    return;
-                }
-            }
-        }
-    }
-}
-
-impl<B: AsRef<[u8]>> Batch<B> {
-    fn len(&self) -> usize {
-        let data = |r: &Reply<B>, range: &Range<usize>| {
-            r.buf.as_ref().map_or(0, |b| b.as_ref().get(range.clone()).map_or(0, <[u8]>::len))
-        };
-        self.0
-            .iter()
-            .map(|o| {
-                o.reply
-                    .pieces
-                    .iter()
-                    .map(|p| match p {
-                        Piece::Bytes(b) => b.len(),
-                        Piece::Data(range) => data(&o.reply, range),
-                    })
-                    .sum::<usize>()
-            })
-            .sum()
-    }
-}
-
-/// The single owner of the socket's sending side: sends replies as they come, all that
-/// are ready together with one `sendmsg` (straight from their buffers), and shuts the
-/// write side down once the reader is done and every reply is out. A batch whose
-/// [`STALL_CHUNK`] next bytes take longer than `stall` to go out ends the connection with
-/// [`Error::Stalled`].
-async fn write_replies<S, B>(socket: &S, outbox: &Outbox<B>, stall: Duration) -> Result<(), Error>
+/// The single owner of the write half: writes each reply whole, batching whatever is
+/// ready before flushing; shuts the write side down when every sender is gone. Writing
+/// [`STALL_CHUNK`] of a reply, or flushing a batch, that takes longer than `stall` ends
+/// the connection with [`Error::Stalled`].
+async fn write_replies<W, B>(writer: W, mut rx: mpsc::Receiver<Outgoing<B>>, stall: Duration) -> Result<(), Error>
 where
-    S: Socket,
-    B: AsRef<[u8]> + 'static,
+    W: AsyncWrite + Unpin,
+    B: AsRef<[u8]>,
 {
-    let _close = CloseOnDrop(outbox);
-    let mut replies = Vec::with_capacity(MAX_BATCH);
-    while outbox.take(MAX_BATCH, &mut replies).await {
-        replies = send_batch(socket, Batch(replies), stall).await?;
-        replies.clear();
+    let mut w = BufWriter::with_capacity(64 * 1024, writer);
+    while let Some(first) = rx.recv().await {
+        write_reply(&mut w, first, stall).await?;
+        while let Ok(next) = rx.try_recv() {
+            write_reply(&mut w, next, stall).await?;
+        }
+        within(stall, "writing a reply", w.flush()).await?;
     }
-    if let Err(e) = socket.shutdown_write().await {
+    if let Err(e) = w.shutdown().await {
         tracing::debug!(error = %e, "shutting down the write side failed");
     }
     Ok(())
 }
 
-/// Sends `batch` whole, each [`STALL_CHUNK`] of it within `stall`; returns its replies
-/// (sent, not yet dropped).
-async fn send_batch<S, B>(socket: &S, batch: Batch<B>, stall: Duration) -> Result<Vec<Outgoing<B>>, Error>
+/// Writes one reply into `w`, each [`STALL_CHUNK`] of it within `stall`.
+async fn write_reply<W, B>(w: &mut W, out: Outgoing<B>, stall: Duration) -> Result<(), Error>
 where
-    S: Socket,
-    B: AsRef<[u8]> + 'static,
+    W: AsyncWrite + Unpin,
+    B: AsRef<[u8]>,
 {
-    let total = batch.len();
-    let mut v = Vectored { inner: batch, skip: 0, limit: usize::MAX };
-    let mut chunk_start = 0;
-    let mut deadline = deadline_after(stall);
-    while v.skip < total {
-        let Some(BufResult(sent, back)) = before(deadline, socket.send(v)).await else {
-            return Err(stalled("writing a reply", stall));
+    let reply = out.reply;
+    for piece in &reply.pieces {
+        let bytes = match piece {
+            Piece::Bytes(b) => &b[..],
+            Piece::Data(range) => match reply.buf.as_ref().and_then(|b| b.as_ref().get(range.clone())) {
+                Some(d) => d,
+                // Ranges are built from the checked buffer length; never reached.
+                None => return Err(std::io::Error::other("reply data out of range").into()),
+            },
         };
-        v = back;
-        match sent? {
-            0 => return Err(std::io::Error::from(std::io::ErrorKind::WriteZero).into()),
-            n => v.skip += n,
+        for chunk in bytes.chunks(STALL_CHUNK) {
+            within(stall, "writing a reply", w.write_all(chunk)).await?;
         }
-        if v.skip - chunk_start >= STALL_CHUNK {
-            chunk_start = v.skip;
-            deadline = deadline_after(stall);
-        }
-    }
-    Ok(v.inner.0)
-}
-
-/// The error that ends a connection making no progress (`what`) for `stall`.
-fn stalled(what: &'static str, stall: Duration) -> Error {
-    tracing::info!(?stall, what, "closing a stalled connection");
-    Error::Stalled(what, stall)
-}
-
-/// Receives `dst.len()` bytes of a WRITE payload into `dst` (taken from what is already
-/// received first), all of it before `deadline`.
-async fn receive_chunk<S: Socket>(
-    recv: &mut RecvBuf<'_, S>,
-    dst: &mut [u8],
-    deadline: Option<std::time::Instant>,
-    stall: Duration,
-) -> Result<(), Error> {
-    let mut got = recv.take_into(dst);
-    while got < dst.len() {
-        let fill = async {
-            let n = recv.fill().await?;
-            if n == 0 {
-                return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof));
-            }
-            Ok(())
-        };
-        match before(deadline, fill).await {
-            Some(r) => r?,
-            None => return Err(stalled("receiving a WRITE payload", stall)),
-        }
-        got += recv.take_into(&mut dst[got..]);
     }
     Ok(())
 }
 
-/// Receives `buf.as_mut()[at..end]` of a WRITE payload before `deadline`: what is
-/// already received is copied, a large rest is received straight into the buffer.
-async fn receive_into<S: Socket, W: AsMut<[u8]> + AsRef<[u8]> + 'static>(
-    recv: &mut RecvBuf<'_, S>,
-    mut buf: W,
-    at: usize,
-    end: usize,
-    deadline: Option<std::time::Instant>,
+/// Runs one socket transfer, ending the connection with [`Error::Stalled`] (`what`) if it
+/// takes longer than `stall`.
+async fn within<T>(
     stall: Duration,
-) -> Result<W, Error> {
-    let mut at = at + recv.take_into(&mut buf.as_mut()[at..end]);
-    if end - at < DIRECT_RECEIVE {
-        receive_chunk(recv, &mut buf.as_mut()[at..end], deadline, stall).await?;
-        return Ok(buf);
-    }
-    while at < end {
-        let part = PayloadBuf { buf, at, end, got: 0 };
-        let Some(BufResult(r, part)) = before(deadline, recv.recv_direct(part)).await else {
-            return Err(stalled("receiving a WRITE payload", stall));
-        };
-        buf = part.buf;
-        match r? {
-            0 => return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into()),
-            _ => at += part.got,
+    what: &'static str,
+    transfer: impl Future<Output = std::io::Result<T>>,
+) -> Result<T, Error> {
+    match tokio::time::timeout(stall, transfer).await {
+        Ok(r) => Ok(r?),
+        Err(_) => {
+            tracing::info!(?stall, what, "closing a stalled connection");
+            Err(Error::Stalled(what, stall))
         }
     }
-    Ok(buf)
 }
 
-/// A payload rest at least this long (in bytes) is received straight into the write
-/// buffer; a shorter one through the receive buffer, with the headers behind it.
-const DIRECT_RECEIVE: usize = 32 * 1024;
-
 /// Reads and drops `len` bytes of a WRITE payload, each [`STALL_CHUNK`] within `stall`.
-async fn discard<S: Socket>(recv: &mut RecvBuf<'_, S>, len: u32, stall: Duration) -> Result<(), Error> {
-    let mut left = len as usize;
+async fn discard<R: AsyncRead + Unpin>(reader: &mut R, len: u32, stall: Duration) -> Result<(), Error> {
+    let mut left = u64::from(len);
     while left > 0 {
-        let deadline = deadline_after(stall);
-        let mut chunk = left.min(STALL_CHUNK);
-        left -= chunk;
-        while chunk > 0 {
-            let n = chunk.min(recv.available().len());
-            recv.consume(n);
-            chunk -= n;
-            if chunk == 0 {
-                break;
-            }
-            match before(deadline, recv.fill()).await {
-                Some(Ok(0)) => return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into()),
-                Some(r) => drop(r?),
-                None => return Err(stalled("receiving a WRITE payload", stall)),
-            }
+        let n = left.min(STALL_CHUNK as u64);
+        let (mut part, mut sink) = ((&mut *reader).take(n), tokio::io::sink());
+        let copied = within(stall, "receiving a WRITE payload", tokio::io::copy(&mut part, &mut sink)).await?;
+        if copied != n {
+            return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into());
         }
+        left -= n;
     }
     Ok(())
 }
@@ -736,7 +526,7 @@ async fn idle_expired(budget: &Budget, idle: Option<Duration>) {
         return std::future::pending().await;
     };
     loop {
-        sleep_until(deadline_after(idle)).await;
+        tokio::time::sleep(idle).await;
         if budget.count.available_permits() == budget.count_total {
             return;
         }
@@ -884,7 +674,7 @@ enum Waited<T> {
 /// server begins shutting down: a request that has not got its memory yet is not run.
 async fn budget_unless_interrupted<T, B>(
     budget: impl Future<Output = Option<T>>,
-    outbox: &Outbox<B>,
+    tx: &mpsc::Sender<Outgoing<B>>,
     shutting_down: Option<&mut watch::Receiver<bool>>,
 ) -> Waited<T> {
     let shutdown = async {
@@ -896,7 +686,7 @@ async fn budget_unless_interrupted<T, B>(
     tokio::select! {
         biased;
         got = budget => got.map_or(Waited::Gone, Waited::Got),
-        _ = outbox.closed() => Waited::Gone,
+        _ = tx.closed() => Waited::Gone,
         _ = shutdown => Waited::ShuttingDown,
     }
 }
@@ -916,59 +706,54 @@ enum Interrupted {
 /// What receiving one WRITE payload needs.
 struct Payload<'a, B> {
     budget: &'a Budget,
-    outbox: &'a Outbox<B>,
+    tx: &'a mpsc::Sender<Outgoing<B>>,
     /// `None` once the connection knows of the shutdown.
     shutting_down: Option<&'a mut watch::Receiver<bool>>,
     stall: Duration,
 }
 
 impl<B> Payload<'_, B> {
-    /// Receives the whole of `buf` (its view), each [`STALL_CHUNK`] within the stall
-    /// timeout. Each chunk is charged to the connection's unmetered allowance before it
-    /// is received, while the allowance has room; once it has none, everything still
-    /// to come is charged to the server's budget in one piece before more is read. So
-    /// a client that sends a WRITE header and little payload holds little of the
-    /// server's budget, and no WRITE holds part of it while waiting for more (which
-    /// deadlocked concurrent WRITEs, and a single WRITE larger than the budget).
-    async fn receive<S: Socket, W: AsMut<[u8]> + AsRef<[u8]> + 'static>(
+    /// Reads `dst` from `reader`, each [`STALL_CHUNK`] within the stall timeout. Each
+    /// chunk is charged to the connection's unmetered allowance before it is read, while
+    /// the allowance has room; once it has none, everything still to come is charged to
+    /// the server's budget in one piece before more is read. So a client that sends a
+    /// WRITE header and little payload holds little of the server's budget, and no WRITE
+    /// holds part of it while waiting for more (which deadlocked concurrent WRITEs, and
+    /// a single WRITE larger than the budget).
+    async fn receive<R: AsyncRead + Unpin>(
         mut self,
-        recv: &mut RecvBuf<'_, S>,
-        mut buf: W,
+        reader: &mut R,
+        dst: &mut [u8],
         permits: &mut Permits,
-    ) -> Result<W, (Option<W>, Interrupted)> {
-        let len = buf.as_mut().len();
-        let mut received = 0usize;
+    ) -> Result<(), Interrupted> {
+        let len = dst.len();
+        let mut received = 0u32;
         let mut reserved = false;
-        while received < len {
-            let chunk = (len - received).min(STALL_CHUNK);
-            let units = chunk.div_ceil(BYTE_UNIT) as u32;
+        for chunk in dst.chunks_mut(STALL_CHUNK) {
+            let units = chunk.len().div_ceil(BYTE_UNIT) as u32;
             if !reserved && !self.budget.try_unmetered(permits, units) {
-                let rest = self.budget.reserve_total(permits, len - received);
-                match budget_unless_interrupted(rest, self.outbox, self.shutting_down.as_deref_mut()).await {
+                let rest = self.budget.reserve_total(permits, len - received as usize);
+                match budget_unless_interrupted(rest, self.tx, self.shutting_down.as_deref_mut()).await {
                     Waited::Got(()) => reserved = true,
-                    Waited::Gone => return Err((Some(buf), Interrupted::Gone)),
-                    Waited::ShuttingDown => {
-                        return Err((Some(buf), Interrupted::ShuttingDown { received: received as u32 }));
-                    }
+                    Waited::Gone => return Err(Interrupted::Gone),
+                    Waited::ShuttingDown => return Err(Interrupted::ShuttingDown { received }),
                 }
             }
-            let deadline = deadline_after(self.stall);
-            buf = receive_into(recv, buf, received, received + chunk, deadline, self.stall)
-                .await
-                .map_err(|e| (None, Interrupted::Failed(e)))?;
-            received += chunk;
+            let read = within(self.stall, "receiving a WRITE payload", reader.read_exact(chunk));
+            read.await.map_err(Interrupted::Failed)?;
+            received += chunk.len() as u32;
         }
-        Ok(buf)
+        Ok(())
     }
 }
 
 /// A request's run against the export, ending with its reply handed to the writer.
-type Running<'a> = Pin<Box<dyn Future<Output = ()> + 'a>>;
+type Running = Pin<Box<dyn Future<Output = ()> + Send>>;
 
 /// What one pass of [`RequestReader::next`] produced.
-enum Intake<'a> {
+enum Intake {
     /// A validated request, to run concurrently with the ones in flight.
-    Run(Running<'a>),
+    Run(Running),
     /// Nothing to run: the request was answered without the export (rejected), or the
     /// server began shutting down.
     Next,
@@ -978,41 +763,43 @@ enum Intake<'a> {
 
 /// The reading side of one connection: everything [`RequestReader::next`] needs to
 /// take one request off the stream.
-struct RequestReader<'a, 's, E: Export, S> {
-    recv: RecvBuf<'s, S>,
+struct RequestReader<'a, E: Export, R> {
+    reader: &'a mut R,
     export: Arc<E>,
     params: Params,
     budget: Budget,
-    outbox: &'a Outbox<E::ReadBuf>,
+    tx: mpsc::Sender<Outgoing<E::ReadBuf>>,
     config: &'a ServerConfig,
     shutting_down: watch::Receiver<bool>,
     /// Set once the server shuts down: new requests get ESHUTDOWN until then.
-    close_at: Option<Option<std::time::Instant>>,
+    close_at: Option<tokio::time::Instant>,
 }
 
-impl<'a, E: Export, S: Socket> RequestReader<'a, '_, E, S> {
+impl<E: Export, R: AsyncRead + Unpin> RequestReader<'_, E, R> {
     /// Starts the shutdown grace period: every request from now on is answered
     /// `NBD_ESHUTDOWN`, and the connection closes when the period ends.
     fn begin_closing(&mut self) {
-        self.close_at = Some(deadline_after(self.config.shutdown_grace));
+        // Capped at a year: `Instant + Duration` overflows on larger ones.
+        let grace = self.config.shutdown_grace.min(Duration::from_secs(365 * 86_400));
+        self.close_at = Some(tokio::time::Instant::now() + grace);
     }
 
     /// Reads one request (its header, and a WRITE's payload), validates it, and waits
     /// for its share of the connection's budget. A rejected request is answered here.
-    async fn next(&mut self) -> Intake<'a> {
+    async fn next(&mut self) -> Intake {
         let structured = self.params.structured;
+        let mut header = [0u8; REQUEST_HEADER_LEN];
         let mut shutdown_began = false;
         let got = {
             let close_at = self.close_at;
             tokio::select! {
-                biased;
                 // The writer failed: nothing more can be answered.
-                _ = self.outbox.closed() => None,
+                _ = self.tx.closed() => None,
                 _ = self.shutting_down.wait_for(|s| *s), if close_at.is_none() => {
                     shutdown_began = true;
                     None
                 }
-                _ = sleep_until(close_at.flatten()), if close_at.is_some() => {
+                _ = sleep_until_some(close_at) => {
                     tracing::info!("closing a connection: the server is shutting down");
                     return Intake::Stop(Ok(()));
                 }
@@ -1021,7 +808,7 @@ impl<'a, E: Export, S: Socket> RequestReader<'a, '_, E, S> {
                     tracing::info!(?idle, "closing an idle connection");
                     return Intake::Stop(Err(Error::IdleTimeout(idle)));
                 }
-                got = self.recv.header::<REQUEST_HEADER_LEN>() => Some(got),
+                got = read_full_or_eof(self.reader, &mut header) => Some(got),
             }
         };
         if shutdown_began {
@@ -1031,14 +818,14 @@ impl<'a, E: Export, S: Socket> RequestReader<'a, '_, E, S> {
         let Some(got) = got else {
             return Intake::Stop(Ok(()));
         };
-        let header = match got {
-            Ok(Some(h)) => h,
-            Ok(None) => {
+        match got {
+            Ok(true) => {}
+            Ok(false) => {
                 tracing::debug!("client closed the connection without NBD_CMD_DISC");
                 return Intake::Stop(Ok(()));
             }
             Err(e) => return Intake::Stop(Err(e.into())),
-        };
+        }
         let request = match Request::parse(&header) {
             Ok(r) => r,
             Err(e) => return Intake::Stop(Err(Error::protocol(format!("request header: {e}")))),
@@ -1064,7 +851,7 @@ impl<'a, E: Export, S: Socket> RequestReader<'a, '_, E, S> {
                     false => budget.acquire(memory).await,
                 }
             },
-            self.outbox,
+            &self.tx,
             self.close_at.is_none().then_some(&mut self.shutting_down),
         )
         .await;
@@ -1088,18 +875,18 @@ impl<'a, E: Export, S: Socket> RequestReader<'a, '_, E, S> {
             Err(rejection) => {
                 tracing::debug!(?request, ?rejection, "request rejected");
                 if request.command == Command::Write {
-                    if let Err(e) = discard(&mut self.recv, request.length, stall).await {
+                    if let Err(e) = discard(self.reader, request.length, stall).await {
                         return Intake::Stop(Err(e));
                     }
                 }
                 let reply = error_reply(structured, handle, rejection.errno, rejection.message);
-                return answer(self.outbox, Outgoing { reply, _permits: permits });
+                return answer(&self.tx, Outgoing { reply, _permits: permits }).await;
             }
         };
 
         let export = Arc::clone(&self.export);
-        let outbox = self.outbox;
-        let run: Running<'a> = if let Op::Write { offset, len, fua } = op {
+        let tx = self.tx.clone();
+        let run: Running = if let Op::Write { offset, len, fua } = op {
             let mut buf = export.alloc_write_buf(offset, len);
             if buf.as_mut().len() != len as usize {
                 tracing::warn!(
@@ -1107,45 +894,45 @@ impl<'a, E: Export, S: Socket> RequestReader<'a, '_, E, S> {
                     got = buf.as_mut().len(),
                     "export returned a write buffer of the wrong length"
                 );
-                if let Err(e) = discard(&mut self.recv, len, stall).await {
+                if let Err(e) = discard(self.reader, len, stall).await {
                     return Intake::Stop(Err(e));
                 }
                 let reply = error_reply(structured, handle, Errno::Eio, "internal error: write buffer");
-                return answer(self.outbox, Outgoing { reply, _permits: permits });
+                return answer(&self.tx, Outgoing { reply, _permits: permits }).await;
             }
             let watch = self.close_at.is_none().then_some(&mut self.shutting_down);
-            let payload = Payload { budget: &self.budget, outbox: self.outbox, shutting_down: watch, stall };
-            let buf = match payload.receive(&mut self.recv, buf, &mut permits).await {
-                Ok(buf) => buf,
-                Err((_, Interrupted::Gone)) => return Intake::Stop(Ok(())),
-                Err((_, Interrupted::Failed(e))) => return Intake::Stop(Err(e)),
+            let payload = Payload { budget: &self.budget, tx: &self.tx, shutting_down: watch, stall };
+            match payload.receive(self.reader, buf.as_mut(), &mut permits).await {
+                Ok(()) => {}
+                Err(Interrupted::Gone) => return Intake::Stop(Ok(())),
+                Err(Interrupted::Failed(e)) => return Intake::Stop(Err(e)),
                 // The rest of the payload is read and dropped, and the WRITE not run.
-                Err((buf, Interrupted::ShuttingDown { received })) => {
+                Err(Interrupted::ShuttingDown { received }) => {
                     self.begin_closing();
                     drop(buf);
                     (permits._bytes, permits.unmetered, permits.total) = (None, None, None);
-                    if let Err(e) = discard(&mut self.recv, len - received, stall).await {
+                    if let Err(e) = discard(self.reader, len - received, stall).await {
                         return Intake::Stop(Err(e));
                     }
                     let reply = error_reply(structured, handle, SHUTTING_DOWN.errno, SHUTTING_DOWN.message);
-                    return answer(self.outbox, Outgoing { reply, _permits: permits });
+                    return answer(&self.tx, Outgoing { reply, _permits: permits }).await;
                 }
-            };
+            }
             Box::pin(async move {
                 let result = export.write(offset, buf, fua).await;
                 let reply = done(structured, handle, result, "write failed");
-                // False means the writer is gone; the reader stops on its own.
-                outbox.push(Outgoing { reply, _permits: permits });
+                // A send error means the writer is gone; the reader stops on its own.
+                let _ = tx.send(Outgoing { reply, _permits: permits }).await;
             })
         } else if let Op::Read { offset, len, df } = op {
             Box::pin(async move {
                 let reply = execute_read(&*export, structured, handle, offset, len, df).await;
-                outbox.push(Outgoing { reply, _permits: permits });
+                let _ = tx.send(Outgoing { reply, _permits: permits }).await;
             })
         } else {
             Box::pin(async move {
                 let reply = execute(&*export, structured, handle, op).await;
-                outbox.push(Outgoing { reply, _permits: permits });
+                let _ = tx.send(Outgoing { reply, _permits: permits }).await;
             })
         };
         Intake::Run(run)
@@ -1153,46 +940,53 @@ impl<'a, E: Export, S: Socket> RequestReader<'a, '_, E, S> {
 }
 
 /// Hands a reply made without the export to the writer.
-fn answer<'a, B>(outbox: &Outbox<B>, out: Outgoing<B>) -> Intake<'a> {
-    match outbox.push(out) {
-        true => Intake::Next,
-        false => Intake::Stop(Ok(())),
+async fn answer<B>(tx: &mpsc::Sender<Outgoing<B>>, out: Outgoing<B>) -> Intake {
+    match tx.send(out).await {
+        Ok(()) => Intake::Next,
+        Err(_) => Intake::Stop(Ok(())),
+    }
+}
+
+/// Resolves at `at`; never if `at` is `None`.
+async fn sleep_until_some(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
     }
 }
 
 /// Reads requests until `NBD_CMD_DISC`, end of stream, a protocol violation or the
-/// writer going away; then waits for every request in flight and marks the outbox
-/// finished so that the writer ends once their replies are out.
+/// writer going away; then waits for every request in flight and drops the last
+/// sender so that the writer finishes.
 ///
 /// Requests run concurrently inside this future (a set of futures polled here), not as
 /// tasks of their own: the connection's one task reads, runs and answers them, so a
 /// request costs no spawn, and a completion wakes only this task. A request's future
 /// is polled as soon as it is woken, before the next request is read.
-async fn read_requests<E, S>(
-    socket: &S,
+async fn read_requests<E, R>(
+    reader: &mut R,
     negotiated: Negotiated<E>,
-    outbox: &Outbox<E::ReadBuf>,
+    tx: mpsc::Sender<Outgoing<E::ReadBuf>>,
     config: &ServerConfig,
     total: Arc<TotalBudget>,
     shutting_down: watch::Receiver<bool>,
 ) -> Result<(), Error>
 where
     E: Export,
-    S: Socket,
+    R: AsyncRead + Unpin,
 {
-    let _finish = FinishOnDrop(outbox);
     let Negotiated { export, params, .. } = negotiated;
     let mut requests = RequestReader {
-        recv: RecvBuf::new(socket),
+        reader,
         export,
         params,
         budget: Budget::new(config, total),
-        outbox,
+        tx,
         config,
         shutting_down,
         close_at: None,
     };
-    let mut running: FuturesUnordered<futures_util::future::CatchUnwind<AssertUnwindSafe<Running<'_>>>> =
+    let mut running: FuturesUnordered<futures_util::future::CatchUnwind<AssertUnwindSafe<Running>>> =
         FuturesUnordered::new();
 
     let mut result = loop {

@@ -1,4 +1,4 @@
-//! Handshake and option haggling, driven byte by byte over a Unix socket pair.
+//! Handshake and option haggling, driven byte by byte over an in-memory pipe.
 
 mod common;
 
@@ -19,7 +19,7 @@ fn registry() -> Arc<MemRegistry> {
     Arc::new(MemRegistry::default().with("disk", described).with("ro", MemExport::new(1 << 20).read_only()))
 }
 
-fn start_default() -> (tokio::net::UnixStream, ServerTask) {
+fn start_default() -> (tokio::io::DuplexStream, ServerTask) {
     start(registry(), ServerConfig::default())
 }
 

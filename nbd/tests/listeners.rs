@@ -131,8 +131,25 @@ async fn shut_down_answers_eshutdown_then_closes() {
     panic!("the closed connection is still counted");
 }
 
+/// Starts a current-thread runtime on a thread named `name`; returns its handle and the
+/// sender that stops it.
+fn runtime_thread(name: &str) -> (tokio::runtime::Handle, oneshot::Sender<()>) {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let handle = rt.handle().clone();
+    let (stop, stopped) = oneshot::channel::<()>();
+    std::thread::Builder::new()
+        .name(name.to_owned())
+        .spawn(move || {
+            rt.block_on(async {
+                let _ = stopped.await;
+            })
+        })
+        .unwrap();
+    (handle, stop)
+}
+
 #[tokio::test]
-async fn connections_are_placed_on_the_data_plane_thread_serving_the_fewest() {
+async fn connections_are_placed_on_the_runtime_serving_the_fewest() {
     // Each read records the thread it runs on, at its offset / 64.
     let seen: Arc<std::sync::Mutex<Vec<(u64, String)>>> = Arc::default();
     let s = seen.clone();
@@ -142,8 +159,9 @@ async fn connections_are_placed_on_the_data_plane_thread_serving_the_fewest() {
         Duration::ZERO
     });
     let registry = Arc::new(MemRegistry::default().with("disk", export));
-    let dataplane = nbd::DataPlane::start(2, "dp").unwrap();
-    let server = nbd::Server::new_on(registry, ServerConfig::default(), dataplane);
+    let (a, stop_a) = runtime_thread("dp-a");
+    let (b, stop_b) = runtime_thread("dp-b");
+    let server = nbd::Server::new_on(registry, ServerConfig::default(), vec![a, b]);
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (stop, stopped) = oneshot::channel::<()>();
@@ -162,10 +180,9 @@ async fn connections_are_placed_on_the_data_plane_thread_serving_the_fewest() {
     let threads = |seen: &[(u64, String)]| {
         (0..4).map(|i| seen.iter().find(|(s, _)| *s == i).unwrap().1.clone()).collect::<Vec<_>>()
     };
-    assert_eq!(threads(&seen.lock().unwrap()), ["dp", "dp-1", "dp", "dp-1"]);
+    assert_eq!(threads(&seen.lock().unwrap()), ["dp-a", "dp-b", "dp-a", "dp-b"]);
 
-    // Two of the first thread's clients leave: the next two go there, as it now
-    // serves fewer.
+    // Two of dp-a's clients leave: the next two go to dp-a, which now serves fewer.
     drop(clients.remove(2));
     drop(clients.remove(0));
     while server.connections() > 2 {
@@ -179,12 +196,13 @@ async fn connections_are_placed_on_the_data_plane_thread_serving_the_fewest() {
         clients.push(c);
     }
     let seen = seen.lock().unwrap().clone();
-    assert!(seen.iter().all(|(_, t)| t == "dp"), "{seen:?}");
-    // Clients on both threads still work.
+    assert!(seen.iter().all(|(_, t)| t == "dp-a"), "{seen:?}");
+    // Clients on both runtimes still work.
     for (i, c) in clients.iter_mut().enumerate() {
         round_trip(c, 10 + i as u8).await;
     }
     stop.send(()).unwrap();
     accept.await.unwrap().unwrap();
     drop(clients);
+    let _ = (stop_a.send(()), stop_b.send(()));
 }

@@ -12,8 +12,7 @@ use common::client::*;
 use common::mem_export::{MemExport, MemRegistry, BLOCK};
 use nbd::proto::*;
 use nbd::ServerConfig;
-use tokio::io::AsyncWriteExt;
-use tokio::net::UnixStream;
+use tokio::io::{AsyncWriteExt, DuplexStream};
 
 const SIZE: u64 = 1 << 24;
 const EPERM: u32 = 1;
@@ -32,7 +31,7 @@ async fn open_with(
     name: &str,
     structured: bool,
     meta: bool,
-) -> (UnixStream, ServerTask, Session) {
+) -> (DuplexStream, ServerTask, Session) {
     let (mut c, task) = start(registry, config);
     let session = connect(&mut c, name, structured, meta).await;
     (c, task, session)
@@ -42,14 +41,14 @@ fn disk_registry(export: MemExport) -> Arc<MemRegistry> {
     Arc::new(MemRegistry::default().with("disk", export))
 }
 
-async fn open(structured: bool, meta: bool) -> (UnixStream, ServerTask, Arc<MemRegistry>) {
+async fn open(structured: bool, meta: bool) -> (DuplexStream, ServerTask, Arc<MemRegistry>) {
     let registry = disk_registry(MemExport::new(SIZE));
     let (c, task, session) = open_with(Arc::clone(&registry), ServerConfig::default(), "disk", structured, meta).await;
     assert_eq!(session.size, SIZE);
     (c, task, registry)
 }
 
-async fn disconnect(mut c: UnixStream, task: ServerTask) {
+async fn disconnect(mut c: DuplexStream, task: ServerTask) {
     send_request(&mut c, Command::Disc, 0, u64::MAX, 0, 0).await;
     expect_closed(&mut c).await;
     finish(task).await.unwrap();
@@ -357,7 +356,7 @@ async fn backpressure_still_answers_everything() {
     let (mut c, task, _) = open_with(registry, config, "disk", false, false).await;
     let n = 40u64;
     let mut lens = HashMap::new();
-    // the socket buffers take the 40 headers (1120 bytes) without the client reading
+    // the duplex pipe holds 1 MiB: 40 headers fit without the client reading
     for i in 0..n {
         send_request(&mut c, Command::Read, 0, i, i * 8192, 8192).await;
         lens.insert(i, 8192);

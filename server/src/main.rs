@@ -573,30 +573,25 @@ async fn serve(data_dir: &Path, mgmt_socket: &Path, args: ServeArgs) -> anyhow::
         "--max-total-in-flight-bytes must be at least 1MiB (one maximum-size request may still exceed it)"
     );
     std::fs::create_dir_all(data_dir).with_context(|| format!("create data dir {}", data_dir.display()))?;
-    let dataplane = nbd::DataPlane::start(args.dataplane_threads as usize, "ferrovol-nbd")
-        .context("start the NBD data-plane threads")?;
-    for i in 0..dataplane.threads() {
-        // A flush's commit cycle runs as a task of the data-plane thread it came from.
-        dataplane.run_on(i, || storage_engine::set_thread_spawner(Some(nbd::dataplane::spawn_boxed)))?;
-    }
+    let dataplane = DataPlane::start(args.dataplane_threads as usize).context("start the NBD data-plane threads")?;
     let opts = PoolOptions {
         size: args.pool_size,
         unit_size: u32::try_from(args.unit_size)
             .map_err(|_| anyhow::anyhow!("unit size {} is too large", args.unit_size))?,
         io: storage_engine::IoOptions {
-            reaper: storage_engine::Reaper::External(Arc::new(ferrovol::dataplane::Lanes::new(dataplane.clone()))),
+            reaper: storage_engine::Reaper::PerRuntime(dataplane.handles.clone()),
             ..Default::default()
         },
         accept_superblock_rollback: args.accept_superblock_rollback,
         accept_log_loss: args.accept_log_loss,
     };
-    // Listen first, so a busy port or socket leaves no new pool file behind. The
-    // listeners (and the NBD handshakes) are this runtime's; each connection's
-    // transmission phase runs on a data-plane thread.
+    // Listen first, so a busy port or socket leaves no new pool file behind. The NBD
+    // listeners belong to the data-plane runtime, the management socket to this one.
     let nbd_sock = args.nbd_socket.clone().unwrap_or_else(|| data_dir.join("nbd.sock"));
     let tcp = std::net::TcpListener::bind(args.listen)
         .and_then(|l| {
             l.set_nonblocking(true)?;
+            let _rt = dataplane.handle().enter();
             tokio::net::TcpListener::from_std(l)
         })
         .with_context(|| format!("bind NBD on {}", args.listen))?;
@@ -609,7 +604,10 @@ async fn serve(data_dir: &Path, mgmt_socket: &Path, args: ServeArgs) -> anyhow::
         ),
         None => None,
     };
-    let unix = bind_unix(&nbd_sock)?;
+    let unix = {
+        let _rt = dataplane.handle().enter();
+        bind_unix(&nbd_sock)?
+    };
     let mgmt_listener = match bind_unix(mgmt_socket) {
         Ok(l) => l,
         Err(e) => {
@@ -619,15 +617,17 @@ async fn serve(data_dir: &Path, mgmt_socket: &Path, args: ServeArgs) -> anyhow::
     };
     let p = pool_path.clone();
     let format = args.format;
-    let pool = tokio::task::spawn_blocking(move || {
-        // `--format` was checked to name a block device at the start.
-        if format {
-            Pool::open_or_format_device(&p, &opts)
-        } else {
-            Pool::open_or_create(&p, &opts)
-        }
-    })
-    .await?;
+    let pool = dataplane
+        .handle()
+        .spawn_blocking(move || {
+            // `--format` was checked to name a block device at the start.
+            if format {
+                Pool::open_or_format_device(&p, &opts)
+            } else {
+                Pool::open_or_create(&p, &opts)
+            }
+        })
+        .await?;
     let pool = match pool {
         Ok(pool) => pool,
         Err(e) => {
@@ -652,7 +652,7 @@ async fn serve(data_dir: &Path, mgmt_socket: &Path, args: ServeArgs) -> anyhow::
         shutdown_grace: Duration::from_secs(args.shutdown_grace),
         ..Default::default()
     };
-    let nbd_server = nbd::Server::new_on(registry.clone(), config, dataplane.clone());
+    let nbd_server = nbd::Server::new_on(registry.clone(), config, dataplane.handles.clone());
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
@@ -673,8 +673,9 @@ async fn serve(data_dir: &Path, mgmt_socket: &Path, args: ServeArgs) -> anyhow::
             stopped(stop_rx.clone()),
         ))
     });
-    let tcp_task = tokio::spawn(nbd_server.clone().serve_tcp(tcp, stopped(stop_rx.clone())));
-    let unix_task = tokio::spawn(nbd_server.clone().serve_unix(unix, stopped(stop_rx.clone())));
+    let dp = dataplane.handle();
+    let tcp_task = dp.spawn(nbd_server.clone().serve_tcp(tcp, stopped(stop_rx.clone())));
+    let unix_task = dp.spawn(nbd_server.clone().serve_unix(unix, stopped(stop_rx.clone())));
     let mgmt_task = tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(mgmt::ManagementService::new(pool.clone(), endpoints))
@@ -712,4 +713,51 @@ async fn serve(data_dir: &Path, mgmt_socket: &Path, args: ServeArgs) -> anyhow::
     dataplane.stop();
     tracing::info!("pool closed cleanly");
     Ok(())
+}
+
+/// The NBD data plane: threads each driving a current-thread tokio runtime that reaps
+/// one of the pool's io_urings and serves the NBD connections placed on it, so that a
+/// request is received, submitted, completed and answered on one thread with no
+/// hand-off. The first also owns the listeners. Management requests run on the main
+/// runtime.
+struct DataPlane {
+    /// Every thread's runtime; the first also owns the listeners and opens the pool.
+    handles: Vec<tokio::runtime::Handle>,
+    stops: Vec<tokio::sync::oneshot::Sender<()>>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl DataPlane {
+    /// Starts `n` (at least 1) threads: `ferrovol-nbd`, then `ferrovol-nbd-1` and on.
+    fn start(n: usize) -> std::io::Result<DataPlane> {
+        let (mut handles, mut stops, mut threads) = (Vec::new(), Vec::new(), Vec::new());
+        for i in 0..n.max(1) {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            handles.push(rt.handle().clone());
+            let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+            stops.push(stop);
+            let name = if i == 0 { "ferrovol-nbd".to_owned() } else { format!("ferrovol-nbd-{i}") };
+            threads.push(std::thread::Builder::new().name(name).spawn(move || {
+                rt.block_on(async {
+                    let _ = stopped.await;
+                });
+            })?);
+        }
+        Ok(DataPlane { handles, stops, threads })
+    }
+
+    /// The first thread's runtime (listeners, opening the pool).
+    fn handle(&self) -> &tokio::runtime::Handle {
+        &self.handles[0]
+    }
+
+    /// Stops the runtimes (dropping whatever tasks are left) once the pool is closed.
+    fn stop(self) {
+        for stop in self.stops {
+            let _ = stop.send(());
+        }
+        for t in self.threads {
+            let _ = t.join();
+        }
+    }
 }

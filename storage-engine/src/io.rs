@@ -1,11 +1,9 @@
 //! Storage I/O on io_uring, and the aligned buffers it reads into and writes from.
 //!
 //! Lives here: [`AlignedBuf`] (a 4 KiB-aligned heap buffer with a byte *view*), and
-//! [`IoRing`], an io_uring (or one per data-plane thread) that executes reads, writes
+//! [`IoRing`], an io_uring (or one per data-plane runtime) that executes reads, writes
 //! and `fdatasync` on the pool file, submitted from the caller's thread and reaped on a
-//! tokio runtime, a thread of its own, or by a [`LaneDriver`] (a server's data-plane
-//! threads); [`set_thread_spawner`] for threads whose executor is not tokio's. This is
-//! the only module of the engine with `unsafe`.
+//! tokio runtime (or a thread of its own). This is the only module of the engine with `unsafe`.
 //! Not here: what the I/O means (mappings, logs, checkpoints live in the other modules).
 //!
 //! # Buffer ownership
@@ -288,103 +286,24 @@ pub enum Dir {
 pub type RwResult = (AlignedBuf, io::Result<()>);
 
 /// Where an [`IoRing`]'s completions are reaped.
-#[derive(Clone, Default)]
+#[derive(Debug, Clone, Default)]
 pub enum Reaper {
     /// On the tokio runtime current at creation if it is multi-threaded (and has I/O
     /// enabled), else on a thread of the ring's own.
     #[default]
     Auto,
-    /// One ring (*lane*) per [`LaneDriver::lanes`], each handed to the driver as it is
-    /// set up, before any I/O, to be reaped on a thread of the driver's: a server's
-    /// data-plane threads, each waiting on its own completion-based event loop. A
-    /// submission made on the thread that reaps a lane goes to that lane, so its
-    /// completion wakes the same thread; a submission from any other thread goes to
-    /// the first lane.
-    External(Arc<dyn LaneDriver>),
-}
-
-impl std::fmt::Debug for Reaper {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Reaper::Auto => f.write_str("Auto"),
-            Reaper::External(d) => f.debug_tuple("External").field(&d.lanes()).finish(),
-        }
-    }
-}
-
-/// Reaps the lanes of an [`IoRing`] set up with [`Reaper::External`].
-pub trait LaneDriver: Send + Sync {
-    /// How many lanes (io_urings) to set up; at least one.
-    fn lanes(&self) -> usize;
-
-    /// Takes lane `index` (`0..lanes()`) as the ring is set up, before any I/O is
-    /// submitted to it. The driver promises to call [`LaneReaper::reap`] on one thread,
-    /// always the same, once at once and then each time [`LaneReaper::eventfd`]
-    /// becomes readable (reading the eventfd's counter first, which resets it), until
-    /// `reap` returns true; and never to block that thread waiting for the ring.
-    ///
-    /// Errors: the lane could not be taken (the ring is then not set up).
-    fn drive(&self, index: usize, lane: LaneReaper) -> io::Result<()>;
-}
-
-/// One lane of an [`IoRing`] made with [`Reaper::External`], as its driver holds it.
-pub struct LaneReaper {
-    shared: Arc<Shared>,
-    lane: (u64, usize),
-}
-
-impl LaneReaper {
-    /// The eventfd the kernel adds to for every completion on this lane (and the ring
-    /// adds to when it closes); in blocking mode, for a driver that reads it with an
-    /// io_uring entry. Owned by the lane: duplicate it to keep it past the last
-    /// [`LaneReaper::reap`].
-    pub fn eventfd(&self) -> std::os::fd::BorrowedFd<'_> {
-        use std::os::fd::AsFd;
-        self.shared.efd.as_fd()
-    }
-
-    /// Takes every completion of this lane, resolves the requests that finished, and
-    /// binds the calling thread to this lane (its later submissions go here). True once
-    /// the ring is closing and has nothing in flight: the driver stops.
-    pub fn reap(&self) -> bool {
-        LANE.set(Some(self.lane));
-        self.shared.reap()
-    }
-}
-
-/// Runs a future to completion on the calling thread's executor, detached.
-pub type Spawner = fn(std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + 'static>>);
-
-thread_local! {
-    /// This thread's [`Spawner`], for threads whose executor is not tokio's.
-    static SPAWNER: std::cell::Cell<Option<Spawner>> = const { std::cell::Cell::new(None) };
-}
-
-/// Sets how the engine starts a detached task on this thread when no tokio runtime is
-/// current (a data-plane thread driving a lane of [`Reaper::External`] on an event
-/// loop of another kind): a flush's commit cycle runs on such a task, so that it
-/// finishes even if the flush's caller stops waiting. Without one (`None`, the
-/// default) such work goes to the pool's committer thread instead.
-pub fn set_thread_spawner(spawner: Option<Spawner>) {
-    SPAWNER.set(spawner);
-}
-
-/// Runs `fut` on a detached task of this thread's executor: tokio's if one is current,
-/// else this thread's [`Spawner`]. Returns the receiver of its output, or `None` (the
-/// future dropped unpolled) when this thread has neither.
-pub(crate) fn spawn_here<T: Send + 'static>(
-    fut: impl std::future::Future<Output = T> + Send + 'static,
-) -> Option<oneshot::Receiver<T>> {
-    let (tx, rx) = oneshot::channel();
-    let task = async move {
-        let _ = tx.send(fut.await);
-    };
-    if let Ok(rt) = tokio::runtime::Handle::try_current() {
-        drop(rt.spawn(task));
-    } else {
-        SPAWNER.get()?(Box::pin(task));
-    }
-    Some(rx)
+    /// On this runtime (which must have I/O enabled), whatever its flavour. For a
+    /// current-thread runtime the caller promises that the runtime keeps being driven
+    /// (a thread sits in `block_on`) for as long as the ring has I/O in flight, and
+    /// that nothing blocks that thread waiting for the ring.
+    Runtime(tokio::runtime::Handle),
+    /// One ring per runtime, each reaped on its runtime (as [`Reaper::Runtime`], with the
+    /// same promises). A submission made on the thread that reaps one of these rings
+    /// goes to that ring, so its completion wakes the same thread; a submission from
+    /// any other thread goes to the first. For a server with one current-thread
+    /// runtime per core, each serving its own connections. An empty list is
+    /// [`Reaper::Auto`].
+    PerRuntime(Vec<tokio::runtime::Handle>),
 }
 
 /// How an [`IoRing`] is set up.
@@ -408,9 +327,7 @@ pub struct IoOptions {
 /// (under a short lock), so a request costs no hand-off to another thread on the way
 /// in. Completions raise an eventfd registered with the ring; a *reaper* waits on it,
 /// takes the completions, and resolves the callers' channels:
-/// - with [`Reaper::External`], one ring per lane, each reaped by the thread its
-///   [`LaneDriver`] chose; that thread's own submissions go to its lane;
-/// - when the ring is created inside a multi-threaded
+/// - with [`Reaper::Runtime`], or when the ring is created inside a multi-threaded
 ///   tokio runtime (with I/O enabled: `enable_io`/`enable_all`), the reaper is a
 ///   task on that runtime, so a completion wakes the runtime's own thread and the
 ///   request task it resolves runs there without a further thread switch. Never block
@@ -425,7 +342,7 @@ pub struct IoRing {
     /// Unique per ring set, to tell a thread's [`LANE`] entry for this ring set from
     /// another's.
     id: u64,
-    /// One io_uring each; more than one only with [`Reaper::External`].
+    /// One io_uring each; more than one only with [`Reaper::PerRuntime`].
     lanes: Vec<Lane>,
 }
 
@@ -451,31 +368,17 @@ impl IoRing {
     /// profile), or an eventfd or the reaper thread could not be made.
     pub fn new(file: Arc<File>, entries: u32, opts: &IoOptions) -> io::Result<IoRing> {
         let id = NEXT_RING_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let mut ring = IoRing { id, lanes: Vec::new() };
-        match &opts.reaper {
-            Reaper::Auto => {
-                let runtime = tokio::runtime::Handle::try_current()
-                    .ok()
-                    .filter(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
-                let shared = Lane::shared(file, entries, opts, false)?;
-                let reaper_thread = match runtime {
-                    Some(h) => {
-                        spawn_reap_task(&h, shared.clone(), (id, 0))?;
-                        None
-                    }
-                    None => Some(spawn_reaper_thread(shared.clone())?),
-                };
-                ring.lanes.push(Lane { shared, reaper_thread });
-            }
-            Reaper::External(driver) => {
-                for i in 0..driver.lanes().max(1) {
-                    let shared = Lane::shared(file.clone(), entries, opts, true)?;
-                    // On error, dropping `ring` stops the lanes made so far (a lane
-                    // with nothing in flight needs no reaper to close).
-                    ring.lanes.push(Lane { shared: shared.clone(), reaper_thread: None });
-                    driver.drive(i, LaneReaper { shared, lane: (id, i) })?;
-                }
-            }
+        let runtimes: Vec<Option<tokio::runtime::Handle>> = match &opts.reaper {
+            Reaper::Runtime(h) => vec![Some(h.clone())],
+            Reaper::PerRuntime(hs) if !hs.is_empty() => hs.iter().cloned().map(Some).collect(),
+            Reaper::Auto | Reaper::PerRuntime(_) => vec![tokio::runtime::Handle::try_current()
+                .ok()
+                .filter(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread)],
+        };
+        let mut ring = IoRing { id, lanes: Vec::with_capacity(runtimes.len()) };
+        for (i, runtime) in runtimes.into_iter().enumerate() {
+            // On error, dropping `ring` stops the lanes made so far.
+            ring.lanes.push(Lane::new(file.clone(), entries, opts, runtime, (id, i))?);
         }
         Ok(ring)
     }
@@ -494,15 +397,16 @@ impl IoRing {
 }
 
 impl Lane {
-    /// A new io_uring of `entries` slots on `file` with its eventfd registered, not yet
-    /// reaped by anyone. The eventfd is non-blocking for the engine's own reapers,
-    /// which read it with `read(2)`, and blocking for a [`LaneDriver`], whose reads
-    /// are io_uring entries (which fail at once on a non-blocking fd).
-    fn shared(file: Arc<File>, entries: u32, opts: &IoOptions, blocking_eventfd: bool) -> io::Result<Arc<Shared>> {
+    fn new(
+        file: Arc<File>,
+        entries: u32,
+        opts: &IoOptions,
+        runtime: Option<tokio::runtime::Handle>,
+        lane: (u64, usize),
+    ) -> io::Result<Lane> {
         let mut ring = IoUring::new(entries)?;
-        let flags = libc::EFD_CLOEXEC | if blocking_eventfd { 0 } else { libc::EFD_NONBLOCK };
         // SAFETY: eventfd returns a new fd we own, or -1 (checked).
-        let raw = unsafe { libc::eventfd(0, flags) };
+        let raw = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
         if raw < 0 {
             return Err(io::Error::last_os_error());
         }
@@ -510,7 +414,7 @@ impl Lane {
         let efd = unsafe { OwnedFd::from_raw_fd(raw) };
         ring.submitter().register_eventfd(efd.as_raw_fd())?;
         let cq_room = ring.completion().capacity();
-        Ok(Arc::new(Shared {
+        let shared = Arc::new(Shared {
             efd,
             ring,
             state: Mutex::new(State {
@@ -524,21 +428,26 @@ impl Lane {
                 cq_room,
                 closing: false,
             }),
-        }))
+        });
+        let reaper_thread = match runtime {
+            Some(h) => {
+                let _enter = h.enter();
+                // SAFETY: EventFd holds an Arc<Shared>, which owns the eventfd, so the fd
+                // stays open and the same for as long as the AsyncFd exists.
+                let afd = unsafe {
+                    tokio::io::unix::AsyncFd::register_with_interest(
+                        EventFd(shared.clone()),
+                        tokio::io::Interest::READABLE,
+                    )
+                }
+                .map_err(io::Error::from)?;
+                h.spawn(reap_task(shared.clone(), afd, lane));
+                None
+            }
+            None => Some(spawn_reaper_thread(shared.clone())?),
+        };
+        Ok(Lane { shared, reaper_thread })
     }
-}
-
-/// Reaps `shared` on a task of the multi-threaded runtime `h`.
-fn spawn_reap_task(h: &tokio::runtime::Handle, shared: Arc<Shared>, lane: (u64, usize)) -> io::Result<()> {
-    let _enter = h.enter();
-    // SAFETY: EventFd holds an Arc<Shared>, which owns the eventfd, so the fd stays
-    // open and the same for as long as the AsyncFd exists.
-    let afd = unsafe {
-        tokio::io::unix::AsyncFd::register_with_interest(EventFd(shared.clone()), tokio::io::Interest::READABLE)
-    }
-    .map_err(io::Error::from)?;
-    h.spawn(reap_task(shared, afd, lane));
-    Ok(())
 }
 
 impl IoRing {
@@ -954,92 +863,59 @@ pub fn device_size(file: &File) -> io::Result<u64> {
 mod tests {
     use super::*;
 
-    /// Drives each lane on a thread of its own, the way a data-plane thread does: reap
-    /// once, then after every wake-up of the eventfd, until the ring closes.
-    struct Threads(Mutex<Vec<std::sync::mpsc::Sender<Box<dyn FnOnce() + Send>>>>, usize);
-
-    impl Threads {
-        fn new(n: usize) -> (Arc<Threads>, Vec<JoinHandle<()>>) {
-            let (mut txs, mut joins) = (Vec::new(), Vec::new());
-            for _ in 0..n {
-                let (tx, rx) = std::sync::mpsc::channel::<Box<dyn FnOnce() + Send>>();
-                txs.push(tx);
-                joins.push(std::thread::spawn(move || {
-                    while let Ok(job) = rx.recv() {
-                        job();
-                    }
-                }));
-            }
-            (Arc::new(Threads(Mutex::new(txs), n)), joins)
-        }
-
-        fn run(&self, i: usize, job: impl FnOnce() + Send + 'static) {
-            self.0.lock()[i].send(Box::new(job)).unwrap();
-        }
-    }
-
-    impl LaneDriver for Threads {
-        fn lanes(&self) -> usize {
-            self.1
-        }
-        fn drive(&self, index: usize, lane: LaneReaper) -> io::Result<()> {
-            self.run(index, move || {
-                while !lane.reap() {
-                    wait_readable(lane.eventfd().as_raw_fd(), -1);
-                    drain(lane.eventfd().as_raw_fd());
-                }
-            });
-            Ok(())
-        }
-    }
-
     #[test]
-    fn each_driven_lane_takes_the_submissions_of_the_thread_that_reaps_it() {
-        // Two lanes, each reaped by a thread of its own that also submits (after the
-        // reaper's first call, as a data-plane thread's requests do): each thread's
-        // I/O goes to its lane; any other thread submits to the first. Data written
-        // through one lane reads back through the other.
+    fn each_runtime_thread_submits_to_the_lane_it_reaps() {
+        // Two current-thread runtimes on threads of their own, one lane each: a task on
+        // the second submits to the second lane (reaped there); any other thread submits
+        // to the first. Data written through one lane reads back through the other.
         let dir = tempfile::tempdir().unwrap();
         let (f, _) = open_pool_file(&dir.path().join("f"), true).unwrap();
         f.set_len(1 << 20).unwrap();
-        let (threads, joins) = Threads::new(2);
-        let opts = IoOptions { reaper: Reaper::External(threads.clone()), ..Default::default() };
+        let runtime = || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            let handle = rt.handle().clone();
+            let (stop, stopped) = oneshot::channel::<()>();
+            let t = std::thread::spawn(move || {
+                rt.block_on(async {
+                    let _ = stopped.await;
+                })
+            });
+            (handle, stop, t)
+        };
+        let (a, stop_a, ta) = runtime();
+        let (b, stop_b, tb) = runtime();
+        let opts = IoOptions { reaper: Reaper::PerRuntime(vec![a.clone(), b.clone()]), ..Default::default() };
         let ring = Arc::new(IoRing::new(Arc::new(f), 8, &opts).unwrap());
         assert_eq!(ring.lanes.len(), 2);
-        // A reaper blocks its thread; submissions on the thread that reaps a lane are
-        // made from the reaper's wake-ups in a server. Here a lane's thread is busy
-        // reaping, so its submissions are made by spawning a second thread bound to
-        // the same lane the way the reaper binds its own.
-        let on = |lane: usize, block: u8, write: bool| {
+        assert!(ring.lanes.iter().all(|l| l.reaper_thread.is_none()), "both reaped by their runtimes");
+        let on = |h: &tokio::runtime::Handle, block: u8, write: bool| {
+            let (tx, rx) = std::sync::mpsc::channel();
             let ring = ring.clone();
-            std::thread::spawn(move || {
-                LANE.set(Some((ring.id, lane)));
+            h.spawn(async move {
+                tokio::task::yield_now().await; // the reaper task has been polled
                 let seg = Segment { file_offset: u64::from(block) * 4096, buf_offset: 0, len: 4096 };
                 let mut buf = AlignedBuf::zeroed(4096);
                 buf.full_mut().fill(if write { block } else { 0xee });
                 let dir = if write { Dir::Write { dsync: false } } else { Dir::Read };
-                let (back, r) = ring.rw(dir, buf, vec![seg]).blocking_recv().unwrap();
+                let (back, r) = ring.rw(dir, buf, vec![seg]).await.unwrap();
                 r.unwrap();
-                (ring.lane_index(), back.full()[0])
-            })
-            .join()
-            .unwrap()
+                tx.send((ring.lane_index(), back.full()[0])).unwrap();
+            });
+            rx.recv().unwrap()
         };
-        assert_eq!(on(1, 3, true), (1, 3), "written through the second lane");
-        assert_eq!(on(0, 5, true), (0, 5), "written through the first lane");
-        assert_eq!(ring.lane_index(), 0, "an unbound thread submits to the first lane");
+        assert_eq!(on(&b, 3, true), (1, 3), "written through the second lane");
+        assert_eq!(on(&a, 5, true), (0, 5), "written through the first lane");
+        assert_eq!(ring.lane_index(), 0, "a plain thread submits to the first lane");
         let seg = |block: u64| vec![Segment { file_offset: block * 4096, buf_offset: 0, len: 4096 }];
         let (back, r) = ring.rw(Dir::Read, AlignedBuf::zeroed(4096), seg(3)).blocking_recv().unwrap();
         r.unwrap();
         assert!(back.full().iter().all(|&x| x == 3));
-        assert_eq!(on(1, 5, false), (1, 5), "read through the second lane");
+        assert_eq!(on(&b, 5, false), (1, 5), "read through the second lane");
         ring.fdatasync().blocking_recv().unwrap().unwrap();
-        // Closing the ring stops both drivers.
         drop(ring);
-        drop((opts, threads));
-        for j in joins {
-            j.join().unwrap();
-        }
+        let _ = (stop_a.send(()), stop_b.send(()));
+        ta.join().unwrap();
+        tb.join().unwrap();
     }
 
     #[test]

@@ -23,7 +23,7 @@ pub mod testing;
 mod volume;
 
 pub use error::{Error, ErrorKind, Result};
-pub use io::{set_thread_spawner, AlignedBuf, IoOptions, LaneDriver, LaneReaper, Reaper, Spawner};
+pub use io::{AlignedBuf, IoOptions, Reaper};
 pub use pool::{
     check, validate_name, CheckReport, Pool, PoolOptions, PoolStatus, Recovery, VolumeInfo, DEFAULT_POOL_SIZE,
     DEFAULT_UNIT_SIZE, MAX_NAME_LEN, MAX_VOLUME_SIZE,

@@ -1350,13 +1350,13 @@ impl PoolInner {
                 Err(_) => Err(worker_gone()),
             };
         }
-        // A task of its own, on this thread's executor: once it has taken records from
-        // the journal it must write them even if the caller stops waiting (a dropped
-        // request), or a later flush would be answered without them.
-        let inner = Arc::clone(self);
-        let seen = self.cycles_started.load(Ordering::SeqCst);
-        if let Some(task) = io::spawn_here(async move { inner.commit_on_task(seen).await }) {
-            match task.await {
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            // A task of its own: once it has taken records from the journal it must
+            // write them even if the caller stops waiting (a dropped request), or a
+            // later flush would be answered without them.
+            let inner = Arc::clone(self);
+            let seen = self.cycles_started.load(Ordering::SeqCst);
+            match rt.spawn(async move { inner.commit_on_task(seen).await }).await {
                 Ok(Some(result)) => return result,
                 Ok(None) => {} // a checkpoint is due: the committer runs it
                 Err(_) => return Err(Error::new(ErrorKind::Failed, "commit task failed")),

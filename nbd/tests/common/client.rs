@@ -1,6 +1,6 @@
 //! A minimal raw NBD client for protocol tests, built on `nbd::proto`.
 //!
-//! Lives here: starting a server over a Unix socket pair, the client side of
+//! Lives here: starting a server over an in-memory duplex stream, the client side of
 //! the greeting, option requests and replies, transmission requests, and reading simple
 //! replies and structured reply chunks.
 //! Not here: any validation beyond what each test asserts.
@@ -12,17 +12,16 @@ use std::time::Duration;
 
 use nbd::proto::*;
 use nbd::ServerConfig;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::net::UnixStream;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, DuplexStream};
 use tokio::task::JoinHandle;
 
 use super::mem_export::MemRegistry;
 
 pub type ServerTask = JoinHandle<Result<(), nbd::Error>>;
 
-/// Starts `serve_connection` on one end of a Unix socket pair; returns the other end.
-pub fn start(registry: Arc<MemRegistry>, config: ServerConfig) -> (UnixStream, ServerTask) {
-    let (client, server) = UnixStream::pair().expect("socket pair");
+/// Starts `serve_connection` on one end of a duplex pipe; returns the other end.
+pub fn start(registry: Arc<MemRegistry>, config: ServerConfig) -> (DuplexStream, ServerTask) {
+    let (client, server) = tokio::io::duplex(1 << 20);
     let task = tokio::spawn(nbd::serve_connection(registry, server, Arc::new(config)));
     (client, task)
 }
