@@ -2,10 +2,16 @@
 # Runs every test of ferrovol: installs what the tests need, builds, and runs the
 # whole workspace's suite (engine property tests, NBD protocol tests, integration
 # tests against qemu-io/qemu-img/nbdinfo/nbdcopy/nbdsh/fio, kill -9 crash tests, the
-# shared NBD interoperability checklist, and the Linux kernel NBD client in a VM).
+# shared NBD interoperability checklist, and the Linux kernel NBD client in a VM), then
+# the deterministic concurrency checks of the engine's sharing state machine (shuttle).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-test-deps.sh
 export PATH=/usr/bin:$PATH   # nbdsh needs Debian's python3 (libnbd binding)
 cargo build --workspace --all-targets
-cargo nextest run --workspace --profile ci --no-fail-fast "$@"
+status=0
+cargo nextest run --workspace --profile ci --no-fail-fast "$@" || status=$?
+# The deterministic concurrency checks of the sharing state machine: the engine built
+# on shuttle's atomics (a build of its own), explored by shuttle's schedulers.
+cargo nextest run -p storage-engine --features shuttle --test sharing_model --profile ci --no-fail-fast || status=$?
+exit $status

@@ -199,8 +199,7 @@ impl State {
                         "log maps logical unit {lunit} past the end of volume {volume}"
                     )));
                 }
-                let alloc = &mut self.alloc;
-                let old = vol.map.set(lunit, Entry { punit, bitmap }, &mut |u| alloc.incref(u));
+                let old = vol.map.set(lunit, Entry { punit, bitmap }, &mut self.alloc);
                 if old.punit != punit {
                     self.alloc.incref(punit);
                     if old.is_mapped() {
@@ -214,8 +213,7 @@ impl State {
                     .get_mut(&volume)
                     .ok_or_else(|| Error::corrupt(format!("log unmaps unit of unknown volume {volume}")))?;
                 if lunit < vol.size.div_ceil(self.unit_size) {
-                    let alloc = &mut self.alloc;
-                    let old = vol.map.set(lunit, Entry::EMPTY, &mut |u| alloc.incref(u));
+                    let old = vol.map.set(lunit, Entry::EMPTY, &mut self.alloc);
                     if old.is_mapped() {
                         self.alloc.decref(old.punit);
                     }
@@ -242,7 +240,7 @@ impl State {
                         "log shares volume {source} with a different size or as a snapshot of a snapshot"
                     )));
                 }
-                let map = src.map.share();
+                let map = src.map.share(&mut self.alloc);
                 self.volumes.insert(target, VolumeMeta { name, snapshot, size, created, map });
                 self.next_volume = self.next_volume.max(target + 1);
             }
@@ -251,13 +249,7 @@ impl State {
                     .volumes
                     .remove(&volume)
                     .ok_or_else(|| Error::corrupt(format!("log deletes unknown volume {volume}")))?;
-                let (units, unshared) = vol.map.release_all();
-                for u in units {
-                    self.alloc.decref(u);
-                }
-                for u in unshared {
-                    self.alloc.unsettle(u);
-                }
+                vol.map.release_all(&mut self.alloc);
             }
             Record::VolumeResize { volume, size } => {
                 let vol = self

@@ -1,8 +1,9 @@
 //! In-memory metadata: mapping tables of thin volumes, and the data-unit allocator.
 //!
 //! Lives here: [`MapTable`] (logical unit -> data unit + written-block bitmap, in
-//! 512-entry pages that snapshots and clones share and that copy on write), and
-//! [`Allocator`] (per-unit refcounts, the free set, frees waiting to become durable).
+//! 512-entry pages that snapshots and clones share and that copy on write),
+//! [`Allocator`] (per-unit refcounts, the free set, frees waiting to become durable),
+//! and [`writable_in_place`], the copy-on-write decision of the data path.
 //!
 //! Refcounting is lazy, as in qcow2 and btrfs: a data unit's refcount counts the
 //! *pages* that reference it, and a page's `owners` counts the tables (volumes,
@@ -10,14 +11,62 @@
 //! page held by others, it copies the page and increments the refcount of every unit
 //! the page maps. A unit is exclusive to a table when its page has one owner and the
 //! unit a refcount of one; otherwise a write must copy the unit first.
+//!
+//! # The sharing signals and their order
+//! The data path decides "may this write go in place?" without the allocator's lock,
+//! from three signals read in this order: the page's `owners`, the unit's refcount, the
+//! unit's settling count ([`writable_in_place`]). Every change of them keeps one rule:
+//! **a signal that says "shared" is raised before any signal that said "shared" is
+//! lowered**, so that a reader that sees one lowered sees the other raised:
+//! - copying a shared page ([`MapTable::set`]) gives each unit of the copy its
+//!   reference *before* the original page loses this table as an owner;
+//! - a unit whose refcount falls to one is marked settling *before* the refcount is
+//!   stored ([`Allocator::decref`]);
+//! - a page left to a single owner by a delete has its units marked settling *before*
+//!   its owner count falls ([`MapTable::release_all`]).
+//!
+//! A settling mark is released only once the change that made the unit exclusive is
+//! durable (on-disk-format.md 6.1 rule 9), so a unit never looks exclusive while another
+//! table can still reach it, in memory or after a crash. Every change of a page's owner
+//! count happens with the allocator locked (the `&mut Allocator` these calls take), so
+//! "is the page shared?" and the change that follows are one step: two holders copying
+//! a page at once, or one copying while the other is deleted, see each other, and
+//! whoever takes a page's owner count to zero drops its units' references.
+//! `tests/sharing_model.rs` checks these interleavings with a deterministic scheduler.
+//!
 //! Not here: I/O, logging, locking (the pool wraps these in its locks). Public so that
-//! benchmarks and tools can exercise them; the pool is their only writer.
+//! benchmarks, tools and the concurrency checks can exercise them; the pool is their
+//! only writer.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, AtomicU8, Ordering};
 use std::sync::Arc;
 
-use zerocopy::FromZeros;
+/// The atomics of the sharing state machine: std's, or shuttle's when the engine is
+/// built for the deterministic concurrency checks (feature `shuttle`), so that its
+/// schedulers can interleave threads at every load and store of owners, refcounts and
+/// settling counts.
+mod sync {
+    #[cfg(feature = "shuttle")]
+    pub use shuttle::sync::atomic::{AtomicU32, AtomicU8};
+    #[cfg(not(feature = "shuttle"))]
+    pub use std::sync::atomic::{AtomicU32, AtomicU8};
+    pub use std::sync::atomic::Ordering;
+
+    /// `n` atomics of value 0. With std's, one zeroed allocation (`calloc`: pages the
+    /// kernel hands out zeroed, resident only once touched).
+    #[cfg(not(feature = "shuttle"))]
+    pub fn zeroed<T: zerocopy::FromZeros>(n: usize) -> Box<[T]> {
+        use zerocopy::FromZeros;
+        <[T]>::new_box_zeroed_with_elems(n).expect("allocating a zeroed table")
+    }
+
+    /// `n` atomics of value 0.
+    #[cfg(feature = "shuttle")]
+    pub fn zeroed<T: Default>(n: usize) -> Box<[T]> {
+        (0..n).map(|_| T::default()).collect()
+    }
+}
+use sync::{AtomicU32, AtomicU8, Ordering};
 
 use crate::format::PAGE_ENTRIES;
 
@@ -40,7 +89,7 @@ impl RefcountTable {
     pub const META: u8 = 255;
 
     fn new(units: usize) -> RefcountTable {
-        RefcountTable(<[AtomicU8]>::new_box_zeroed_with_elems(units).expect("allocating the refcount table"))
+        RefcountTable(sync::zeroed(units))
     }
 
     /// Number of units.
@@ -82,12 +131,13 @@ impl RefcountTable {
 pub struct StripedCounts(Box<[AtomicU32]>);
 
 impl StripedCounts {
-    /// Number of counters.
-    pub const STRIPES: usize = 1 << 16;
+    /// Number of counters (few under the concurrency checker, whose atomics are costly
+    /// to create, so that collisions are easy to reach there too).
+    pub const STRIPES: usize = if cfg!(feature = "shuttle") { 64 } else { 1 << 16 };
 
     /// All counts zero.
     pub fn new() -> StripedCounts {
-        StripedCounts(<[AtomicU32]>::new_box_zeroed_with_elems(Self::STRIPES).expect("allocating counters"))
+        StripedCounts(sync::zeroed(Self::STRIPES))
     }
 
     /// Whether `unit` may be counted (its stripe's count is non-zero).
@@ -114,6 +164,24 @@ impl Default for StripedCounts {
     fn default() -> Self {
         StripedCounts::new()
     }
+}
+
+/// Whether a write may go in place into data unit `punit`, mapped at `lunit` of `map`:
+/// no other table holds its page, no other page maps it, and it is not settling (it did
+/// not become exclusive by a change that is not durable yet). Otherwise the write must
+/// copy the unit first. Call with `map` locked (shared is enough); needs no other lock.
+///
+/// Reads the page's owners, then the refcount, then the settling count: the order that
+/// the transitions of the module docs ("The sharing signals and their order") are
+/// written against.
+pub fn writable_in_place(
+    map: &MapTable,
+    lunit: u64,
+    punit: u32,
+    refcounts: &RefcountTable,
+    settling: &StripedCounts,
+) -> bool {
+    !map.page_shared(lunit) && refcounts.is_exclusive(punit) && !settling.is_set(punit)
 }
 
 /// "Unmapped" in [`Entry::punit`].
@@ -262,10 +330,12 @@ impl MapTable {
         }
     }
 
-    /// Sets the entry of `lunit`. If another table shares its page, the page is copied
-    /// first and `on_copy` receives every data unit the copy maps (their refcounts must
-    /// each gain one). Returns the previous entry.
-    pub fn set(&mut self, lunit: u64, e: Entry, on_copy: &mut dyn FnMut(u32)) -> Entry {
+    /// Sets the entry of `lunit`, with the allocator locked (`a`). If other tables hold
+    /// its page, this table first gets a copy of its own: every data unit the copy maps
+    /// gains a reference, and only then does the original page lose this table as an
+    /// owner (module docs). Returns the previous entry; the refcounts of the entry's own
+    /// units (the new one, the one replaced) are the caller's to change.
+    pub fn set(&mut self, lunit: u64, e: Entry, a: &mut Allocator) -> Entry {
         let (p, i) = split(lunit);
         let Some(slot) = self.slot_mut(p, e.is_mapped()) else {
             return Entry::EMPTY;
@@ -276,11 +346,14 @@ impl MapTable {
             }
             *slot = Some(Arc::new(MapPage::new()));
         }
-        let shared = slot.as_ref().expect("page present");
-        if shared.is_shared() {
-            let copy = (**shared).clone();
-            shared.owners.fetch_sub(1, Ordering::AcqRel);
-            copy.units().for_each(&mut *on_copy);
+        let held = slot.as_ref().expect("page present");
+        // Under the allocator lock, no other table changes this page's owners meanwhile.
+        if held.is_shared() {
+            let copy = (**held).clone();
+            copy.units().for_each(|u| a.incref(u));
+            // The copy's bytes in the next checkpoint: 16 per entry, 64 for its record.
+            a.meta_growth += 16 * u64::from(copy.mapped) + 64;
+            held.owners.fetch_sub(1, Ordering::AcqRel);
             *slot = Some(Arc::new(copy));
         }
         // Unique logically; a checkpoint in progress may still hold the Arc, in which
@@ -325,27 +398,35 @@ impl MapTable {
         })
     }
 
-    /// Drops every page. Returns the data units whose reference goes with them (the
-    /// units of pages this table held alone), and the units of pages left with a single
-    /// other owner (which may now be exclusive to it).
-    pub fn release_all(&mut self) -> (Vec<u32>, Vec<u32>) {
-        let mut units = Vec::new();
-        let mut unshared = Vec::new();
+    /// Drops every page, with the allocator locked (`a`): a page this table held alone
+    /// takes its units' references with it ([`Allocator::decref`]); a page left to a
+    /// single other owner first marks its units settling (they may be exclusive to that
+    /// owner now, but not before this change is durable), then loses this owner.
+    pub fn release_all(&mut self, a: &mut Allocator) {
         for leaf in self.leaves.drain(..).flatten() {
             for page in leaf.into_iter().flatten() {
-                match page.owners.fetch_sub(1, Ordering::AcqRel) {
-                    1 => units.extend(page.units()),
-                    2 => unshared.extend(page.units()),
-                    _ => {}
+                match page.owners.load(Ordering::Acquire) {
+                    1 => {
+                        page.owners.store(0, Ordering::Release);
+                        page.units().for_each(|u| a.decref(u));
+                    }
+                    n => {
+                        if n == 2 {
+                            page.units().for_each(|u| a.unsettle(u));
+                        }
+                        page.owners.fetch_sub(1, Ordering::AcqRel);
+                    }
                 }
             }
         }
-        (units, unshared)
     }
 
-    /// A new table sharing every page with this one (no data or entries copied):
-    /// the basis of snapshots and clones. Costs the leaves (4 KiB per 512 pages).
-    pub fn share(&self) -> MapTable {
+    /// A new table sharing every page with this one (no data or entries copied), with
+    /// the allocator locked (`a`, as for every change of owners): the basis of snapshots
+    /// and clones. Costs the leaves (4 KiB per 512 pages). The caller holds back writes
+    /// to this table meanwhile (the volume's gate): a page becomes shared only while no
+    /// write may be going in place into it.
+    pub fn share(&self, _a: &mut Allocator) -> MapTable {
         let leaves = self
             .leaves
             .iter()
@@ -605,12 +686,15 @@ impl Allocator {
     pub fn decref(&mut self, u: u32) {
         let r = self.rc(u);
         debug_assert!(r > 0 && r != META);
+        if r == 2 {
+            // Settling before the refcount reads one (module docs): a lock-free reader
+            // that sees the one sees the mark.
+            self.unsettle(u);
+        }
         self.set_rc(u, r - 1);
         if r == 1 {
             self.used -= 1;
             self.pending_free.push(u);
-        } else if r == 2 {
-            self.unsettle(u);
         }
     }
 
@@ -677,41 +761,54 @@ mod tests {
 
     #[test]
     fn map_table_pages_appear_and_vanish() {
-        let mut copied = Vec::new();
+        let mut a = Allocator::new(16);
+        let settling = a.settling_table();
+        let (u7, u8) = (a.alloc(0).unwrap(), a.alloc(0).unwrap());
         let mut t = MapTable::new();
         assert_eq!(t.get(1500), Entry::EMPTY);
-        t.set(1500, Entry { punit: 7, bitmap: 1 }, &mut |u| copied.push(u));
-        t.set(1501, Entry { punit: 8, bitmap: 1 }, &mut |u| copied.push(u));
-        assert_eq!(t.get(1500).punit, 7);
+        t.set(1500, Entry { punit: u7, bitmap: 1 }, &mut a);
+        t.set(1501, Entry { punit: u8, bitmap: 1 }, &mut a);
+        assert_eq!(t.get(1500).punit, u7);
         assert!(t.page(2).is_some());
-        let mut shared = t.share();
+        let mut shared = t.share(&mut a);
         assert!(t.page_shared(1500) && shared.page_shared(1501));
-        t.set(1500, Entry::EMPTY, &mut |u| copied.push(u));
-        assert_eq!(copied, vec![7, 8], "copying a shared page references its units again");
+        assert_eq!((a.refcount(u7), a.refcount(u8)), (1, 1), "one page maps both");
+        let old = t.set(1500, Entry::EMPTY, &mut a);
+        a.decref(old.punit);
+        assert_eq!((a.refcount(u7), a.refcount(u8)), (1, 2), "the copy references the unit it keeps");
         assert!(!t.page_shared(1501) && !shared.page_shared(1500));
-        assert_eq!(shared.get(1500).punit, 7, "the sharer keeps its page");
+        assert_eq!(shared.get(1500).punit, u7, "the sharer keeps its page");
         assert_eq!(shared.mapped().count(), 2);
-        assert_eq!(t.release_all(), (vec![8], vec![]));
-        let mut third = shared.share();
-        assert_eq!(shared.release_all(), (vec![], vec![7, 8]), "left to one owner: may be exclusive now");
-        assert_eq!(third.release_all(), (vec![7, 8], vec![]));
+        assert!(settling.is_set(u7), "left to the sharer's page alone: settling");
+        t.release_all(&mut a);
+        assert_eq!(a.refcount(u8), 1);
+        assert!(settling.is_set(u8));
+        let mut third = shared.share(&mut a);
+        a.release_pending(a.pending_mark(), &StripedCounts::new());
+        shared.release_all(&mut a);
+        assert_eq!((a.refcount(u7), a.refcount(u8)), (1, 1), "the page stays, with its one remaining owner");
+        assert!(settling.is_set(u7) && settling.is_set(u8), "left to one owner: exclusive only once durable");
+        third.release_all(&mut a);
+        assert_eq!((a.refcount(u7), a.refcount(u8), a.used), (0, 0, 0));
+        assert_eq!(a.pending_free, vec![u7, u8]);
     }
 
     #[test]
     fn a_far_mapping_costs_one_leaf_and_a_pointer_per_leaf_before_it() {
         // One entry 1000 TiB into a volume of 64 KiB units: page 32,000,000.
         let lunit = (1000u64 << 40) >> 16;
+        let mut a = Allocator::new(16);
         let mut t = MapTable::new();
-        t.set(lunit, Entry { punit: 3, bitmap: 1 }, &mut |_| {});
+        t.set(lunit, Entry { punit: 3, bitmap: 1 }, &mut a);
         let (p, _) = split(lunit);
         assert_eq!(t.leaves.len(), p / LEAF_PAGES + 1, "leaf pointers reach the last leaf only");
         assert_eq!(t.leaves.iter().flatten().count(), 1, "one leaf present");
         assert_eq!(t.pages().map(|(i, _)| i).collect::<Vec<_>>(), vec![p]);
         assert_eq!(t.get(lunit).punit, 3);
         assert_eq!(t.get(lunit - 1), Entry::EMPTY);
-        let shared = t.share();
+        let shared = t.share(&mut a);
         assert!(t.page_shared(lunit) && shared.leaves.iter().flatten().count() == 1);
-        t.set(lunit, Entry::EMPTY, &mut |_| {});
+        t.set(lunit, Entry::EMPTY, &mut a);
         assert!(t.leaves.is_empty(), "the last page gone takes its leaf and the pointers");
         assert_eq!(shared.get(lunit).punit, 3, "the sharer keeps its page");
     }

@@ -862,14 +862,8 @@ impl Pool {
             let mut map = vs.map.write();
             vs.deleted.store(true, Ordering::SeqCst);
             self.inner.log_record(&Record::VolumeDelete { volume: vs.id });
-            let (units, unshared) = map.release_all();
             let mut alloc = self.inner.alloc.lock();
-            for u in units {
-                alloc.decref(u);
-            }
-            for u in unshared {
-                alloc.unsettle(u);
-            }
+            map.release_all(&mut alloc);
             alloc.meta_shrinks += 1;
         }
         self.inner.commit().await.map_err(err)?;
@@ -972,11 +966,13 @@ impl Pool {
             // The new volume's record, and a reference to each page it shares.
             let pages = map.pages().count() as u64;
             let growth = 64 + target.len() as u64 + 24 * pages;
-            self.inner.take_meta_room(&mut self.inner.alloc.lock(), growth, vols.len() as u64 + 1)?;
+            let mut alloc = self.inner.alloc.lock();
+            self.inner.take_meta_room(&mut alloc, growth, vols.len() as u64 + 1)?;
             let id = self.inner.next_volume.fetch_add(1, Ordering::SeqCst);
             let created = now();
             let size = src.size.load(Ordering::SeqCst);
-            let shared = map.share();
+            let shared = map.share(&mut alloc);
+            drop(alloc);
             self.inner.log_record(&Record::Share {
                 source: src.id,
                 target: id,

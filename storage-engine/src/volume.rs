@@ -386,8 +386,7 @@ impl Volume {
         let cur = map.get(lunit);
         if cur.punit == punit && cur.bitmap | m != cur.bitmap {
             let bitmap = cur.bitmap | m;
-            let copied = set_entry(map, lunit, Entry { punit, bitmap });
-            incref_all(&mut self.pool.alloc.lock(), copied);
+            map.set(lunit, Entry { punit, bitmap }, &mut self.pool.alloc.lock());
             self.pool.log_record(&Record::Map { volume: self.vol.id, lunit, punit, bitmap });
         }
     }
@@ -464,8 +463,7 @@ impl Volume {
                     }
                 }
                 for &(u, p) in &allocated {
-                    let copied = set_entry(&mut map, u, Entry { punit: p, bitmap: 0 });
-                    incref_all(&mut a, copied);
+                    map.set(u, Entry { punit: p, bitmap: 0 }, &mut a);
                 }
                 if allocated.len() == want.len() {
                     break;
@@ -506,7 +504,7 @@ impl Volume {
                 }
                 let s = (u * bpu).max(b0);
                 let e_blk = ((u + 1) * bpu).min(b1);
-                if self.must_copy(&map, u, e.punit) {
+                if !self.writable_in_place(&map, u, e.punit) {
                     // Shared with a snapshot or clone: copy on write, unit by unit, below.
                     private.push((u, s, e_blk));
                     continue;
@@ -549,10 +547,9 @@ impl Volume {
                 // write's completion needs the mapping.
                 if cur.punit == p && cur.bitmap == 0 && !self.pool.pins.is_set(p) {
                     // Logged: a checkpoint may have captured the empty mapping meanwhile.
-                    let copied = set_entry(&mut map, u, Entry::EMPTY);
-                    self.pool.log_record(&Record::Unmap { volume: self.vol.id, lunit: u });
                     let mut a = self.pool.alloc.lock();
-                    incref_all(&mut a, copied);
+                    map.set(u, Entry::EMPTY, &mut a);
+                    self.pool.log_record(&Record::Unmap { volume: self.vol.id, lunit: u });
                     a.decref(p);
                 }
             }
@@ -598,7 +595,7 @@ impl Volume {
         let bs = BLOCK_SIZE as usize;
         let _unit_lock = self.pool.cow_stripes[stripe_of(self.vol.id, lunit, self.pool.cow_stripes.len())].lock().await;
         let old = self.vol.map.read().get(lunit);
-        let exclusive = old.is_mapped() && !self.must_copy(&self.vol.map.read(), lunit, old.punit);
+        let exclusive = old.is_mapped() && self.writable_in_place(&self.vol.map.read(), lunit, old.punit);
         let mut buf = AlignedBuf::zeroed(us);
         buf.full_mut()[s as usize * bs..e as usize * bs].copy_from_slice(data);
         let mut pins = Pins { pool: &self.pool, units: Vec::new() };
@@ -746,7 +743,7 @@ impl Volume {
         // deleted), another write may have gone into it in place after our copy:
         // install nothing and write in place instead. Units never become shared again
         // while a write runs (the gate), so a unit still shared now was shared all along.
-        let became_exclusive = old.is_mapped() && still && !self.must_copy(&map, lunit, old.punit);
+        let became_exclusive = old.is_mapped() && still && self.writable_in_place(&map, lunit, old.punit);
         if result.is_err() || !still || became_exclusive || self.vol.deleted.load(Ordering::Acquire) {
             a.decref(target);
             let deleted = self.vol.deleted.load(Ordering::Acquire);
@@ -760,12 +757,15 @@ impl Volume {
         }
         let bitmap = if old.is_mapped() { cur.bitmap | m } else { m };
         if cur.punit != target || bitmap != cur.bitmap {
-            let copied = set_entry(&mut map, lunit, Entry { punit: target, bitmap });
-            incref_all(&mut a, copied);
+            map.set(lunit, Entry { punit: target, bitmap }, &mut a);
+            // Logged before the old unit loses this reference: a commit that releases a
+            // settling mark the decref makes also carries this record (rule 9). The
+            // allocator lock, held across both, keeps a commit's start (C1) from falling
+            // between them.
+            self.pool.log_record(&Record::Map { volume: self.vol.id, lunit, punit: target, bitmap });
             if cur.is_mapped() && cur.punit != target {
                 a.decref(cur.punit);
             }
-            self.pool.log_record(&Record::Map { volume: self.vol.id, lunit, punit: target, bitmap });
         }
         Ok(true)
     }
@@ -818,11 +818,12 @@ impl Volume {
         Ok(())
     }
 
-    /// True if a write to data unit `punit`, mapped at `lunit` of `map`, must copy it:
-    /// another volume or snapshot shares it, or did until a change not yet durable
-    /// (after a crash before that change is, it would still map the unit).
-    fn must_copy(&self, map: &MapTable, lunit: u64, punit: u32) -> bool {
-        map.page_shared(lunit) || self.pool.refcounts.is_shared(punit) || self.pool.settling.is_set(punit)
+    /// Whether a write may go in place into data unit `punit`, mapped at `lunit` of
+    /// `map` ([`crate::meta::writable_in_place`]): otherwise another volume or snapshot
+    /// shares it, or did until a change not yet durable (after a crash before that change
+    /// is, it would still map the unit), and the write copies it.
+    fn writable_in_place(&self, map: &MapTable, lunit: u64, punit: u32) -> bool {
+        crate::meta::writable_in_place(map, lunit, punit, &self.pool.refcounts, &self.pool.settling)
     }
 
     fn block_written(&self, blk: u64) -> bool {
@@ -904,15 +905,15 @@ impl Volume {
         if bitmap == e.bitmap && bitmap != 0 {
             return;
         }
+        let mut a = self.pool.alloc.lock();
         if bitmap == 0 {
-            let copied = set_entry(map, lunit, Entry::EMPTY);
+            map.set(lunit, Entry::EMPTY, &mut a);
+            // The record first: a commit that releases the unit's free or settling mark
+            // carries it (rules 2 and 9).
             self.pool.log_record(&Record::Unmap { volume: self.vol.id, lunit });
-            let mut a = self.pool.alloc.lock();
-            incref_all(&mut a, copied);
             a.decref(e.punit);
         } else {
-            let copied = set_entry(map, lunit, Entry { punit: e.punit, bitmap });
-            incref_all(&mut self.pool.alloc.lock(), copied);
+            map.set(lunit, Entry { punit: e.punit, bitmap }, &mut a);
             self.pool.log_record(&Record::Map { volume: self.vol.id, lunit, punit: e.punit, bitmap });
         }
     }
@@ -1016,29 +1017,10 @@ fn stripe_of(volume: u64, key: u64, n: usize) -> usize {
     (h >> 32) as usize % n
 }
 
-/// Sets an entry; returns the data units of a shared page that had to be copied
-/// (each needs one more reference, taken with [`incref_all`]).
-fn set_entry(map: &mut MapTable, lunit: u64, e: Entry) -> Vec<u32> {
-    let mut copied = Vec::new();
-    map.set(lunit, e, &mut |u| copied.push(u));
-    copied
-}
-
 /// Checkpoint bytes a copy of a mapping page with `mapped` entries adds: 16 per entry
 /// and 64 for its page record's header (rounded up).
 fn page_copy_bytes(mapped: u64) -> u64 {
     16 * mapped + 64
-}
-
-/// Takes one more reference to each data unit of a copied mapping page, and counts the
-/// copy's bytes ([`page_copy_bytes`]) toward the next checkpoint's size.
-fn incref_all(a: &mut crate::meta::Allocator, units: Vec<u32>) {
-    if !units.is_empty() {
-        a.meta_growth += page_copy_bytes(units.len() as u64);
-    }
-    for u in units {
-        a.incref(u);
-    }
 }
 
 /// The error of an I/O whose completion channel closed: the ring's reaper is gone.
