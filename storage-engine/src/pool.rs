@@ -276,12 +276,13 @@ pub(crate) struct PoolInner {
     /// committer thread takes it with `blocking_lock`.
     log: tokio::sync::Mutex<LogState>,
     committer: Mutex<Option<std::thread::JoinHandle<()>>>,
-    /// Serialises the flushes that `commit` serves with one `fdatasync` of their own.
-    fast_sync: tokio::sync::Mutex<()>,
+    /// Every `fdatasync` of the pool after open takes its turn here, one at a time
+    /// ([`Self::sync_data`]).
+    sync_turn: tokio::sync::Mutex<()>,
     /// Those `fdatasync`s: how many were issued, and the number of the last one that
     /// completed successfully.
-    fast_syncs_started: AtomicU64,
-    fast_syncs_done: AtomicU64,
+    syncs_started: AtomicU64,
+    syncs_done: AtomicU64,
     /// Commit cycles run by [`Self::commit`] on a runtime task: how many began, and the
     /// number of the last that completed successfully (group commit, as for the fast
     /// syncs).
@@ -770,9 +771,9 @@ impl Pool {
             commits: Arc::new(Commits::default()),
             log: tokio::sync::Mutex::new(LogState { cursor: log, sb, checkpoint_units }),
             committer: Mutex::new(None),
-            fast_sync: tokio::sync::Mutex::new(()),
-            fast_syncs_started: AtomicU64::new(0),
-            fast_syncs_done: AtomicU64::new(0),
+            sync_turn: tokio::sync::Mutex::new(()),
+            syncs_started: AtomicU64::new(0),
+            syncs_done: AtomicU64::new(0),
             cycles_started: AtomicU64::new(0),
             cycles_done: AtomicU64::new(0),
         });
@@ -1320,31 +1321,11 @@ impl PoolInner {
         if self.metadata_settled() && !self.commits.queue.lock().shutdown {
             // writes_since_sync is left alone: the committer may skip its own sync only
             // when no write completed since it last synced, and this sync may not have
-            // finished when it looks. One fast sync at a time: with buffered I/O the
-            // kernel reports a writeback error to only one of concurrent fdatasyncs, so
-            // a later one must see the failure that an earlier one recorded. Flushes
-            // that waited share work: a sync that started after this call began and
-            // has completed covers it (group commit).
-            let seen = self.fast_syncs_started.load(Ordering::SeqCst);
-            let _one = self.fast_sync.lock().await;
-            if self.failed.load(Ordering::SeqCst) {
-                return Err(Error::new(ErrorKind::Failed, "commit failed; the pool refuses writes"));
-            }
-            if self.fast_syncs_done.load(Ordering::SeqCst) > seen {
-                return Ok(());
-            }
-            let number = self.fast_syncs_started.fetch_add(1, Ordering::SeqCst) + 1;
-            return match self.ring.fdatasync().await {
-                Ok(Ok(())) => {
-                    self.fast_syncs_done.store(number, Ordering::SeqCst);
-                    Ok(())
-                }
-                Ok(Err(e)) => {
-                    self.fail(&Error::io("fdatasync pool", e));
-                    Err(Error::new(ErrorKind::Failed, "commit failed; the pool refuses writes"))
-                }
-                Err(_) => Err(worker_gone()),
-            };
+            // finished when it looks.
+            return self
+                .sync_data()
+                .await
+                .map_err(|_| Error::new(ErrorKind::Failed, "commit failed; the pool refuses writes"));
         }
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             // A task of its own: once it has taken records from the journal it must
@@ -1431,6 +1412,67 @@ impl PoolInner {
             && self.last_checkpoint_grown(a) > checkpoint_estimate(a.used, self.volumes_len_hint(), self.geo.unit_size)
     }
 
+    /// `fdatasync` of the pool: the only way the pool is synced once it is open (the
+    /// flush fast path, commit cycles, checkpoints), so that no two run at once. With
+    /// buffered I/O the kernel reports a writeback error to one `fdatasync` of the file
+    /// only; one running beside it would succeed over the lost write. So each waits for
+    /// its turn; a sync that was issued after this call began and succeeded covers the
+    /// call (group commit: every write completed before the call was before that sync);
+    /// a failure fails the pool before the next turn begins, and the failed state is
+    /// looked at again after each sync, so that no waiter is answered with success over
+    /// a failure it overlapped.
+    ///
+    /// Errors: [`ErrorKind::Failed`] if the pool failed (before or during the wait),
+    /// [`ErrorKind::Io`] if this `fdatasync` failed (the pool is then failed).
+    async fn sync_data(&self) -> Result<()> {
+        let seen = self.syncs_started.load(Ordering::SeqCst);
+        let _turn = self.sync_turn.lock().await;
+        let Some(number) = self.sync_turn_begins(seen)? else { return Ok(()) };
+        let r = self.ring.fdatasync().await;
+        self.sync_turn_ends(number, r)
+    }
+
+    /// [`Self::sync_data`] for a caller on no runtime (the committer, open, close).
+    ///
+    /// Errors: as [`Self::sync_data`].
+    fn sync_data_blocking(&self) -> Result<()> {
+        let seen = self.syncs_started.load(Ordering::SeqCst);
+        let _turn = self.sync_turn.blocking_lock();
+        let Some(number) = self.sync_turn_begins(seen)? else { return Ok(()) };
+        let r = self.ring.fdatasync().blocking_recv();
+        self.sync_turn_ends(number, r)
+    }
+
+    /// A sync's turn has come (`seen`: `syncs_started` when it was called): `None` when
+    /// a later sync already covers it, else the number of the sync to issue.
+    fn sync_turn_begins(&self, seen: u64) -> Result<Option<u64>> {
+        if self.failed.load(Ordering::SeqCst) {
+            return Err(Error::new(ErrorKind::Failed, "the pool failed earlier; it refuses writes"));
+        }
+        if self.syncs_done.load(Ordering::SeqCst) > seen {
+            return Ok(None);
+        }
+        Ok(Some(self.syncs_started.fetch_add(1, Ordering::SeqCst) + 1))
+    }
+
+    /// Accounts the outcome of sync `number`, still in its turn.
+    fn sync_turn_ends(
+        &self,
+        number: u64,
+        r: std::result::Result<std::io::Result<()>, oneshot::error::RecvError>,
+    ) -> Result<()> {
+        let r = r.map_err(|_| worker_gone()).and_then(|r| r.map_err(|e| Error::io("fdatasync pool", e)));
+        if let Err(e) = &r {
+            self.fail(e);
+            return r;
+        }
+        if self.failed.load(Ordering::SeqCst) {
+            return Err(Error::new(ErrorKind::Failed, "the pool failed during the fdatasync; it refuses writes"));
+        }
+        self.syncs_done.store(number, Ordering::SeqCst);
+        Ok(())
+    }
+
     /// Fail-stop: after a write, `fdatasync` or commit to the pool device failed, the
     /// pool refuses writes, trims and management changes (reads keep working) until it
     /// is restarted; `status().failed` reports it. Nothing is written to a device that
@@ -1475,8 +1517,7 @@ impl PoolInner {
         let result = async {
             let plan = plan?;
             if self.data_sync_needed(&records) {
-                let r = self.ring.fdatasync().await.map_err(|_| worker_gone())?;
-                r.map_err(|e| Error::io("fdatasync pool", e))?;
+                self.sync_data().await?;
             }
             // Every batch write is waited for, even after one fails: none may land
             // after the lock is released.
@@ -1537,7 +1578,7 @@ impl PoolInner {
             return self.checkpoint_locked(log, 0);
         };
         if self.data_sync_needed(&records) {
-            sync(&self.ring)?;
+            self.sync_data_blocking()?;
         }
         let rxs = self.submit_batches(&plan);
         // Every batch write is waited for, even after one fails.
@@ -1649,7 +1690,7 @@ impl PoolInner {
         sb.generation = (log.sb.generation.get() + 1).into();
         sb.crc = sb.compute_crc().into();
         write_blocks(&self.ring, SUPERBLOCK_OFFSETS[(sb.generation.get() % 2) as usize], sb.as_bytes())?;
-        sync(&self.ring)?;
+        self.sync_data_blocking()?;
         log.sb = sb;
         Ok(())
     }
@@ -1757,7 +1798,7 @@ impl PoolInner {
         let encoded = snapshot.encode_checkpoint(payload, &mut emit);
         drop(snapshot);
         let result = inflight.into_iter().fold(encoded.map(|_| ()), |r, rx| r.and(wait(rx)));
-        let result = result.and_then(|()| sync(&self.ring));
+        let result = result.and_then(|()| self.sync_data_blocking());
         if let Err(e) = result {
             let mut a = self.alloc.lock();
             for &u in &units {

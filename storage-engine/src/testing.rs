@@ -103,6 +103,8 @@ pub struct Faults {
     writes_left: Mutex<Option<u64>>,
     /// Fail every `fdatasync`.
     flushes: std::sync::atomic::AtomicBool,
+    /// Fail the next `fdatasync` to complete, once.
+    next_flush: std::sync::atomic::AtomicBool,
     /// While `Some`: completed `fdatasync`s not yet reported to their callers (each
     /// entry reports one), until [`Faults::release_flushes`].
     held: Mutex<Option<Vec<FlushReport>>>,
@@ -116,6 +118,7 @@ impl std::fmt::Debug for Faults {
         f.debug_struct("Faults")
             .field("writes_left", &self.writes_left)
             .field("flushes", &self.flushes)
+            .field("next_flush", &self.next_flush)
             .field("held", &self.held.lock().as_ref().map(Vec::len))
             .finish()
     }
@@ -135,6 +138,17 @@ impl Faults {
     /// Every `fdatasync` from now on fails with `EIO`.
     pub fn fail_flushes(&self) {
         self.flushes.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// The next `fdatasync` to complete fails with `EIO`; later ones succeed (a
+    /// writeback error, which the kernel reports to one `fdatasync` only).
+    pub fn fail_next_flush(&self) {
+        self.next_flush.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// How many completed `fdatasync`s are held back from their callers now.
+    pub fn held_flushes(&self) -> usize {
+        self.held.lock().as_ref().map_or(0, Vec::len)
     }
 
     /// From now on, every `fdatasync` completes in the kernel as usual but its caller
@@ -180,6 +194,7 @@ impl Faults {
 
     pub(crate) fn fail_flush(&self) -> bool {
         self.flushes.load(std::sync::atomic::Ordering::SeqCst)
+            || self.next_flush.swap(false, std::sync::atomic::Ordering::SeqCst)
     }
 }
 

@@ -173,3 +173,55 @@ fn a_commit_with_records_syncs_the_data_once_then_writes_its_log_batch_durably()
     drop(v);
     pool.close().unwrap();
 }
+
+#[test]
+fn a_flush_beside_a_checkpoint_whose_fdatasync_fails_is_not_acknowledged() {
+    // A writeback error is reported to one fdatasync of the file only: one that ran
+    // beside it succeeds. A flush over durable mappings (one fdatasync of its own)
+    // beside a checkpoint whose fdatasync gets the error must fail too, not return
+    // success over a write the device may have lost. The checkpoint's fdatasync is held
+    // in flight (its completion kept back) while the flush is called; given a moment,
+    // a flush that syncs on its own would issue a second fdatasync meanwhile.
+    let dir = tempfile::tempdir().unwrap();
+    let rt = rt();
+    let (pool, faults) = open_with_faults(dir.path());
+    rt.block_on(pool.create_volume("v", 4 * MIB)).unwrap();
+    let v = pool.volume("v").unwrap();
+    rt.block_on(write(&v, 0, &[1; 65536], false)).unwrap();
+    rt.block_on(v.flush()).unwrap(); // the mapping is durable: the next flush is the fast one
+    rt.block_on(write(&v, 4096, &[2; 4096], false)).unwrap(); // an overwrite, no record
+    faults.hold_flushes();
+    faults.fail_next_flush();
+    let checkpoint = {
+        let pool = pool.clone();
+        std::thread::spawn(move || common::rt().block_on(pool.checkpoint()))
+    };
+    let until = |n: usize| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while faults.held_flushes() < n && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        faults.held_flushes()
+    };
+    assert_eq!(until(1), 1, "the checkpoint's fdatasync is in flight");
+    let flush = {
+        let v = v.clone();
+        std::thread::spawn(move || common::rt().block_on(v.flush()))
+    };
+    let held = {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_millis(500);
+        while faults.held_flushes() < 2 && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        faults.held_flushes()
+    };
+    faults.release_flushes();
+    let checkpoint = checkpoint.join().unwrap();
+    let flush = flush.join().unwrap();
+    assert!(checkpoint.is_err(), "the checkpoint's fdatasync failed");
+    assert!(
+        flush.is_err(),
+        "a flush beside the failed fdatasync was acknowledged ({held} fdatasyncs were in flight at once)"
+    );
+    assert!(pool.status().failed);
+}
