@@ -94,10 +94,18 @@ enum Cmd {
     /// unreadable). What the pool opens despite is printed as `warning:` lines (a
     /// damaged older superblock slot; in a pool of format version 2 or older, valid log
     /// batches behind a damaged one, an error from version 3 on).
+    ///
+    /// With --repair, a pool whose refcounts disagree with its mappings (what open
+    /// refuses) gets them rebuilt from the mappings, with the free space, and a fresh
+    /// checkpoint; each change is printed. A pool whose mappings or records are damaged
+    /// is refused (exit 1) and left unchanged: the mappings are what a repair trusts.
     Check {
         /// Pool file or block device (default: <data-dir>/pool.img).
         #[arg(long)]
         pool: Option<PathBuf>,
+        /// Rebuild the refcounts and free space from the mappings (stop the server first).
+        #[arg(long)]
+        repair: bool,
     },
 }
 
@@ -164,6 +172,12 @@ struct ServeArgs {
     /// on. Without it such a pool is refused (the error names the batches).
     #[arg(long)]
     accept_log_loss: bool,
+    /// Allocate every block of the pool file on the host file system at create and at
+    /// open (fallocate), so that no write ever needs room from it. Without it the pool
+    /// file is sparse: when the host file system fills up, writes that need new room
+    /// get ENOSPC, as in a full pool. No effect on a block device.
+    #[arg(long)]
+    preallocate: bool,
     /// NBD data-plane threads, each with its own io_uring; a connection stays on the one
     /// serving the fewest connections when it is accepted. One thread batches the most
     /// requests per wake-up and was fastest on a 2-core host with its clients on the
@@ -303,7 +317,36 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Cmd::Pool { mgmt, cmd: PoolCmd::Status { json } } => {
             pool_status(&mgmt.path(dir), json).await.map(|()| ExitCode::SUCCESS)
         }
-        Cmd::Check { pool } => {
+        Cmd::Check { pool, repair: true } => {
+            let path = pool.unwrap_or_else(|| cli.data_dir.join("pool.img"));
+            let report = match tokio::task::spawn_blocking(move || storage_engine::repair(&path)).await? {
+                Ok(r) => r,
+                Err(e) if e.kind() == storage_engine::ErrorKind::Corrupt => {
+                    out!("PROBLEM: {e}");
+                    return Ok(ExitCode::FAILURE);
+                }
+                Err(e) => {
+                    eprintln!("ferrovol: {e}");
+                    return Ok(ExitCode::from(2));
+                }
+            };
+            for (unit, found, now) in &report.changed {
+                out!("repaired: data unit {unit} had refcount {found}; {now} mapping pages map it");
+            }
+            if report.changed.is_empty() {
+                out!("nothing to repair");
+            } else {
+                out!(
+                    "{} refcounts repaired ({} leaked units free again); a fresh checkpoint was written",
+                    report.changed.len(),
+                    report.freed
+                );
+            }
+            out!("{}", report.summary);
+            out!("clean");
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Check { pool, repair: false } => {
             let path = pool.unwrap_or_else(|| cli.data_dir.join("pool.img"));
             let report = match tokio::task::spawn_blocking(move || storage_engine::check(&path)).await? {
                 Ok(r) => r,
@@ -584,6 +627,7 @@ async fn serve(data_dir: &Path, mgmt_socket: &Path, args: ServeArgs) -> anyhow::
         },
         accept_superblock_rollback: args.accept_superblock_rollback,
         accept_log_loss: args.accept_log_loss,
+        preallocate: args.preallocate,
     };
     // Listen first, so a busy port or socket leaves no new pool file behind. The NBD
     // listeners belong to the data-plane runtime, the management socket to this one.

@@ -59,14 +59,14 @@ fn allocation(c: &mut Criterion) {
     g.throughput(Throughput::Elements(1));
     // Half-full pool: allocate one, free one, release it (steady state).
     let mut a = Allocator::from_refcounts(vec![0; n]);
-    let mut held: Vec<u32> = (0..n / 2).map(|_| a.alloc(0).unwrap()).collect();
+    let mut held: Vec<u32> = (0..n / 2).map(|_| a.alloc().unwrap()).collect();
     let mut r = Rng(9);
     g.bench_function("alloc_free_cycle_half_full", |b| {
         b.iter(|| {
             let i = (r.next() as usize) % held.len();
             a.decref(held[i]);
             a.release_pending(a.pending_mark(), &pins);
-            held[i] = a.alloc(0).unwrap();
+            held[i] = a.alloc().unwrap();
         })
     });
     g.finish();

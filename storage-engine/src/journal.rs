@@ -13,7 +13,7 @@ use zerocopy::{FromBytes, IntoBytes};
 
 use crate::error::{Error, Result};
 use crate::format::*;
-use crate::meta::{Allocator, Entry, MapPage, MapTable, META};
+use crate::meta::{MetaCounts, Allocator, Entry, MapPage, MapTable, META};
 
 /// One metadata change, as logged.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -224,6 +224,8 @@ impl State {
                     return Err(Error::corrupt(format!("volume id {volume} created twice")));
                 }
                 let map = MapTable::new();
+                self.alloc.counts.volumes += 1;
+                self.alloc.counts.name_bytes += name.len() as u64;
                 self.volumes.insert(volume, VolumeMeta { name, snapshot: false, size, created, map });
                 self.next_volume = self.next_volume.max(volume + 1);
             }
@@ -241,6 +243,8 @@ impl State {
                     )));
                 }
                 let map = src.map.share(&mut self.alloc);
+                self.alloc.counts.volumes += 1;
+                self.alloc.counts.name_bytes += name.len() as u64;
                 self.volumes.insert(target, VolumeMeta { name, snapshot, size, created, map });
                 self.next_volume = self.next_volume.max(target + 1);
             }
@@ -250,6 +254,8 @@ impl State {
                     .remove(&volume)
                     .ok_or_else(|| Error::corrupt(format!("log deletes unknown volume {volume}")))?;
                 vol.map.release_all(&mut self.alloc);
+                self.alloc.counts.volumes -= 1;
+                self.alloc.counts.name_bytes -= vol.name.len() as u64;
             }
             Record::VolumeResize { volume, size } => {
                 let vol = self
@@ -316,17 +322,25 @@ impl State {
                 w.push(REC_PAGE, &[head.as_bytes(), &body])?;
             }
         }
+        // Refcount records fill what room the current chunk has left (up to a record's
+        // largest body), so that they waste at most one entry per chunk: the bound on a
+        // checkpoint's size (`checkpoint_bytes_bound`) counts on it.
         let mut refcounts = 0u64;
         let mut body = Vec::new();
+        let entry = size_of::<RefcountEntry>();
+        let room = |w: &ChunkWriter<'_, '_>| {
+            (w.limit - w.chunk.len()).saturating_sub(size_of::<RecordHeader>()).min(u16::MAX as usize) / entry * entry
+        };
         for (u, r) in self.alloc.nonzero_refcounts() {
             if r != META && !self.alloc.cow_inflight.contains(&u) {
+                if body.is_empty() && room(&w) < entry {
+                    w.make_room(size_of::<RecordHeader>() + entry)?;
+                }
                 body.extend_from_slice(
                     RefcountEntry { unit: (u as u64).into(), refcount: r.into(), pad: 0.into() }.as_bytes(),
                 );
                 refcounts += 1;
-                if body.len() + 2 * size_of::<RefcountEntry>() + size_of::<RecordHeader>()
-                    > w.limit.min(u16::MAX as usize)
-                {
+                if body.len() + entry > room(&w) {
                     w.push(REC_REFCOUNTS, &[&body])?;
                     body.clear();
                 }
@@ -348,6 +362,39 @@ impl State {
         (w.emit)(&w.chunk, true)?;
         Ok(chunks)
     }
+}
+
+/// The largest checkpoint record but refcount records: a full mapping page.
+const LARGEST_RECORD: u64 =
+    (size_of::<RecordHeader>() + size_of::<PageRec>() + PAGE_ENTRIES * size_of::<PageEntry>()) as u64;
+
+/// Bytes of records a checkpoint of metadata counted as `c`, with `refcounts` refcount
+/// entries, takes at most ([`State::encode_checkpoint`]): one record per volume and per
+/// distinct page (16 bytes per entry), one page reference per further table holding a
+/// page, 16 bytes per refcount entry with a record header per 4 KiB of them and two more
+/// per chunk they may end (a refcount record fills the room its chunk has left), and
+/// the pool and end records.
+pub(crate) fn checkpoint_bytes_bound(c: &MetaCounts, refcounts: u64) -> u64 {
+    let hdr = size_of::<RecordHeader>() as u64;
+    let refcount_bytes = refcounts * size_of::<RefcountEntry>() as u64;
+    (hdr + size_of::<PoolRec>() as u64)
+        + c.volumes * (hdr + size_of::<VolumeRec>() as u64)
+        + c.name_bytes
+        + c.pages * (hdr + size_of::<PageRec>() as u64)
+        + c.entries * size_of::<PageEntry>() as u64
+        + c.page_refs.saturating_sub(c.pages) * (hdr + size_of::<PageRefRec>() as u64)
+        + refcount_bytes
+        + hdr * (2 * refcount_bytes.div_ceil(4096) + 2)
+        + (hdr + size_of::<EndRec>() as u64)
+}
+
+/// Chunks (data units of `unit_size` bytes) a checkpoint of `bytes` bytes of records
+/// takes at most: every chunk but the last is handed on only when the next record does
+/// not fit, so it holds more than its payload less the largest record (refcount
+/// records, which fill what is left, waste less).
+pub(crate) fn checkpoint_units_bound(bytes: u64, unit_size: u64) -> u64 {
+    let fill = unit_size - size_of::<ChunkHeader>() as u64 - LARGEST_RECORD;
+    bytes.div_ceil(fill) + 1
 }
 
 /// Receives checkpoint chunk payloads in order: `(payload, last)`.
@@ -790,6 +837,8 @@ fn load_from(read: &mut ReadAt<'_>, sb: Superblock, geo: Geometry, later_commits
         }
     }
     drop(derived);
+    // Kept up to date through replay by the table changes and the records below.
+    alloc.counts = MetaCounts::of(volumes.values().map(|v| (&v.map, v.name.len())));
     let mut state = State { volumes, next_volume, alloc, unit_size: geo.unit_size };
     // Replay the log.
     let version = sb.version.get();
@@ -1060,6 +1109,79 @@ pub(crate) fn encode_batches(records: &[u8], first_seq: u64, pool_tag: u64) -> R
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Random states, each of volumes, snapshots and clones of them with mapping pages
+    /// from empty to full and names up to the longest: the checkpoint never takes more
+    /// chunks than the bound the room for metadata is sized by, for every unit size.
+    #[test]
+    fn a_checkpoint_never_takes_more_chunks_than_its_bound() {
+        let mut rng = crate::testing::Rng::new(0x5eed_c0de);
+        for round in 0..300 {
+            let unit_size = [16u64 << 10, 32 << 10, 64 << 10, 128 << 10][round % 4];
+            let units = 1 << 16;
+            let mut st = State {
+                volumes: BTreeMap::new(),
+                next_volume: 1,
+                alloc: Allocator::new(units),
+                unit_size,
+            };
+            // Every fourth round the worst case: full pages only, each record a little
+            // more than half a 16 KiB chunk, so that every chunk holds one.
+            let dense = round % 8 < 2;
+            let tables = if dense { 1 } else { 1 + rng.below(6) as usize };
+            for t in 0..tables {
+                let name_len = 1 + rng.below(257) as usize;
+                let map = if t > 0 && rng.chance(50) {
+                    let src = st.volumes.values().next().expect("a volume").map.share(&mut st.alloc);
+                    src
+                } else {
+                    let mut map = MapTable::new();
+                    for k in 0..if dense { 40 } else { rng.below(12) } {
+                        let page = if dense { k } else { rng.below(40) };
+                        let fill = if dense { 512 } else { [1, 8, 100, 512][rng.index(4)] };
+                        for i in 0..fill {
+                            let lunit = page * PAGE_ENTRIES as u64 + (i * 7919 + rng.below(3)) % PAGE_ENTRIES as u64;
+                            if map.get(lunit).is_mapped() {
+                                continue;
+                            }
+                            let Some(p) = st.alloc.alloc() else { break };
+                            map.set(lunit, Entry { punit: p, bitmap: 1 }, &mut st.alloc);
+                        }
+                    }
+                    map
+                };
+                st.alloc.counts.volumes += 1;
+                st.alloc.counts.name_bytes += name_len as u64;
+                let name = "n".repeat(name_len);
+                st.volumes.insert(t as u64 + 1, VolumeMeta { name, snapshot: false, size: 1 << 40, created: 0, map });
+            }
+            // A shared table changed after the share copies pages.
+            if let Some(v) = st.volumes.values_mut().last().filter(|_| !dense) {
+                for lunit in (0..40 * PAGE_ENTRIES as u64).step_by(997) {
+                    if v.map.get(lunit).is_mapped() {
+                        v.map.set(lunit, Entry::EMPTY, &mut st.alloc);
+                    }
+                }
+            }
+            assert_eq!(
+                st.alloc.counts,
+                MetaCounts::of(st.volumes.values().map(|v| (&v.map, v.name.len()))),
+                "counts kept by the table changes"
+            );
+            let payload = unit_size as usize - size_of::<ChunkHeader>();
+            let (mut chunks, mut bytes) = (0u64, 0u64);
+            st.encode_checkpoint(payload, &mut |body, _| {
+                chunks += 1;
+                bytes += body.len() as u64;
+                Ok(())
+            })
+            .unwrap();
+            let bound_bytes = checkpoint_bytes_bound(&st.alloc.counts, st.alloc.used);
+            let bound = checkpoint_units_bound(bound_bytes, unit_size);
+            assert!(bytes <= bound_bytes, "round {round}: {bytes} bytes of records, bound {bound_bytes}");
+            assert!(chunks <= bound, "round {round}: {chunks} chunks of {unit_size} bytes, bound {bound}");
+        }
+    }
 
     #[test]
     fn records_round_trip() {

@@ -345,14 +345,16 @@ impl MapTable {
                 return Entry::EMPTY;
             }
             *slot = Some(Arc::new(MapPage::new()));
+            a.counts.pages += 1;
+            a.counts.page_refs += 1;
         }
         let held = slot.as_ref().expect("page present");
         // Under the allocator lock, no other table changes this page's owners meanwhile.
         if held.is_shared() {
             let copy = (**held).clone();
             copy.units().for_each(|u| a.incref(u));
-            // The copy's bytes in the next checkpoint: 16 per entry, 64 for its record.
-            a.meta_growth += 16 * u64::from(copy.mapped) + 64;
+            a.counts.pages += 1;
+            a.counts.entries += u64::from(copy.mapped);
             held.owners.fetch_sub(1, Ordering::AcqRel);
             *slot = Some(Arc::new(copy));
         }
@@ -361,12 +363,20 @@ impl MapTable {
         let page = Arc::make_mut(slot.as_mut().expect("page present"));
         let old = std::mem::replace(&mut page.entries[i], e);
         match (old.is_mapped(), e.is_mapped()) {
-            (false, true) => page.mapped += 1,
-            (true, false) => page.mapped -= 1,
+            (false, true) => {
+                page.mapped += 1;
+                a.counts.entries += 1;
+            }
+            (true, false) => {
+                page.mapped -= 1;
+                a.counts.entries -= 1;
+            }
             _ => {}
         }
         if page.mapped == 0 {
             self.clear_slot(p);
+            a.counts.pages -= 1;
+            a.counts.page_refs -= 1;
         }
         old
     }
@@ -405,10 +415,13 @@ impl MapTable {
     pub fn release_all(&mut self, a: &mut Allocator) {
         for leaf in self.leaves.drain(..).flatten() {
             for page in leaf.into_iter().flatten() {
+                a.counts.page_refs -= 1;
                 match page.owners.load(Ordering::Acquire) {
                     1 => {
                         page.owners.store(0, Ordering::Release);
                         page.units().for_each(|u| a.decref(u));
+                        a.counts.pages -= 1;
+                        a.counts.entries -= u64::from(page.mapped);
                     }
                     n => {
                         if n == 2 {
@@ -426,7 +439,8 @@ impl MapTable {
     /// and clones. Costs the leaves (4 KiB per 512 pages). The caller holds back writes
     /// to this table meanwhile (the volume's gate): a page becomes shared only while no
     /// write may be going in place into it.
-    pub fn share(&self, _a: &mut Allocator) -> MapTable {
+    pub fn share(&self, a: &mut Allocator) -> MapTable {
+        let mut held = 0;
         let leaves = self
             .leaves
             .iter()
@@ -435,12 +449,14 @@ impl MapTable {
                     Box::new(std::array::from_fn(|i| {
                         leaf[i].as_ref().map(|page| {
                             page.owners.fetch_add(1, Ordering::AcqRel);
+                            held += 1;
                             page.clone()
                         })
                     }))
                 })
             })
             .collect();
+        a.counts.page_refs += held;
         MapTable { leaves }
     }
 }
@@ -491,18 +507,72 @@ pub struct Allocator {
     settling: Arc<StripedCounts>,
     /// Units with refcount > 0 (data).
     pub used: u64,
-    /// Units holding checkpoint metadata.
+    /// Units holding checkpoint metadata (the current checkpoint's, and those a
+    /// checkpoint being written holds).
     pub meta: u64,
-    /// Bytes by which the next checkpoint may exceed the last one: 32 per data unit
-    /// allocated (a page entry and a refcount entry), every entry of a mapping page
-    /// copied when it stopped being shared, and the page references of new snapshots
-    /// and clones. Never decreased between checkpoints (an upper bound); a checkpoint
-    /// subtracts what it captured once it is durable.
-    pub meta_growth: u64,
-    /// Volumes and snapshots deleted since the last checkpoint: each makes the next
-    /// checkpoint smaller than the last (its record and page references go), which
-    /// `meta` and `meta_growth` do not show. A checkpoint subtracts what it captured.
-    pub meta_shrinks: u64,
+    /// What a checkpoint of the metadata would hold, kept up to date by every change
+    /// of the tables ([`MapTable::set`], [`MapTable::share`], [`MapTable::release_all`])
+    /// and of the volume list (the pool): the basis of the bound on its size.
+    pub counts: MetaCounts,
+    /// Units set aside for checkpoints, in no table and not in the free set: data never
+    /// takes them. Each is *backed*: the pool file holds blocks for all of it (written,
+    /// or a block device), so a checkpoint written there never needs room from the host
+    /// file system. Taken from the front and given back at the back, so that the units
+    /// of the last checkpoint, which the older superblock slot still names, are the last
+    /// to be written over (a rollback to that slot then still finds them).
+    pub spare: std::collections::VecDeque<u32>,
+    /// Units of the checkpoint that will be current once the one being written (if
+    /// any) is durable: the current checkpoint's otherwise.
+    pub checkpoint_units: u64,
+    /// Checkpoint bytes that changes in flight will add when they finish (a copy on
+    /// write installs its unit, maybe copying a mapping page), counted when they began.
+    pub pending_growth: u64,
+    /// Free units known to be backed (given back from the spare): the first to take
+    /// when the spare must grow. May name units taken since; check before use.
+    pub backed_free: Vec<u32>,
+}
+
+/// What a checkpoint of the metadata holds, counted: enough to bound its size in bytes
+/// (`journal::checkpoint_bytes_bound`). Refcount entries are one per used unit
+/// ([`Allocator::used`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MetaCounts {
+    /// Volumes and snapshots.
+    pub volumes: u64,
+    /// Bytes of their names.
+    pub name_bytes: u64,
+    /// Distinct mapping pages (a page several tables hold counts once).
+    pub pages: u64,
+    /// Pages held, counted once per table holding each.
+    pub page_refs: u64,
+    /// Mapped entries of the distinct pages.
+    pub entries: u64,
+}
+
+impl MetaCounts {
+    /// The same counts with `volumes` volumes of `name_bytes` bytes of names.
+    pub fn with_volumes(self, volumes: u64, name_bytes: u64) -> MetaCounts {
+        MetaCounts { volumes, name_bytes, ..self }
+    }
+
+    /// The counts of `tables` (each a volume's or snapshot's table, with its name's
+    /// length): walks every page once.
+    pub fn of<'a>(tables: impl IntoIterator<Item = (&'a MapTable, usize)>) -> MetaCounts {
+        let mut c = MetaCounts::default();
+        let mut seen: std::collections::HashSet<*const MapPage> = Default::default();
+        for (map, name_len) in tables {
+            c.volumes += 1;
+            c.name_bytes += name_len as u64;
+            for (_, page) in map.pages() {
+                c.page_refs += 1;
+                if seen.insert(Arc::as_ptr(page)) {
+                    c.pages += 1;
+                    c.entries += u64::from(page.mapped);
+                }
+            }
+        }
+        c
+    }
 }
 
 impl Allocator {
@@ -525,8 +595,11 @@ impl Allocator {
             settling: Arc::new(StripedCounts::new()),
             used: 0,
             meta: 0,
-            meta_growth: 0,
-            meta_shrinks: 0,
+            counts: MetaCounts::default(),
+            spare: Default::default(),
+            checkpoint_units: 0,
+            pending_growth: 0,
+            backed_free: Vec::new(),
         }
     }
 
@@ -637,33 +710,104 @@ impl Allocator {
         None
     }
 
-    /// Allocates a data unit with refcount 1, keeping `reserve` units free for
-    /// metadata. `None` when the pool is full.
-    pub fn alloc(&mut self, reserve: u64) -> Option<u32> {
-        if self.free_count <= reserve {
-            return None;
-        }
-        let u = self.take_free()?;
+    /// Allocates a data unit with refcount 1 from the free set (never the spare).
+    /// `None` when the free set is empty. Whether the metadata it adds has room is the
+    /// caller's check (the pool's).
+    pub fn alloc(&mut self) -> Option<u32> {
+        // A unit known to be backed first: writing it needs no room from the host.
+        let u = match self.take_backed() {
+            Some(u) => u,
+            None => self.take_free()?,
+        };
         self.set_rc(u, 1);
         self.used += 1;
-        self.meta_growth += 32;
         Some(u)
     }
 
-    /// Allocates a unit for checkpoint metadata (may dip into the reserve).
+    /// Takes a unit out of the free set for the spare (or for backing it first):
+    /// preferably one known to be backed. `None` when the free set is empty; the flag
+    /// says whether the unit is known to be backed.
+    pub fn take_for_spare(&mut self) -> Option<(u32, bool)> {
+        match self.take_backed() {
+            Some(u) => Some((u, true)),
+            None => self.take_free().map(|u| (u, false)),
+        }
+    }
+
+    /// Takes a free unit of `backed_free` out of the free set, if one is still free.
+    fn take_backed(&mut self) -> Option<u32> {
+        while let Some(u) = self.backed_free.pop() {
+            let (w, b) = (u as usize / 64, u % 64);
+            if self.free_bits[w] & (1 << b) != 0 {
+                self.free_bits[w] &= !(1 << b);
+                self.free_count -= 1;
+                return Some(u);
+            }
+        }
+        None
+    }
+
+    /// Notes that the free unit `u` is known to be backed (if it is free).
+    pub fn note_backed(&mut self, u: u32) {
+        let (w, b) = (u as usize / 64, u % 64);
+        if self.free_bits[w] & (1 << b) != 0 {
+            self.backed_free.push(u);
+        }
+    }
+
+    /// Takes the free unit `u` out of the free set, if it is in it.
+    pub fn take_unit(&mut self, u: u32) -> bool {
+        let (w, b) = (u as usize / 64, u % 64);
+        if self.rc(u) != 0 || self.free_bits[w] & (1 << b) == 0 {
+            return false;
+        }
+        self.free_bits[w] &= !(1 << b);
+        self.free_count -= 1;
+        true
+    }
+
+    /// Gives back to the free set a unit taken by [`Self::take_for_spare`] or
+    /// [`Self::take_unit`] that did not go to the spare; `backed` if it is known to be.
+    pub fn untake(&mut self, u: u32, backed: bool) {
+        self.set_free(u);
+        if backed {
+            self.backed_free.push(u);
+        }
+    }
+
+    /// Moves `n` units of the spare (at most all) back to the free set.
+    pub fn shrink_spare(&mut self, n: usize) {
+        for _ in 0..n.min(self.spare.len()) {
+            let u = self.spare.pop_front().expect("a spare unit");
+            self.untake(u, true);
+        }
+    }
+
+    /// Takes a unit of the spare for checkpoint metadata. `None` when the spare is empty.
     pub fn alloc_meta(&mut self) -> Option<u32> {
+        let u = self.spare.pop_front()?;
+        self.set_rc(u, META);
+        self.meta += 1;
+        Some(u)
+    }
+
+    /// Takes a free unit for checkpoint metadata when the spare has none left (the
+    /// bound on a checkpoint's size is meant to make this unneeded): it may not be
+    /// backed. `None` when the free set is empty too.
+    pub fn alloc_meta_from_free(&mut self) -> Option<u32> {
         let u = self.take_free()?;
         self.set_rc(u, META);
         self.meta += 1;
         Some(u)
     }
 
-    /// Frees a checkpoint unit once no durable superblock refers to it.
-    pub fn free_meta(&mut self, u: u32) {
+    /// Gives a checkpoint unit back to the spare once no durable superblock refers to
+    /// it (or its checkpoint was not written): it stays backed.
+    pub fn retire_meta(&mut self, u: u32) {
         debug_assert_eq!(self.rc(u), META);
         self.set_rc(u, 0);
         self.meta -= 1;
-        self.set_free(u);
+        self.spare.push_back(u);
     }
 
     /// One more reference to a data unit (a replayed mapping, or sharing).
@@ -763,7 +907,7 @@ mod tests {
     fn map_table_pages_appear_and_vanish() {
         let mut a = Allocator::new(16);
         let settling = a.settling_table();
-        let (u7, u8) = (a.alloc(0).unwrap(), a.alloc(0).unwrap());
+        let (u7, u8) = (a.alloc().unwrap(), a.alloc().unwrap());
         let mut t = MapTable::new();
         assert_eq!(t.get(1500), Entry::EMPTY);
         t.set(1500, Entry { punit: u7, bitmap: 1 }, &mut a);
@@ -819,7 +963,7 @@ mod tests {
         let table = a.refcount_table();
         assert_eq!((a.refcount(2), a.refcount(3)), (300, META));
         assert!(table.is_shared(2) && !table.is_shared(3) && !table.is_exclusive(3));
-        let u = a.alloc(0).unwrap();
+        let u = a.alloc().unwrap();
         for _ in 0..299 {
             a.incref(u);
         }
@@ -838,7 +982,7 @@ mod tests {
     fn allocator_holds_frees_until_released() {
         let pins = StripedCounts::new();
         let mut a = Allocator::from_refcounts(vec![0; 4]);
-        let u = a.alloc(0).unwrap();
+        let u = a.alloc().unwrap();
         assert_eq!(a.free_count(), 3);
         a.decref(u);
         assert_eq!(a.free_count(), 3, "not free until durable");
@@ -850,14 +994,45 @@ mod tests {
         pins.sub(u);
         a.release_pending(PendingMark { free: 1, settle: 0 }, &pins);
         assert_eq!(a.free_count(), 4);
-        assert_eq!(a.alloc(4), None, "the reserve is kept");
+        let (spare, backed) = a.take_for_spare().unwrap();
+        assert!(!backed, "nothing is known to be backed yet");
+        a.spare.push_back(spare);
+        assert!((0..3).all(|_| a.alloc().is_some()));
+        assert_eq!(a.alloc(), None, "data never takes the spare");
+        let m = a.alloc_meta().unwrap();
+        assert_eq!((m, a.meta, a.spare.len()), (spare, 1, 0));
+        a.retire_meta(m);
+        a.shrink_spare(1);
+        assert_eq!(a.take_for_spare(), Some((spare, true)), "given back by the spare: known to be backed");
+    }
+
+    #[test]
+    fn counts_follow_pages_entries_and_shares() {
+        let mut a = Allocator::new(64);
+        let mut t = MapTable::new();
+        for l in [0u64, 1, 600] {
+            let p = a.alloc().unwrap();
+            t.set(l, Entry { punit: p, bitmap: 1 }, &mut a);
+        }
+        let want = |pages, page_refs, entries| MetaCounts { volumes: 0, name_bytes: 0, pages, page_refs, entries };
+        assert_eq!(a.counts, want(2, 2, 3));
+        let mut s = t.share(&mut a);
+        assert_eq!(a.counts, want(2, 4, 3), "a share adds references, not pages");
+        let old = s.set(1, Entry::EMPTY, &mut a);
+        a.decref(old.punit);
+        assert_eq!(a.counts, want(3, 4, 4), "the copy is a page of its own, with one entry fewer than the original");
+        assert_eq!(a.counts, MetaCounts::of([(&t, 0), (&s, 0)]).with_volumes(0, 0));
+        s.release_all(&mut a);
+        assert_eq!(a.counts, want(2, 2, 3));
+        t.release_all(&mut a);
+        assert_eq!(a.counts, want(0, 0, 0));
     }
 
     #[test]
     fn a_unit_left_to_one_owner_settles_only_when_durable() {
         let pins = StripedCounts::new();
         let mut a = Allocator::from_refcounts(vec![0; 4]);
-        let u = a.alloc(0).unwrap();
+        let u = a.alloc().unwrap();
         a.incref(u);
         let settling = a.settling_table();
         a.decref(u);

@@ -49,6 +49,7 @@ use crate::format::*;
 use crate::io::{self, AlignedBuf, Dir, IoOptions, IoRing, Segment};
 use crate::journal::{self, Geometry, LogCursor, Record, State, VolumeMeta};
 use crate::meta::{Allocator, MapTable, PendingMark, RefcountTable, StripedCounts};
+use crate::room::{self, NeedRoom, Tries};
 use crate::volume::{worker_gone, Volume};
 
 /// Default pool size for a newly created pool file: 64 GiB (sparse).
@@ -83,6 +84,10 @@ pub struct PoolOptions {
     /// on (on-disk-format.md 4.5). Off by default: such a pool is refused with
     /// [`ErrorKind::Corrupt`].
     pub accept_log_loss: bool,
+    /// Allocate every block of a pool file on the host file system (`fallocate`) at
+    /// create and at open, so that no write to the pool ever needs room from the host:
+    /// a thin pool on a thick file. Ignored for block devices, which need none.
+    pub preallocate: bool,
 }
 
 impl PoolOptions {
@@ -99,6 +104,7 @@ impl Default for PoolOptions {
             io: IoOptions::default(),
             accept_superblock_rollback: false,
             accept_log_loss: false,
+            preallocate: false,
         }
     }
 }
@@ -221,6 +227,9 @@ struct CommitQueue {
     checkpoint: bool,
     background: bool,
     shutdown: bool,
+    /// The spare should grow (room.rs); these wait for it.
+    grow: bool,
+    grow_waiters: Vec<oneshot::Sender<Result<(), ErrorKind>>>,
 }
 
 /// Committer-only state: the log cursor and the current superblock.
@@ -232,6 +241,14 @@ struct LogState {
 
 pub(crate) struct PoolInner {
     pub path: PathBuf,
+    /// The pool file or device (for what the ring does not do: its holes, its room).
+    pub file: Arc<File>,
+    /// Every unit is backed by blocks of the host (a block device, or a preallocated
+    /// file): the spare needs no writes to back it (room.rs).
+    pub backed_all: AtomicBool,
+    /// The host file system refused room for a write (ENOSPC): allocations look for
+    /// units the pool file already holds blocks for (room.rs) until it has room again.
+    pub host_full: AtomicBool,
     pub ring: IoRing,
     pub direct: bool,
     pub geo: Geometry,
@@ -300,19 +317,14 @@ fn now() -> u32 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs() as u32).unwrap_or(0)
 }
 
-/// Checkpoint bytes a chunk of a `unit_size`-byte unit is sure to hold: records never
-/// span chunks, so a chunk may end short by up to the largest record, a full mapping
-/// page (with 16 KiB units, half the payload).
-fn chunk_fill(unit_size: u64) -> u64 {
-    let largest = size_of::<RecordHeader>() + size_of::<PageRec>() + PAGE_ENTRIES * size_of::<PageEntry>();
-    unit_size - size_of::<ChunkHeader>() as u64 - largest as u64
-}
-
-/// An estimate in units of a checkpoint's size from the pool's use: 72 bytes per used
-/// unit (a 16-byte page entry, a 16-byte refcount entry and up to a 36-byte framed page
-/// header if every unit sits in its own page, rounded up) and 256 bytes per volume.
-fn checkpoint_estimate(used: u64, volumes: u64, unit_size: u64) -> u64 {
-    (used * 72 + volumes * 256 + 4096).div_ceil(chunk_fill(unit_size))
+/// The error of a change whose metadata finds no room: the pool (or the host file
+/// system under it) is full.
+fn metadata_full() -> Error {
+    Error::new(
+        ErrorKind::NoSpace,
+        "the pool is too full for the metadata this change adds (its next checkpoints must fit); \
+         delete snapshots or volumes to free space",
+    )
 }
 
 /// Refuses a new volume `name` while snapshots of a deleted volume of that name remain
@@ -513,13 +525,98 @@ pub fn check(path: &Path) -> Result<CheckReport> {
     Ok(CheckReport { problems, warnings, summary })
 }
 
+/// One refcount [`repair`] changed: `(data unit, refcount found, refcount now)`, the
+/// latter the number of distinct mapping pages that map the unit.
+pub type RefcountRepair = (u32, u32, u32);
+
+/// What [`repair`] did.
+#[derive(Debug, Clone)]
+pub struct RepairReport {
+    /// Each refcount changed, in ascending unit order. Empty: nothing needed repair.
+    pub changed: Vec<RefcountRepair>,
+    /// Units referenced by no mapping that were held as used (leaked): free now.
+    pub freed: u64,
+    /// The summary of [`check`] on the repaired pool.
+    pub summary: String,
+}
+
+/// Repairs a stopped pool whose refcounts disagree with its mappings (what `check`
+/// reports as refcount mismatches, and open refuses): loads it as open does, rebuilds
+/// every refcount from the mappings (the number of distinct mapping pages that map
+/// each unit) and the free set from those, and writes a fresh checkpoint. Each change
+/// is in the report. The mappings are the source of truth and are not changed; a
+/// pool whose mappings or records are damaged is refused, and so is one `check`
+/// finds nothing wrong with (nothing is written then).
+///
+/// Errors: [`ErrorKind::Corrupt`] when the pool does not load or its mappings are
+/// damaged (the message says so: a repair cannot fix those); [`ErrorKind::InUse`] when
+/// a server has it open; [`ErrorKind::Io`].
+pub fn repair(path: &Path) -> Result<RepairReport> {
+    let before = check(path)?;
+    let mut changed = Vec::new();
+    if !before.problems.is_empty() {
+        let pool = Pool::open_inner(path, &IoOptions::default(), journal::Accept::default(), false, Some(&mut changed))
+            .map_err(|e| e.op("repair pool"))?;
+        pool.close().map_err(|e| e.op("repair pool"))?;
+    }
+    let after = check(path)?;
+    if let Some(p) = after.problems.first() {
+        return Err(Error::corrupt(format!(
+            "{p} ({} problem(s) left that a repair of the refcounts cannot fix)",
+            after.problems.len()
+        ))
+        .op("repair pool"));
+    }
+    let freed = changed.iter().filter(|(_, _, now)| *now == 0).count() as u64;
+    Ok(RepairReport { changed, freed, summary: after.summary })
+}
+
+/// Replaces the refcounts of `st` (a loaded pool, its log replayed) by those its
+/// mappings imply, and its free set by what follows from them; returns each change.
+///
+/// Errors: [`ErrorKind::Corrupt`] when a mapped unit is also a unit of the checkpoint
+/// (`checkpoint_units`): the mappings are damaged.
+fn rebuild_refcounts(st: &mut State, checkpoint_units: &[u32]) -> Result<Vec<RefcountRepair>> {
+    let units = st.alloc.unit_count() as usize;
+    let derived = journal::derive_refcounts(st.volumes.values().map(|v| &v.map), units);
+    let mut changed = Vec::new();
+    for u in 0..units as u32 {
+        let (found, should) = (st.alloc.refcount(u), derived.refcount(u));
+        if found == crate::meta::META {
+            if should > 0 {
+                return Err(Error::corrupt(format!(
+                    "data unit {u} is mapped and holds the checkpoint: the mappings are damaged, and a repair \
+                     rebuilds only what derives from them: restore the pool from a copy"
+                )));
+            }
+        } else if found != should {
+            changed.push((u, found, should));
+        }
+    }
+    if !changed.is_empty() {
+        let mut a = Allocator::new(units);
+        for &u in checkpoint_units {
+            a.set_loaded(u, crate::meta::META);
+        }
+        for (u, r) in derived.nonzero_refcounts() {
+            a.set_loaded(u, r);
+        }
+        a.counts = st.alloc.counts;
+        st.alloc = a;
+        for &(u, found, should) in &changed {
+            tracing::warn!(unit = u, found, now = should, "repaired the refcount of a data unit");
+        }
+    }
+    Ok(changed)
+}
+
 impl Pool {
     /// Opens the pool at `path`, or creates it with `opts` if the file does not exist.
     ///
     /// Errors: see [`Pool::open`] and [`Pool::create`].
     pub fn open_or_create(path: &Path, opts: &PoolOptions) -> Result<Pool> {
         if path.exists() {
-            Pool::open_inner(path, &opts.io, opts.accept())
+            Pool::open_inner(path, &opts.io, opts.accept(), opts.preallocate, None)
         } else {
             Pool::create(path, opts)
         }
@@ -531,7 +628,7 @@ impl Pool {
     ///
     /// Errors: as [`Pool::open`] and [`Pool::create`].
     pub fn open_or_format_device(path: &Path, opts: &PoolOptions) -> Result<Pool> {
-        match Pool::open_inner(path, &opts.io, opts.accept()) {
+        match Pool::open_inner(path, &opts.io, opts.accept(), opts.preallocate, None) {
             Err(e)
                 if e.kind() == ErrorKind::Corrupt
                     && e.message().matches("superblock magic is missing").count() == 2 =>
@@ -649,10 +746,20 @@ impl Pool {
         let file = Arc::new(file);
         let ring = IoRing::new(file.clone(), 256, &IoOptions::default())
             .map_err(|e| discard(Error::io("set up io_uring", e)))?;
-        // Zero the first log block so no stale batch of a former pool can look current,
-        // then write both superblock slots (generations 0 and 1).
+        // Zero the log, so that no stale batch of a former pool can look current and
+        // the host file system holds blocks for all of it (a log write never needs room
+        // there), then write both superblock slots (generations 0 and 1).
         let formatted = (|| {
-            write_blocks(&ring, LOG_OFFSET, &[0u8; BLOCK_SIZE as usize])?;
+            if opts.preallocate && !is_dev {
+                io::allocate(&file, 0, size).map_err(|e| Error::io("preallocate the pool file", e))?;
+            }
+            let zeros = AlignedBuf::zeroed(1 << 20);
+            let mut at = LOG_OFFSET;
+            while at < LOG_OFFSET + log_size {
+                let len = (LOG_OFFSET + log_size - at).min(1 << 20);
+                write_blocks(&ring, at, &zeros.full()[..len as usize])?;
+                at += len;
+            }
             for g in 0..2u64 {
                 sb.generation = g.into();
                 sb.crc = sb.compute_crc().into();
@@ -675,7 +782,7 @@ impl Pool {
         }
         drop(file); // releases the lock for open()
         tracing::info!(path = %path.display(), size, unit_size = unit, "created pool");
-        Pool::open_with(path, &opts.io)
+        Pool::open_inner(path, &opts.io, journal::Accept::default(), opts.preallocate, None)
     }
 
     /// Opens an existing pool: reads the superblock and checkpoint, replays the log.
@@ -694,14 +801,27 @@ impl Pool {
     ///
     /// Errors: as [`Pool::open`].
     pub fn open_with(path: &Path, io: &IoOptions) -> Result<Pool> {
-        Pool::open_inner(path, io, journal::Accept::default())
+        Pool::open_inner(path, io, journal::Accept::default(), false, None)
     }
 
-    fn open_inner(path: &Path, io: &IoOptions, accept: journal::Accept) -> Result<Pool> {
+    /// Opens the pool; with `repair`, rebuilds its refcounts from its mappings first
+    /// (instead of refusing a pool whose refcounts disagree with them) and lists each
+    /// change there: [`repair`].
+    fn open_inner(
+        path: &Path,
+        io: &IoOptions,
+        accept: journal::Accept,
+        preallocate: bool,
+        repair: Option<&mut Vec<RefcountRepair>>,
+    ) -> Result<Pool> {
         let (file, direct) =
             io::open_pool_file(path, false).map_err(|e| Error::io(format!("open {}", path.display()), e))?;
         lock(&file, true, path)?;
         let size = io::device_size(&file).map_err(|e| Error::io("size of pool", e))?;
+        let is_dev = {
+            use std::os::unix::fs::FileTypeExt;
+            file.metadata().map_err(|e| Error::io("stat pool", e))?.file_type().is_block_device()
+        };
         let mut bytes_read = 0u64;
         let loaded = {
             let plain = File::open(path).map_err(|e| Error::io(format!("open {}", path.display()), e))?;
@@ -715,28 +835,47 @@ impl Pool {
         for w in loaded.superblock_warning.iter().chain(loaded.log_warning.iter()) {
             tracing::warn!(path = %path.display(), "{w}");
         }
+        let mut loaded = loaded;
         let damaged = volume_problems(&loaded.state, loaded.geo.blocks_per_unit());
         if let Some(first) = damaged.first() {
+            let what = if repair.is_some() {
+                "; the mappings themselves are damaged, and a repair rebuilds only what derives from them: \
+                 restore the pool from a copy"
+            } else {
+                "; run `ferrovol check`"
+            };
             return Err(Error::corrupt(format!(
-                "{first} ({} problem(s) in the volumes' records); run `ferrovol check`",
+                "{first} ({} problem(s) in the volumes' records){what}",
                 damaged.len()
             ))
             .op("open pool"));
         }
-        if let Some((u, stored, derived)) = loaded.refcount_mismatches.first() {
+        if let Some(changes) = repair {
+            *changes = rebuild_refcounts(&mut loaded.state, &loaded.checkpoint_units)?;
+        } else if let Some((u, stored, derived)) = loaded.refcount_mismatches.first() {
             return Err(Error::corrupt(format!(
-                "checkpoint refcount of data unit {u} is {stored} but {derived} mapping pages reference it ({} mismatches); run `ferrovol check`",
+                "checkpoint refcount of data unit {u} is {stored} but {derived} mapping pages reference it ({} mismatches); \
+                 stop the server and run `ferrovol check --repair`, which rebuilds the refcounts from the mappings",
                 loaded.refcount_mismatches.len()
             )));
         }
         if !direct {
             tracing::warn!(path = %path.display(), "file system refuses O_DIRECT; using buffered I/O");
         }
+        if preallocate && !is_dev {
+            io::allocate(&file, 0, size).map_err(|e| Error::io("preallocate the pool file", e).op("open pool"))?;
+        }
         let file = Arc::new(file);
         let ring = IoRing::new(file.clone(), 256, io).map_err(|e| Error::io("set up io_uring", e))?;
         let journal::Loaded { sb, geo, state, log, checkpoint_units, batches, highest_seq, .. } = loaded;
         let upgrade = sb.version.get() < FORMAT_VERSION;
-        let State { volumes, next_volume, alloc, .. } = state;
+        let State { volumes, next_volume, mut alloc, .. } = state;
+        debug_assert_eq!(
+            alloc.counts,
+            crate::meta::MetaCounts::of(volumes.values().map(|v| (&v.map, v.name.len()))),
+            "metadata counts kept through replay"
+        );
+        alloc.checkpoint_units = checkpoint_units.len() as u64;
         let vols = volumes
             .into_iter()
             .map(|(id, v)| {
@@ -748,6 +887,9 @@ impl Pool {
         tracing::info!(path = %path.display(), volumes = vols.len(), batches, bytes_read, direct, "opened pool");
         let inner = Arc::new(PoolInner {
             path: path.to_owned(),
+            file,
+            backed_all: AtomicBool::new(is_dev || preallocate),
+            host_full: AtomicBool::new(false),
             ring,
             direct,
             geo,
@@ -783,6 +925,8 @@ impl Pool {
         // the log region (after a rollback, those of the generation it dropped).
         // Replay then never reaches one.
         let jump = (inner.geo.log_size / BLOCK_SIZE + 1).max(highest_seq - log.seq + 1);
+        // The spare first: the checkpoint takes its units from it (room.rs).
+        inner.prepare_at_open().map_err(|e| e.op("open pool"))?;
         inner.checkpoint(jump).map_err(|e| e.op("open pool"))?;
         if upgrade {
             // The checkpoint wrote one slot in this build's format; write the other
@@ -808,17 +952,33 @@ impl Pool {
         validate_name(name).map_err(err)?;
         validate_size(size).map_err(err)?;
         self.inner.check_writable().map_err(err)?;
-        {
-            let mut vols = self.inner.volumes.write();
-            if vols.contains_key(name) {
-                return Err(err(Error::new(ErrorKind::AlreadyExists, "a volume of that name exists")));
+        let mut tries = Tries::default();
+        loop {
+            let need = {
+                let mut vols = self.inner.volumes.write();
+                if vols.contains_key(name) {
+                    return Err(err(Error::new(ErrorKind::AlreadyExists, "a volume of that name exists")));
+                }
+                check_no_orphan_snapshots(&vols, name).map_err(err)?;
+                let extra = room::volume_record_bytes(name.len());
+                let mut a = self.inner.alloc.lock();
+                if self.inner.has_room(&a, extra) {
+                    let id = self.inner.next_volume.fetch_add(1, Ordering::SeqCst);
+                    let created = now();
+                    let vs = VolState::new(id, name.to_owned(), false, created, size, MapTable::new());
+                    self.inner.log_record(&Record::Volume { volume: id, size, created, name: name.to_owned() });
+                    a.counts.volumes += 1;
+                    a.counts.name_bytes += name.len() as u64;
+                    self.inner.after_growth(&a);
+                    drop(a);
+                    vols.insert(name.to_owned(), Arc::new(vs));
+                    break;
+                }
+                NeedRoom { units: 0, extra }
+            };
+            if !self.inner.make_room(need, &mut tries).await.map_err(err)? {
+                return Err(err(metadata_full()));
             }
-            check_no_orphan_snapshots(&vols, name).map_err(err)?;
-            let id = self.inner.next_volume.fetch_add(1, Ordering::SeqCst);
-            let created = now();
-            let vs = VolState::new(id, name.to_owned(), false, created, size, MapTable::new());
-            self.inner.log_record(&Record::Volume { volume: id, size, created, name: name.to_owned() });
-            vols.insert(name.to_owned(), Arc::new(vs));
         }
         self.inner.commit().await.map_err(err)?;
         tracing::info!(volume = name, size, "created volume");
@@ -862,22 +1022,25 @@ impl Pool {
                 vols.remove(name).ok_or_else(|| err(Error::new(ErrorKind::NotFound, "no such volume or snapshot")))?;
             let mut map = vs.map.write();
             vs.deleted.store(true, Ordering::SeqCst);
+            // The record first: a commit that releases the settling marks and frees the
+            // release causes also carries it (on-disk-format.md 6.1 rules 2, 9, 12).
             self.inner.log_record(&Record::VolumeDelete { volume: vs.id });
             let mut alloc = self.inner.alloc.lock();
             map.release_all(&mut alloc);
-            alloc.meta_shrinks += 1;
+            alloc.counts.volumes -= 1;
+            alloc.counts.name_bytes -= vs.name.len() as u64;
+            self.inner.trim_spare(&mut alloc);
         }
         self.inner.commit().await.map_err(err)?;
         tracing::info!(name, op, "deleted");
-        // In a pool too full to allocate, the room the deleted metadata held comes back
-        // only with a checkpoint (until then the last one, still holding it, sets what
-        // is held back). A change that needs the room checkpoints by itself; this asks
-        // for one in the background as well, so that the room shows as free soon.
-        // Deletes made while it is pending share it: a burst of deletes costs one or
-        // two checkpoints, not one each.
+        // In a pool too full to allocate, the units the current checkpoint holds beyond
+        // what the next needs come back only with a checkpoint (room.rs). A change that
+        // needs them checkpoints by itself; this asks for one in the background as well,
+        // so that the room shows as free soon. Deletes made while it is pending share
+        // it: a burst of deletes costs one or two checkpoints, not one each.
         let tight = {
             let a = self.inner.alloc.lock();
-            a.free_count() <= self.inner.reserve(&a) && self.inner.checkpoint_frees_room(&a)
+            a.free_count() == 0 && self.inner.checkpoint_lowers_need(&a)
         };
         if tight {
             self.inner.request_checkpoint();
@@ -913,16 +1076,19 @@ impl Pool {
         self.inner.checkpoint_async().await.map_err(|e| e.op("checkpoint"))
     }
 
-    /// [`Self::share`]; if it finds no room for the metadata it adds only because
-    /// growth counted since the last checkpoint holds room back, checkpoints and tries
-    /// once more.
+    /// [`Self::share`], making room for the metadata it adds when it finds none
+    /// ([`PoolInner::make_room`]).
     async fn share_or_checkpoint(&self, source: &str, target: &str, snapshot: bool) -> Result<VolumeInfo> {
-        match self.share(source, target, snapshot).await {
-            Err(e) if e.kind() == ErrorKind::NoSpace && self.inner.checkpoint_frees_room(&self.inner.alloc.lock()) => {
-                self.inner.checkpoint_async().await?;
-                self.share(source, target, snapshot).await
+        let mut tries = Tries::default();
+        loop {
+            match self.share(source, target, snapshot).await? {
+                Ok(info) => return Ok(info),
+                Err(need) => {
+                    if !self.inner.make_room(need, &mut tries).await? {
+                        return Err(metadata_full());
+                    }
+                }
             }
-            r => r,
         }
     }
 
@@ -938,7 +1104,9 @@ impl Pool {
         self.share_or_checkpoint(source, name, false).await.map_err(err)
     }
 
-    async fn share(&self, source: &str, target: &str, snapshot: bool) -> Result<VolumeInfo> {
+    /// Shares `source` as `target`; `Ok(Err(need))` when the metadata it adds finds no
+    /// room (nothing changed).
+    async fn share(&self, source: &str, target: &str, snapshot: bool) -> Result<std::result::Result<VolumeInfo, NeedRoom>> {
         self.inner.check_writable()?;
         let src = self
             .inner
@@ -965,14 +1133,18 @@ impl Pool {
             }
             let map = src.map.read();
             // The new volume's record, and a reference to each page it shares.
-            let pages = map.pages().count() as u64;
-            let growth = 64 + target.len() as u64 + 24 * pages;
+            let extra = room::volume_record_bytes(target.len()) + room::PAGE_REF_BYTES * map.pages().count() as u64;
             let mut alloc = self.inner.alloc.lock();
-            self.inner.take_meta_room(&mut alloc, growth, vols.len() as u64 + 1)?;
+            if !self.inner.has_room(&alloc, extra) {
+                return Ok(Err(NeedRoom { units: 0, extra }));
+            }
             let id = self.inner.next_volume.fetch_add(1, Ordering::SeqCst);
             let created = now();
             let size = src.size.load(Ordering::SeqCst);
             let shared = map.share(&mut alloc);
+            alloc.counts.volumes += 1;
+            alloc.counts.name_bytes += target.len() as u64;
+            self.inner.after_growth(&alloc);
             drop(alloc);
             self.inner.log_record(&Record::Share {
                 source: src.id,
@@ -990,7 +1162,7 @@ impl Pool {
         drop(_quiet);
         self.inner.commit().await?;
         tracing::info!(source, target, snapshot, "shared");
-        self.volume_info(target)
+        self.volume_info(target).map(Ok)
     }
 
     /// Snapshots, of `volume` or of all volumes, sorted by name.
@@ -1139,7 +1311,7 @@ impl Pool {
             metadata: a.meta * us,
             free: (unit_count - a.used - a.meta) * us,
             freeing: a.pending_free.len() as u64 * us,
-            reserved: self.inner.reserve(&a).min(unit_count - a.used - a.meta) * us,
+            reserved: (a.spare.len() as u64).max(self.inner.spare_needed(&a, 0)).min(unit_count - a.used - a.meta) * us,
             unit_size: us as u32,
             volumes,
             direct_io: self.inner.direct,
@@ -1221,71 +1393,6 @@ impl PoolInner {
         }
     }
 
-    /// Units the next checkpoint may need, at most: the estimate from the pool's use,
-    /// or the last checkpoint (which also counts shared-page references and names) plus
-    /// what the state grew by since, whichever is larger.
-    fn checkpoint_need(&self, a: &Allocator, volumes: u64) -> u64 {
-        checkpoint_estimate(a.used, volumes, self.geo.unit_size).max(self.last_checkpoint_grown(a))
-    }
-
-    /// Units of the last checkpoint plus what the state grew by since (an upper bound).
-    fn last_checkpoint_grown(&self, a: &Allocator) -> u64 {
-        a.meta + a.meta_growth.div_ceil(chunk_fill(self.geo.unit_size))
-    }
-
-    /// Units an allocating write must leave free: three times what the next checkpoint
-    /// may need, plus slack. Two of them let each checkpoint be written while the last
-    /// one stays (until the new one is durable); the third is room, in a pool whose
-    /// data is full, for metadata that grows without allocating data: snapshots, and
-    /// trims that copy mapping pages shared with them ([`Self::take_meta_room`]).
-    pub fn reserve(&self, a: &Allocator) -> u64 {
-        3 * self.checkpoint_need(a, self.volumes_len_hint()) + 8
-    }
-
-    /// Counts `bytes` of metadata that a change adds without allocating data (a new
-    /// snapshot or clone, a trim that copies a shared mapping page), or refuses the
-    /// change if it could leave the pool unable to write its checkpoints. The next
-    /// checkpoint (`need` units, grown by `bytes`) is written beside the last one
-    /// (`meta` units); once it is durable the last one is freed, and what is then free
-    /// must hold the checkpoint after it, of the same size if nothing else changes:
-    /// `free - need + meta >= need`, with 4 units to spare. Without this, such changes
-    /// in a full pool grew the metadata until the pool closed cleanly and could never
-    /// be opened again.
-    ///
-    /// `volumes` is the number of volumes and snapshots after the change.
-    ///
-    /// Errors: [`ErrorKind::NoSpace`].
-    pub fn take_meta_room(&self, a: &mut Allocator, bytes: u64, volumes: u64) -> Result<()> {
-        self.check_meta_room(a, bytes, volumes)?;
-        a.meta_growth += bytes;
-        Ok(())
-    }
-
-    /// [`Self::take_meta_room`]'s check alone, for a change whose growth is counted
-    /// where it is made (a page copy, by `incref_all` in volume.rs).
-    ///
-    /// Errors: [`ErrorKind::NoSpace`].
-    pub fn check_meta_room(&self, a: &mut Allocator, bytes: u64, volumes: u64) -> Result<()> {
-        // Counted for the estimate only, and taken back before returning.
-        a.meta_growth += bytes;
-        let fits = a.free_count() + a.meta > 2 * self.checkpoint_need(a, volumes) + 4;
-        a.meta_growth -= bytes;
-        if !fits {
-            return Err(Error::new(
-                ErrorKind::NoSpace,
-                "the pool is too full for the metadata this change adds (its next checkpoint must fit); \
-                 delete snapshots or volumes to free space",
-            ));
-        }
-        Ok(())
-    }
-
-    pub(crate) fn volumes_len_hint(&self) -> u64 {
-        // Called with a volume map lock held; the registry lock may be held by a writer
-        // waiting on that map lock, so never block on it here.
-        self.volumes.try_read().map(|v| v.len() as u64).unwrap_or(1024)
-    }
-
     /// Appends a record to the pending journal (call with the affected map locked).
     pub fn log_record(&self, r: &Record) {
         let mut j = self.journal.lock();
@@ -1343,14 +1450,14 @@ impl PoolInner {
     }
 
     /// Asks the committer for a checkpoint and waits for it: everything logged or
-    /// pending becomes part of a new checkpoint, the log is emptied, and the metadata
-    /// growth counted since the last one ([`Allocator::meta_growth`]) is forgotten, so
-    /// the reserve is computed from what the metadata now takes.
+    /// pending becomes part of a new checkpoint, the log is emptied, and the current
+    /// checkpoint's size (what the room for metadata counts on, room.rs) becomes that
+    /// of the metadata now.
     ///
     /// Errors: [`ErrorKind::Failed`] if the pool failed earlier or is closing, or if the
     /// checkpoint failed, which fails the pool as any failed checkpoint does (an I/O
-    /// error, or no free unit for it, which the reserve is there to prevent;
-    /// [`ErrorKind::NoSpace`] then).
+    /// error; [`ErrorKind::NoSpace`] if it found no unit, which the spare is there to
+    /// prevent).
     pub async fn checkpoint_async(&self) -> Result<()> {
         self.on_committer(true).await
     }
@@ -1366,6 +1473,40 @@ impl PoolInner {
         q.checkpoint = true;
         q.background = true;
         self.commits.cv.notify_one();
+    }
+
+    /// Asks the committer to grow the spare (room.rs) and does not wait; requests made
+    /// while one is pending are served together.
+    pub(crate) fn request_grow_spare(&self) {
+        let mut q = self.commits.queue.lock();
+        if q.shutdown || q.grow {
+            return;
+        }
+        q.grow = true;
+        self.commits.cv.notify_one();
+    }
+
+    /// Asks the committer to grow the spare and waits for it.
+    ///
+    /// Errors: [`ErrorKind::NoSpace`] when the host file system had no room to back
+    /// the units; [`ErrorKind::Failed`] when the pool failed or is closing.
+    pub(crate) async fn grow_spare_async(&self) -> Result<()> {
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut q = self.commits.queue.lock();
+            if q.shutdown {
+                return Err(Error::new(ErrorKind::Failed, "pool is closing"));
+            }
+            q.grow = true;
+            q.grow_waiters.push(tx);
+            self.commits.cv.notify_one();
+        }
+        match rx.await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(ErrorKind::NoSpace)) => Err(room::host_full_error()),
+            Ok(Err(kind)) => Err(Error::new(kind, "growing the room for metadata failed; the pool refuses writes")),
+            Err(_) => Err(Error::new(ErrorKind::Failed, "pool closed")),
+        }
     }
 
     /// Queues a cycle on the committer thread (a checkpoint if `checkpoint`, else a
@@ -1396,20 +1537,6 @@ impl PoolInner {
             )),
             Err(_) => Err(Error::new(ErrorKind::Failed, "pool closed")),
         }
-    }
-
-    /// Whether a checkpoint now would lower what the pool holds back for metadata: the
-    /// metadata changed since the last checkpoint without allocating data (snapshots,
-    /// clones and mapping pages copied on write made it grow; deleted volumes and
-    /// snapshots made it shrink), and the last checkpoint with that growth, not the
-    /// estimate from use, sets the next checkpoint's need. The growth is an upper
-    /// bound, and the last checkpoint still holds what deletes removed, so in a full
-    /// pool a checkpoint can give room back. Once a checkpoint has captured the
-    /// changes this is false again, so a pool whose estimate runs low does not
-    /// checkpoint over and over.
-    pub fn checkpoint_frees_room(&self, a: &Allocator) -> bool {
-        (a.meta_growth > 0 || a.meta_shrinks > 0)
-            && self.last_checkpoint_grown(a) > checkpoint_estimate(a.used, self.volumes_len_hint(), self.geo.unit_size)
     }
 
     /// `fdatasync` of the pool: the only way the pool is synced once it is open (the
@@ -1698,12 +1825,21 @@ impl PoolInner {
     /// [`Self::checkpoint`] with the log lock held by the caller.
     fn checkpoint_locked(&self, log: &mut LogState, seq_jump: u64) -> Result<()> {
         // 1. A consistent snapshot: all volume maps, the allocator and the journal.
-        let (snapshot, pending, upto, (growth, shrinks)) = {
+        let (snapshot, pending, upto, mut reserved) = {
             let vols = self.volumes.read();
             let maps: Vec<_> = vols.values().map(|v| (v.clone(), v.map.read())).collect();
-            let alloc = self.alloc.lock();
-            // Covered by this checkpoint once it is durable; what changes meanwhile is not.
-            let (growth, shrinks) = (alloc.meta_growth, alloc.meta_shrinks);
+            let mut alloc = self.alloc.lock();
+            // The units this checkpoint takes at most, from the spare (room.rs): they
+            // are backed, and the rule that sizes the spare guarantees them.
+            let bound = journal::checkpoint_units_bound(
+                journal::checkpoint_bytes_bound(&alloc.counts, alloc.used),
+                self.geo.unit_size,
+            );
+            let reserved: std::collections::VecDeque<u32> = (0..bound).map_while(|_| alloc.alloc_meta()).collect();
+            if (reserved.len() as u64) < bound {
+                tracing::error!(bound, spare = reserved.len(), "the spare holds fewer units than a checkpoint may take");
+            }
+            alloc.checkpoint_units = bound;
             let mut j = self.journal.lock();
             j.bytes.clear(); // captured by the snapshot itself
             let volumes = maps
@@ -1733,7 +1869,7 @@ impl PoolInner {
                 alloc: copy,
                 unit_size: self.geo.unit_size,
             };
-            (st, alloc.pending_mark(), self.records_logged.load(Ordering::SeqCst), (growth, shrinks))
+            (st, alloc.pending_mark(), self.records_logged.load(Ordering::SeqCst), reserved)
         };
         self.writes_since_sync.store(0, Ordering::SeqCst);
         // 2. Encode and write the chunks one at a time, each into a freshly allocated
@@ -1742,11 +1878,16 @@ impl PoolInner {
         //    memory stays a few chunks whatever the size of the checkpoint.
         const CHUNKS_IN_FLIGHT: usize = 8;
         let payload = self.geo.unit_size as usize - size_of::<ChunkHeader>();
-        let alloc_meta = || {
-            self.alloc
-                .lock()
-                .alloc_meta()
-                .ok_or_else(|| Error::new(ErrorKind::NoSpace, "no free unit for the checkpoint").op("checkpoint"))
+        let mut alloc_meta = || match reserved.pop_front() {
+            Some(u) => Ok(u),
+            None => {
+                // Past the bound: an engine bug, which the tests are to catch.
+                debug_assert!(false, "a checkpoint took more units than its bound");
+                let mut a = self.alloc.lock();
+                a.alloc_meta()
+                    .or_else(|| a.alloc_meta_from_free())
+                    .ok_or_else(|| Error::new(ErrorKind::NoSpace, "no free unit for the checkpoint").op("checkpoint"))
+            }
         };
         // At least one past the last batch: the log that follows this checkpoint never
         // continues the sequence of the one before it, so a replay from the previous
@@ -1799,13 +1940,21 @@ impl PoolInner {
         drop(snapshot);
         let result = inflight.into_iter().fold(encoded.map(|_| ()), |r, rx| r.and(wait(rx)));
         let result = result.and_then(|()| self.sync_data_blocking());
-        if let Err(e) = result {
+        {
+            // What the bound held beyond what the checkpoint took goes back to the spare.
             let mut a = self.alloc.lock();
-            for &u in &units {
-                a.free_meta(u);
+            for u in reserved.drain(..) {
+                a.retire_meta(u);
             }
-            return Err(e);
+            a.checkpoint_units = units.len() as u64;
+            if result.is_err() {
+                for &u in &units {
+                    a.retire_meta(u);
+                }
+                a.checkpoint_units = log.checkpoint_units.len() as u64;
+            }
         }
+        result?;
         // 3. The sync above made the data and the chunks durable; switch superblocks.
         let mut sb = log.sb.clone();
         sb.version = FORMAT_VERSION.into();
@@ -1822,10 +1971,9 @@ impl PoolInner {
         log.cursor.seq = seq;
         let mut a = self.alloc.lock();
         for u in old {
-            a.free_meta(u);
+            a.retire_meta(u);
         }
-        a.meta_growth = a.meta_growth.saturating_sub(growth);
-        a.meta_shrinks = a.meta_shrinks.saturating_sub(shrinks);
+        self.trim_spare(&mut a);
         a.release_pending(pending, &self.pins);
         drop(a);
         self.records_durable.fetch_max(upto, Ordering::SeqCst);
@@ -1894,36 +2042,47 @@ fn sync(ring: &IoRing) -> Result<()> {
 /// log is used or a commit would not fit. Exits when the pool is closed or dropped.
 fn committer(pool: std::sync::Weak<PoolInner>, commits: Arc<Commits>) {
     loop {
-        let (waiters, shutdown, checkpoint) = {
+        let (waiters, shutdown, checkpoint, cycle, grow, grow_waiters) = {
             let mut q = commits.queue.lock();
-            while q.waiters.is_empty() && !q.background && !q.shutdown {
+            while q.waiters.is_empty() && !q.background && !q.shutdown && !q.grow {
                 // Like a file system's commit interval: writes nobody flushed are
                 // committed within a few seconds anyway.
                 if commits.cv.wait_for(&mut q, std::time::Duration::from_secs(COMMIT_INTERVAL_SECS)).timed_out() {
                     q.background = true;
                 }
             }
+            let cycle = !q.waiters.is_empty() || q.background || q.shutdown;
             q.background = false;
             let checkpoint = std::mem::take(&mut q.checkpoint);
-            (std::mem::take(&mut q.waiters), q.shutdown, checkpoint)
+            let grow = std::mem::take(&mut q.grow);
+            (std::mem::take(&mut q.waiters), q.shutdown, checkpoint, cycle, grow, std::mem::take(&mut q.grow_waiters))
         };
         let Some(inner) = pool.upgrade() else {
-            for w in waiters {
+            for w in waiters.into_iter().chain(grow_waiters) {
                 let _ = w.send(Err(ErrorKind::Failed));
             }
             return;
         };
-        // A failed pool is refused, and a failing cycle fails the pool, inside.
-        let result = if checkpoint { inner.checkpoint(0) } else { inner.commit_cycle() };
-        let result = result.map_err(|e| match e.kind() {
+        let kind = |e: Error| match e.kind() {
             ErrorKind::NoSpace => ErrorKind::NoSpace,
             _ => ErrorKind::Failed,
-        });
-        // Release the pool before answering, so a caller that drops its last handle
-        // after the flush closes the pool file at once.
-        drop(inner);
-        for w in waiters {
-            let _ = w.send(result);
+        };
+        if grow {
+            let result = if shutdown { Err(ErrorKind::Failed) } else { inner.grow_spare().map_err(kind) };
+            for w in grow_waiters {
+                let _ = w.send(result);
+            }
+        }
+        if cycle {
+            // A failed pool is refused, and a failing cycle fails the pool, inside.
+            let result = if checkpoint { inner.checkpoint(0) } else { inner.commit_cycle() };
+            let result = result.map_err(kind);
+            // Release the pool before answering, so a caller that drops its last handle
+            // after the flush closes the pool file at once.
+            drop(inner);
+            for w in waiters {
+                let _ = w.send(result);
+            }
         }
         if shutdown && commits.queue.lock().waiters.is_empty() {
             return;

@@ -27,6 +27,7 @@ use crate::io::{AlignedBuf, Dir, Segment};
 use crate::journal::Record;
 use crate::meta::{Entry, MapTable};
 use crate::pool::{PoolInner, VolState};
+use crate::room::{self, NeedRoom, Tries};
 
 /// Largest request the data path accepts in one call, in bytes (32 MiB).
 pub const MAX_IO_BYTES: u64 = 32 << 20;
@@ -162,6 +163,20 @@ impl Volume {
             ));
         }
         Ok(())
+    }
+
+    /// The error of a failed data write: `NoSpace` when the host file system had no
+    /// room for it (the pool goes on; what it wrote is not mapped, or is a failed write
+    /// of mapped blocks, which may hold anything), else an I/O error that fails the
+    /// pool (the device may have lost data).
+    fn write_failed(&self, e: std::io::Error, offset: u64) -> Error {
+        if e.raw_os_error() == Some(libc::ENOSPC) {
+            self.pool.host_full.store(true, Ordering::Relaxed);
+            return self.err(room::host_full_error(), "write", offset);
+        }
+        let e = self.err(Error::io("pool write failed", e), "write", offset);
+        self.pool.fail(&e);
+        e
     }
 
     fn deleted(&self, op: &'static str, offset: u64) -> Error {
@@ -428,61 +443,46 @@ impl Volume {
         let bpu = g.blocks_per_unit();
         let u0 = b0 / bpu;
         let u1 = (b1 - 1) / bpu + 1;
-        // Allocate data units for unmapped logical units. If the pool is full but frees
-        // wait for a commit to become durable, commit and try once more; if metadata
-        // changes since the last checkpoint hold room back, checkpoint and try once more.
+        // Allocate data units for unmapped logical units, if the free set has them and
+        // the metadata they add has room (room.rs); else make room and try again.
         let mut allocated: Vec<(u64, u32)> = Vec::new();
-        for attempt in 0..2 {
-            let mut frees_pending = false;
-            let mut checkpoint_frees_room = false;
+        let mut tries = Tries::default();
+        loop {
             let needs = {
                 let map = self.vol.map.read();
                 (u0..u1).any(|u| !map.get(u).is_mapped())
             };
-            if needs {
+            if !needs {
+                break;
+            }
+            if self.pool.host_full.load(Ordering::Relaxed) {
+                self.pool.refill_backed_free();
+            }
+            let need = {
                 let mut map = self.vol.map.write();
                 if self.vol.deleted.load(Ordering::Acquire) {
                     return Err(self.deleted("write", offset));
                 }
                 let want: Vec<u64> = (u0..u1).filter(|&u| !map.get(u).is_mapped()).collect();
+                let extra = room::allocation_growth(&map, &want);
                 let mut a = self.pool.alloc.lock();
-                let reserve = self.pool.reserve(&a);
-                for &u in &want {
-                    match a.alloc(reserve) {
-                        Some(p) => allocated.push((u, p)),
-                        None => {
-                            frees_pending = !a.pending_free.is_empty();
-                            checkpoint_frees_room = self.pool.checkpoint_frees_room(&a);
-                            // Give back what this request took; nothing was logged for it.
-                            for &(_, p) in &allocated {
-                                a.decref(p);
-                            }
-                            allocated.clear();
-                            break;
-                        }
+                if a.free_count() >= want.len() as u64 && self.pool.has_room(&a, extra) {
+                    for &u in &want {
+                        let p = a.alloc().expect("the free set holds them");
+                        map.set(u, Entry { punit: p, bitmap: 0 }, &mut a);
+                        allocated.push((u, p));
                     }
-                }
-                for &(u, p) in &allocated {
-                    map.set(u, Entry { punit: p, bitmap: 0 }, &mut a);
-                }
-                if allocated.len() == want.len() {
+                    self.pool.after_growth(&a);
                     break;
                 }
-            } else {
-                break;
-            }
-            if attempt == 1 || !(frees_pending || checkpoint_frees_room) {
+                NeedRoom { units: want.len() as u64, extra }
+            };
+            if !Box::pin(self.pool.make_room(need, &mut tries)).await.map_err(|e| self.err(e, "write", offset))? {
                 return Err(self.err(
                     Error::new(ErrorKind::NoSpace, "no free data unit for an allocating write"),
                     "write",
                     offset,
                 ));
-            }
-            if checkpoint_frees_room {
-                // Also releases the pending frees, once it is durable.
-                Box::pin(self.pool.checkpoint_async()).await.map_err(|e| self.err(e, "write", offset))?;
-            } else {
-                Box::pin(self.pool.commit()).await.map_err(|e| self.err(e, "write", offset))?;
             }
         }
         // Plan: segments, pins, and which units gain written blocks.
@@ -553,9 +553,7 @@ impl Volume {
                     a.decref(p);
                 }
             }
-            let e = self.err(Error::io("pool write failed", e), "write", offset);
-            self.pool.fail(&e);
-            return Err(e);
+            return Err(self.write_failed(e, offset));
         }
         if !new_bits.is_empty() {
             let mut map = self.vol.map.write();
@@ -583,13 +581,22 @@ impl Volume {
     /// the shared one in this volume's mapping (copy on write; only written blocks are
     /// copied). Also handles the unit having been unmapped or made exclusive meanwhile.
     async fn write_private(&self, lunit: u64, s: u64, e: u64, data: &[u8], offset: u64) -> Result<()> {
-        while !self.write_private_once(lunit, s, e, data, offset).await? {}
+        let mut tries = Tries::default();
+        while !self.write_private_once(lunit, s, e, data, offset, &mut tries).await? {}
         Ok(())
     }
 
     /// One attempt of [`Volume::write_private`]; `Ok(false)` asks for another (another
     /// writer mapped the unit meanwhile).
-    async fn write_private_once(&self, lunit: u64, s: u64, e: u64, data: &[u8], offset: u64) -> Result<bool> {
+    async fn write_private_once(
+        &self,
+        lunit: u64,
+        s: u64,
+        e: u64,
+        data: &[u8],
+        offset: u64,
+        tries: &mut Tries,
+    ) -> Result<bool> {
         let g = &self.pool.geo;
         let us = g.unit_size as usize;
         let bs = BLOCK_SIZE as usize;
@@ -599,52 +606,36 @@ impl Volume {
         let mut buf = AlignedBuf::zeroed(us);
         buf.full_mut()[s as usize * bs..e as usize * bs].copy_from_slice(data);
         let mut pins = Pins { pool: &self.pool, units: Vec::new() };
-        let target = if exclusive {
+        if exclusive {
             pins.add(old.punit);
-            old.punit
-        } else {
-            let got = {
-                let mut a = self.pool.alloc.lock();
-                let reserve = self.pool.reserve(&a);
-                match a.alloc(reserve) {
-                    Some(p) => {
-                        a.cow_inflight.insert(p);
-                        Ok(p)
-                    }
-                    None => Err(!a.pending_free.is_empty()),
-                }
-            };
-            match got {
-                Ok(p) => p,
-                Err(frees_pending) => {
-                    let no_space = || {
-                        self.err(Error::new(ErrorKind::NoSpace, "no free data unit for copy-on-write"), "write", offset)
-                    };
-                    if !frees_pending {
-                        return Err(no_space());
-                    }
-                    // Frees wait for a commit: make them durable, then try once more.
-                    drop(pins);
-                    self.pool.commit().await.map_err(|e| self.err(e, "write", offset))?;
-                    let retry = {
-                        let mut a = self.pool.alloc.lock();
-                        let reserve = self.pool.reserve(&a);
-                        let p = a.alloc(reserve);
-                        if let Some(p) = p {
-                            a.cow_inflight.insert(p);
-                        }
-                        p
-                    };
-                    let p = retry.ok_or_else(no_space)?;
-                    return self.finish_private(lunit, s, e, old, p, buf, offset).await;
-                }
+            return self.write_in_place(lunit, s, e, old, buf, pins, offset).await;
+        }
+        drop(pins);
+        // A fresh unit, and room for what installing it may add (its refcount, a copy
+        // of the mapping page), counted until it is installed (`finish_private`).
+        if self.pool.host_full.load(Ordering::Relaxed) {
+            self.pool.refill_backed_free();
+        }
+        let got = {
+            let mut a = self.pool.alloc.lock();
+            if a.free_count() > 0 && self.pool.has_room(&a, room::COW_GROWTH) {
+                let p = a.alloc().expect("the free set holds one");
+                a.cow_inflight.insert(p);
+                a.pending_growth += room::COW_GROWTH;
+                self.pool.after_growth(&a);
+                Some(p)
+            } else {
+                None
             }
         };
-        if !exclusive {
-            drop(pins);
-            return self.finish_private(lunit, s, e, old, target, buf, offset).await;
-        }
-        self.write_in_place(lunit, s, e, old, buf, pins, offset).await
+        let Some(target) = got else {
+            let need = NeedRoom { units: 1, extra: room::COW_GROWTH };
+            if Box::pin(self.pool.make_room(need, tries)).await.map_err(|e| self.err(e, "write", offset))? {
+                return Ok(false);
+            }
+            return Err(self.err(Error::new(ErrorKind::NoSpace, "no free data unit for copy-on-write"), "write", offset));
+        };
+        self.finish_private(lunit, s, e, old, target, buf, offset).await
     }
 
     /// Writes blocks `[s, e)` of an exclusive unit in place and records them.
@@ -675,9 +666,7 @@ impl Volume {
             .map_err(|_| self.err(worker_gone(), "write", offset))?;
         drop(pins);
         if let Err(e) = r {
-            let e = self.err(Error::io("pool write failed", e), "write", offset);
-            self.pool.fail(&e);
-            return Err(e);
+            return Err(self.write_failed(e, offset));
         }
         let mut map = self.vol.map.write();
         if !self.vol.deleted.load(Ordering::Acquire) {
@@ -726,11 +715,7 @@ impl Volume {
                 len: bs,
             }));
             let (_, r) = self.pool.ring.rw(Dir::Write { dsync: false }, buf, segs).await.map_err(|_| worker_gone())?;
-            r.map_err(|e| {
-                let e = Error::io("pool write failed (copy on write)", e);
-                self.pool.fail(&e);
-                e
-            })
+            r.map_err(|e| self.write_failed(e, offset))
         }
         .await;
         drop(pins);
@@ -738,6 +723,7 @@ impl Volume {
         let cur = map.get(lunit);
         let mut a = self.pool.alloc.lock();
         a.cow_inflight.remove(&target);
+        a.pending_growth -= room::COW_GROWTH;
         let still = if old.is_mapped() { cur.punit == old.punit } else { !cur.is_mapped() };
         // If the old unit became this volume's alone meanwhile (its snapshot was
         // deleted), another write may have gone into it in place after our copy:
@@ -753,7 +739,7 @@ impl Volume {
                 return Ok(false);
             }
             // Failed, or a delete came in between (it is then the later one).
-            return result.map(|()| true).map_err(|e| self.err(e, "write", offset));
+            return result.map(|()| true);
         }
         let bitmap = if old.is_mapped() { cur.bitmap | m } else { m };
         if cur.punit != target || bitmap != cur.bitmap {
@@ -841,8 +827,8 @@ impl Volume {
         let u0 = b0 / bpu;
         let u1 = (b1 - 1) / bpu + 1;
         let mut u = u0;
-        // The page whose metadata room was already retried after a checkpoint.
-        let mut retried_page = None;
+        // What the page being changed has tried to find room (room.rs).
+        let mut tries = Tries::default();
         while u < u1 {
             // One page per lock hold, so a huge trim does not stall other I/O.
             let page_end = ((u / page_units + 1) * page_units).min(u1);
@@ -851,33 +837,24 @@ impl Volume {
                 continue;
             }
             let _guards = self.lock_units(u..page_end, Exclusive::All).await;
-            // True when the page must wait for a checkpoint and be tried once more; the
+            // What the page needs when it must wait for room and be tried again; the
             // locks are released (the block ends) before that wait.
-            let checkpoint_first = 'page: {
+            let need = 'page: {
                 let mut map = self.vol.map.write();
                 if self.vol.deleted.load(Ordering::Acquire) {
                     return Err(self.deleted("trim", offset));
                 }
                 if map.page((u / page_units) as usize).is_none() {
                     u = page_end;
-                    break 'page false;
+                    break 'page None;
                 }
                 // A page shared with a snapshot or clone is copied by the first change:
-                // the next checkpoint must still fit in the pool with the copy.
-                // (`incref_all` counts the copy's growth when it is made.) If growth
-                // counted since the last checkpoint is what holds the room back,
-                // checkpoint and try the page once more.
+                // the copy's record must have room in the next checkpoints (room.rs).
                 if map.page_shared(u) && (u..page_end).any(|x| map.get(x).is_mapped()) {
                     let mapped = map.page((u / page_units) as usize).map_or(0, |p| u64::from(p.mapped));
-                    let volumes = self.pool.volumes_len_hint();
-                    let mut a = self.pool.alloc.lock();
-                    match self.pool.check_meta_room(&mut a, page_copy_bytes(mapped), volumes) {
-                        Ok(()) => {}
-                        Err(_) if retried_page != Some(u / page_units) && self.pool.checkpoint_frees_room(&a) => {
-                            retried_page = Some(u / page_units);
-                            break 'page true;
-                        }
-                        Err(e) => return Err(self.err(e, "trim", offset)),
+                    let extra = room::page_record_bytes(mapped);
+                    if !self.pool.has_room(&self.pool.alloc.lock(), extra) {
+                        break 'page Some(NeedRoom { units: 0, extra });
                     }
                 }
                 while u < page_end {
@@ -890,11 +867,22 @@ impl Volume {
                     }
                     u += 1;
                 }
-                false
+                tries = Tries::default();
+                None
             };
             drop(_guards);
-            if checkpoint_first {
-                Box::pin(self.pool.checkpoint_async()).await.map_err(|e| self.err(e, "trim", offset))?;
+            if let Some(need) = need {
+                if !Box::pin(self.pool.make_room(need, &mut tries)).await.map_err(|e| self.err(e, "trim", offset))? {
+                    return Err(self.err(
+                        Error::new(
+                            ErrorKind::NoSpace,
+                            "the pool is too full for the mapping page this trim copies (the page is shared with a \
+                             snapshot or clone); delete snapshots or volumes to free space",
+                        ),
+                        "trim",
+                        offset,
+                    ));
+                }
             }
         }
         Ok(())
@@ -1015,12 +1003,6 @@ fn stripe_of(volume: u64, key: u64, n: usize) -> usize {
     let h = (volume.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ key).wrapping_mul(0xff51_afd7_ed55_8ccd);
     // The high bits mix best; 32 of them cover any stripe count in use.
     (h >> 32) as usize % n
-}
-
-/// Checkpoint bytes a copy of a mapping page with `mapped` entries adds: 16 per entry
-/// and 64 for its page record's header (rounded up).
-fn page_copy_bytes(mapped: u64) -> u64 {
-    16 * mapped + 64
 }
 
 /// The error of an I/O whose completion channel closed: the ring's reaper is gone.

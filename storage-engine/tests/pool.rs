@@ -579,11 +579,12 @@ fn a_rollback_stops_at_the_checkpoint_it_rolls_back_over() {
     assert_clean(dir.path());
 }
 
-/// Snapshots taken and deleted in a pool with room to spare count metadata growth
-/// (their records, mapping pages copied on write) that only a checkpoint forgets; the
-/// room held back for it grows with every round. (A delete in a pool already too full
-/// to allocate checkpoints at once.) Allocating writes that then fill the pool to that
-/// inflated reserve must checkpoint and try again, not fail while the space is free.
+/// Snapshots taken and deleted in a nearly full pool, with a write into each mapping
+/// page between (copying the page and a unit): once the snapshots are deleted, the
+/// room their metadata took is free again without a restart, and allocating writes
+/// fill what the trim gave back but for the room metadata holds (a few hundred KiB
+/// here). (An estimate of that room that only a checkpoint corrected once held
+/// megabytes back, which writes had to checkpoint to get.)
 #[test]
 fn snapshot_churn_in_a_nearly_full_pool_does_not_hold_free_space_back() {
     let dir = tempfile::tempdir().unwrap();
@@ -596,7 +597,6 @@ fn snapshot_churn_in_a_nearly_full_pool_does_not_hold_free_space_back() {
     let room = 16 * MIB;
     rt.block_on(v.trim(filled - room, room, false)).unwrap();
     rt.block_on(v.flush()).unwrap();
-    let reserved_before = pool.status().reserved;
     // Rounds of snapshot, one 4 KiB write into each mapping page (8 MiB of volume each
     // with 16 KiB units, so each copies the page and a unit), flush, delete.
     for round in 0..30 {
@@ -610,9 +610,8 @@ fn snapshot_churn_in_a_nearly_full_pool_does_not_hold_free_space_back() {
         rt.block_on(pool.delete_snapshot("v", "s")).unwrap();
     }
     let reserved = pool.status().reserved;
-    assert!(reserved > reserved_before + 2 * MIB, "the rounds counted too little growth: {reserved} bytes held back");
-    // With no snapshot left, what was given back is writable again but for 2 MiB, more
-    // than the reserve leaves once a checkpoint has forgotten the growth.
+    assert!(reserved < MIB, "{reserved} bytes held back for metadata");
+    // With no snapshot left, what was given back is writable again but for 2 MiB.
     let back = room - 2 * MIB;
     for off in (filled - room..filled - room + back).step_by(65536) {
         rt.block_on(write(&v, off, &[2; 65536], false))
@@ -650,4 +649,38 @@ fn trims_under_snapshot_churn_in_a_full_pool_do_not_run_out_of_room() {
     drop(v);
     pool.close().unwrap();
     assert_clean(dir.path());
+}
+
+/// Volume creates add metadata without allocating data: in a full pool they are
+/// refused with `NoSpace` once the room metadata holds is used, and the pool still
+/// checkpoints, closes and opens with every volume. (That room was an estimate volume
+/// creates did not check: in a full pool, enough of them made the checkpoint fail,
+/// which failed the pool, and it no longer opened.)
+#[test]
+fn volume_creates_in_a_full_pool_leave_room_for_the_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let rt = rt();
+    let pool = create_with_unit(dir.path(), 16 * MIB, 16 * 1024);
+    rt.block_on(pool.create_volume("v", 64 * MIB)).unwrap();
+    let v = pool.volume("v").unwrap();
+    fill(&rt, &v, 65536, 1);
+    let mut created = 1;
+    let refused = (0..5000).find_map(|i| match rt.block_on(pool.create_volume(&format!("{i:0>128}"), MIB)) {
+        Ok(_) => {
+            created += 1;
+            None
+        }
+        Err(e) => Some(e),
+    });
+    let e = refused.expect("5000 volume creates in a full pool were all taken");
+    assert_eq!(e.kind(), ErrorKind::NoSpace, "{e}");
+    assert!(!pool.status().failed);
+    rt.block_on(pool.checkpoint()).unwrap();
+    rt.block_on(write(&v, 0, &[2; 4096], false)).unwrap();
+    drop(v);
+    pool.close().unwrap();
+    assert_clean(dir.path());
+    let pool = Pool::open(&pool_path(dir.path())).unwrap();
+    assert_eq!(pool.names().len(), created);
+    pool.close().unwrap();
 }

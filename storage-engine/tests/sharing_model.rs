@@ -86,7 +86,7 @@ impl Model {
             }
             let target = {
                 let mut a = self.alloc.lock().unwrap();
-                let p = a.alloc(0).expect("a free unit");
+                let p = a.alloc().expect("a free unit");
                 a.cow_inflight.insert(p);
                 p
             };
@@ -189,7 +189,7 @@ fn model(tables: usize, mapped: u64) -> Arc<Model> {
     let mut t0 = MapTable::new();
     let mut ghost = Ghost::default();
     for l in 0..mapped {
-        let p = a.alloc(0).unwrap();
+        let p = a.alloc().unwrap();
         t0.set(l, Entry { punit: p, bitmap: 1 }, &mut a);
         ghost.content.insert(p, 100 + l);
     }
