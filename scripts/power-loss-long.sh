@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# scripts/power-loss-long.sh [CUTS] — the power-loss simulator's long mode: CUTS cut
-# points (default 100,000) with the fixed seed and as many with a random one (printed).
-# Takes tens of minutes; the test command runs 500 of each.
+# scripts/power-loss-long.sh [CUTS] — the power-loss simulators' long mode: CUTS cut
+# points (default 100,000) with the fixed seed and as many with a random one (printed),
+# for the single-threaded workloads (tests/power_loss.rs) and for the concurrent ones
+# (tests/power_loss_concurrent.rs: two data threads and a management thread, each new
+# workload a new schedule). Takes hours; the test command runs 500 and 300 per seed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-POWER_LOSS_CUTS=${1:-100000} cargo nextest run -p storage-engine --test power_loss --no-capture --slow-timeout 7200s
+export POWER_LOSS_CUTS=${1:-100000}
+cargo nextest run -p storage-engine --test power_loss --test power_loss_concurrent --no-capture \
+  --slow-timeout 14400s --no-fail-fast

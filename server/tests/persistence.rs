@@ -158,10 +158,21 @@ impl Round {
 
 #[test]
 fn acknowledged_writes_survive_kill9_during_write_loop() {
+    kill9_during_write_loops(&[]);
+}
+
+/// The same on two data-plane threads, as a host with cores to spare runs the server:
+/// the writers' connections (two for the multi-conn round) land on both threads.
+#[test]
+fn acknowledged_writes_survive_kill9_during_write_loop_on_two_dataplane_threads() {
+    kill9_during_write_loops(&["--dataplane-threads", "2"]);
+}
+
+fn kill9_during_write_loops(serve_args: &[&str]) {
     // Every block whose flush (or FUA write) returned before a random kill -9 reads back exactly after restart.
     require_python_nbd();
     let td = TestDir::new();
-    let mut s = Server::start(&td.data());
+    let mut s = Server::start_with(&td.data(), "2GiB", serve_args);
     // (mode, block length, stride): unit-unaligned 64 KiB blocks with gaps, small
     // adjacent unaligned blocks sharing units, multi-unit aligned blocks, FUA writes,
     // and writes on one connection made durable by a flush on another (multi-conn)

@@ -1,6 +1,7 @@
 //! kill -9 at a random moment while snapshots are created and deleted under a write
-//! load, 50 rounds on one pool: after each restart every flushed write reads back, every snapshot whose create
-//! was acknowledged (and not deleted) exists, every acknowledged delete stays deleted,
+//! load, 30 rounds on one pool (on one data-plane thread, and again on two): after each
+//! restart every flushed write reads back, every snapshot whose create was
+//! acknowledged (and not deleted) exists, every acknowledged delete stays deleted,
 //! each snapshot holds a clean prefix of the write sequence (its point in time: no
 //! torn or foreign blocks), and `ferrovol check` is clean. fio takes part too: each
 //! round it writes a region of its own volume with verify headers and flushes, then
@@ -57,14 +58,25 @@ assert n >= must_have, "only %d blocks, %d were flushed" % (n, must_have)
 print("prefix", n)
 "#;
 
-/// Rounds of kill -9 (`CRASH_ROUNDS`, default 50), each on a new volume of the same
+/// Rounds of kill -9 (`CRASH_ROUNDS`, default 30), each on a new volume of the same
 /// pool, so recovery also runs over everything the earlier rounds left behind.
 #[test]
 fn snapshots_stay_consistent_across_kill9_under_load() {
+    crash_rounds(&[]);
+}
+
+/// The same with two data-plane threads: the writer, fio and the snapshot churn's
+/// copy-on-write land on both, while the management thread creates and deletes.
+#[test]
+fn snapshots_stay_consistent_across_kill9_under_load_on_two_dataplane_threads() {
+    crash_rounds(&["--dataplane-threads", "2"]);
+}
+
+fn crash_rounds(serve_args: &[&str]) {
     require_python_nbd();
-    let rounds: u64 = std::env::var("CRASH_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(50);
+    let rounds: u64 = std::env::var("CRASH_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(30);
     let td = TestDir::new();
-    let mut s = Server::start_with(&td.data(), "16GiB", &[]);
+    let mut s = Server::start_with(&td.data(), "16GiB", serve_args);
     s.create_volume("fio", "1GiB");
     let mut totals = (0, 0, 0);
     for round in 0..rounds {

@@ -20,15 +20,12 @@ mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write as _;
-use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::Arc;
 
 use common::*;
-use storage_engine::testing::{power_cut_writes, Fate, IoLog, Rng};
+use storage_engine::testing::{IoLog, Rng};
 use storage_engine::{IoOptions, Pool, PoolOptions};
-
-const SECTOR: u64 = 512;
 const POOL_SIZE: u64 = 16 * MIB;
 const UNIT: u32 = 16 * 1024;
 const VOL_SIZE: u64 = 256 * 1024;
@@ -36,24 +33,6 @@ const MAX_VOL_SIZE: u64 = 512 * 1024;
 const OPS_PER_WORKLOAD: usize = 120;
 const WORKLOADS_PER_SEED: usize = 4;
 const FIXED_SEED: u64 = 0x5eed_f00d_2026;
-
-/// The 512 bytes a write with tag `tag` puts in a sector; tag 0 is all zeros.
-fn sector_bytes(tag: u64) -> [u8; SECTOR as usize] {
-    let mut b = [0u8; SECTOR as usize];
-    if tag != 0 {
-        b[..8].copy_from_slice(&tag.to_le_bytes());
-        for (i, x) in b.iter_mut().enumerate().skip(8) {
-            *x = (tag >> (8 * (i % 8))) as u8 ^ i as u8;
-        }
-    }
-    b
-}
-
-/// The tag a sector holds, or `None` for bytes no write ever produced.
-fn sector_tag(b: &[u8]) -> Option<u64> {
-    let tag = u64::from_le_bytes(b[..8].try_into().unwrap());
-    (sector_bytes(tag)[..] == *b).then_some(tag)
-}
 
 /// One operation of a workload, as the model needs it.
 #[derive(Debug, Clone)]
@@ -328,23 +307,7 @@ fn check_cut(
     cut: usize,
     rng: &mut Rng,
 ) {
-    {
-        let f = std::fs::File::create(image).unwrap();
-        f.set_len(base.len() as u64).unwrap();
-        for (i, block) in base.chunks(4096).enumerate() {
-            if block.iter().any(|&b| b != 0) {
-                f.write_all_at(block, i as u64 * 4096).unwrap();
-            }
-        }
-        let writes = power_cut_writes(events, cut, || match rng.below(3) {
-            0 => Fate::Lost,
-            1 => Fate::Kept,
-            _ => Fate::Torn,
-        });
-        for (off, data) in writes {
-            f.write_all_at(data, off).unwrap();
-        }
-    }
+    cut_image(image, base, events, cut, rng);
     let problems = storage_engine::check(image).unwrap().problems;
     assert!(problems.is_empty(), "check after the cut: {problems:?}");
 

@@ -49,3 +49,53 @@ pub fn assert_clean(dir: &Path) {
     let r = storage_engine::check(&pool_path(dir)).unwrap();
     assert!(r.problems.is_empty(), "check found problems: {:?}", r.problems);
 }
+
+/// Bytes in a sector, the unit of the power-loss simulators' models.
+pub const SECTOR: u64 = 512;
+
+/// The 512 bytes a write with tag `tag` puts in a sector; tag 0 is all zeros.
+pub fn sector_bytes(tag: u64) -> [u8; SECTOR as usize] {
+    let mut b = [0u8; SECTOR as usize];
+    if tag != 0 {
+        b[..8].copy_from_slice(&tag.to_le_bytes());
+        for (i, x) in b.iter_mut().enumerate().skip(8) {
+            *x = (tag >> (8 * (i % 8))) as u8 ^ i as u8;
+        }
+    }
+    b
+}
+
+/// The tag a sector holds, or `None` for bytes no write ever produced.
+pub fn sector_tag(b: &[u8]) -> Option<u64> {
+    let tag = u64::from_le_bytes(b[..8].try_into().unwrap());
+    (sector_bytes(tag)[..] == *b).then_some(tag)
+}
+
+/// Writes to `image` what a power cut behind the first `cut` of `events` leaves of a
+/// pool that started as `base`: every durable write, and each other one kept, lost or
+/// torn at random (`storage_engine::testing::power_cut_writes`).
+pub fn cut_image(
+    image: &Path,
+    base: &[u8],
+    events: &[storage_engine::testing::IoEvent],
+    cut: usize,
+    rng: &mut storage_engine::testing::Rng,
+) {
+    use std::os::unix::fs::FileExt;
+    use storage_engine::testing::{power_cut_writes, Fate};
+    let f = std::fs::File::create(image).unwrap();
+    f.set_len(base.len() as u64).unwrap();
+    for (i, block) in base.chunks(4096).enumerate() {
+        if block.iter().any(|&b| b != 0) {
+            f.write_all_at(block, i as u64 * 4096).unwrap();
+        }
+    }
+    let writes = power_cut_writes(events, cut, || match rng.below(3) {
+        0 => Fate::Lost,
+        1 => Fate::Kept,
+        _ => Fate::Torn,
+    });
+    for (off, data) in writes {
+        f.write_all_at(data, off).unwrap();
+    }
+}
