@@ -2,8 +2,9 @@
 # Installs what the test suite needs on a fresh Debian machine (idempotent):
 #   Debian packages: the NBD peers the tests drive (qemu-utils: qemu-io, qemu-img;
 #   libnbd-bin: nbdinfo, nbdcopy, nbdsh; python3-libnbd; fio with its nbd engine;
-#   nbdkit and nbd-server for the peer comparison), cargo-nextest, and the kernel VM
-#   of ../shared/tools/nbd-vm (a stock Debian kernel with nbd.ko, booted in QEMU).
+#   nbdkit and nbd-server for the peer comparison), cargo-nextest, rustfmt and clippy,
+#   and the kernel VM of ../shared/tools/nbd-vm (a stock Debian kernel with nbd.ko,
+#   booted in QEMU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SUDO=; [ "$(id -u)" = 0 ] || SUDO=sudo
@@ -16,6 +17,9 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 command -v cargo-nextest >/dev/null || cargo install --locked cargo-nextest
+# rustfmt and clippy check the code before the tests (part of rustup's default profile).
+cargo fmt --version >/dev/null 2>&1 || rustup component add rustfmt
+cargo clippy --version >/dev/null 2>&1 || rustup component add clippy
 VM=../shared/tools/nbd-vm/setup.sh
 if [ -f "$VM" ]; then
   $SUDO bash "$VM" >/tmp/ferrovol-nbd-vm-setup.log 2>&1 || { cat /tmp/ferrovol-nbd-vm-setup.log; exit 1; }

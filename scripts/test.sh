@@ -4,10 +4,13 @@
 # tests against qemu-io/qemu-img/nbdinfo/nbdcopy/nbdsh/fio, kill -9 crash tests, the
 # shared NBD interoperability checklist, and the Linux kernel NBD client in a VM), then
 # the deterministic concurrency checks of the engine's sharing state machine (shuttle).
+# Formatting (rustfmt) and lints (clippy, warnings as errors) are checked first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-test-deps.sh
 export PATH=/usr/bin:$PATH   # nbdsh needs Debian's python3 (libnbd binding)
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets -- -D warnings
 cargo build --workspace --all-targets
 status=0
 cargo nextest run --workspace --profile ci --no-fail-fast "$@" || status=$?

@@ -30,8 +30,11 @@ struct State {
 /// A `size`-byte export held in memory, all holes at first.
 pub struct MemExport {
     state: Mutex<State>,
+    /// Flags the export advertises (all but read-only at first).
     pub flags: ExportFlags,
+    /// Block sizes it advertises (1, 4096, 1 MiB at first).
     pub sizes: BlockSizes,
+    /// Its description in the handshake.
     pub description: String,
     /// Delay applied to each read, computed from its offset.
     pub read_delay: Option<DelayFn>,
@@ -46,6 +49,7 @@ pub struct MemExport {
 }
 
 impl MemExport {
+    /// An export of `size` bytes, all holes, writable, with trim, zeroes and multi-conn.
     pub fn new(size: u64) -> Self {
         let blocks = size.div_ceil(BLOCK) as usize;
         Self {
@@ -67,11 +71,13 @@ impl MemExport {
         }
     }
 
+    /// The same export, read-only.
     pub fn read_only(mut self) -> Self {
         self.flags.read_only = true;
         self
     }
 
+    /// The same export, each read delayed by `f(offset)`.
     pub fn with_read_delay(mut self, f: impl Fn(u64) -> Duration + Send + Sync + 'static) -> Self {
         self.read_delay = Some(Box::new(f));
         self
@@ -210,15 +216,18 @@ impl Export for MemExport {
 /// A fixed set of named exports.
 #[derive(Default)]
 pub struct MemRegistry {
+    /// The exports by name, in the order they were added.
     pub exports: Vec<(String, Arc<MemExport>)>,
 }
 
 impl MemRegistry {
+    /// The registry with `export` added under `name`.
     pub fn with(mut self, name: &str, export: MemExport) -> Self {
         self.exports.push((name.to_string(), Arc::new(export)));
         self
     }
 
+    /// The export named `name` (panics if there is none: a test fixture's bug).
     pub fn get(&self, name: &str) -> Arc<MemExport> {
         self.lookup(name).expect("export in fixture")
     }

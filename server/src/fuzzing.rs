@@ -9,8 +9,9 @@ use prost::Message;
 use storage_engine::{Pool, PoolOptions};
 use tonic::Request;
 
-use crate::mgmt::pb::management_server::Management;
-use crate::mgmt::{pb, ManagementService};
+use crate::mgmt::ManagementService;
+use mgmt_api::pb;
+use pb::management_server::Management;
 
 struct Fixture {
     rt: tokio::runtime::Runtime,

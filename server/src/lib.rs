@@ -1,13 +1,16 @@
 //! The `ferrovol` server library: what `ferrovol serve` puts between the engine and the
 //! network.
 //!
-//! Lives here: NBD exports over engine volumes ([`exports`]), the gRPC management API
-//! ([`mgmt`]), the two error mappings ([`errors`]), Prometheus metrics ([`metrics`]),
-//! and the fuzz target body of the management API ([`fuzzing`]). Not here: the command line and start-up (main.rs), the
-//! engine (`storage-engine`), the NBD protocol (`nbd`).
+//! Lives here: a storage host's start-up and shutdown ([`host`]), NBD exports over engine
+//! volumes ([`exports`]), the server side of the management API ([`mgmt`]), the two
+//! error mappings ([`errors`]), Prometheus metrics ([`metrics`]), and the fuzz target
+//! body of the management API ([`fuzzing`]). Not here: the command line (the `ferrovol`
+//! binary, src/bin/ferrovol), the engine (`storage-engine`), the NBD protocol (`nbd`),
+//! the management protocol and its client (`mgmt-api`).
 
 pub mod errors;
 pub mod exports;
 pub mod fuzzing;
+pub mod host;
 pub mod metrics;
 pub mod mgmt;

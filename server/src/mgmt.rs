@@ -1,25 +1,15 @@
-//! The management API: gRPC (tonic) on a unix socket, the server's public control
-//! surface (proto/ferrovol.proto). Used by the `ferrovol volume ...` CLI and, later,
-//! by the CSI controller.
+//! The management API's server side: the `Management` service of the `mgmt-api` crate
+//! (gRPC, proto/ferrovol.proto there) implemented over a [`Pool`].
 //!
-//! Lives here: the service implementation over a [`Pool`], and [`connect`], a client
-//! over the unix socket. Not here: argument parsing (main.rs), the engine.
+//! Lives here: [`ManagementService`] and the conversion of engine types to the API's.
+//! Not here: the protocol and its client (`mgmt-api`), listening (host.rs), the engine.
 
-use std::path::{Path, PathBuf};
-
-use hyper_util::rt::TokioIo;
+use mgmt_api::pb;
+use pb::management_server::{Management, ManagementServer};
 use storage_engine::{Pool, VolumeInfo};
-use tonic::transport::{Channel, Endpoint, Uri};
 use tonic::{Request, Response, Status};
 
 use crate::errors::grpc_status;
-
-/// Generated protobuf and gRPC code for package `ferrovol.v1`.
-pub mod pb {
-    tonic::include_proto!("ferrovol.v1");
-}
-
-use pb::management_server::{Management, ManagementServer};
 
 /// The management service over one pool.
 pub struct ManagementService {
@@ -157,43 +147,3 @@ impl Management for ManagementService {
         }))
     }
 }
-
-/// A client connected to the management socket at `path`.
-///
-/// Errors: the socket does not exist or nobody listens (is `ferrovol serve` running
-/// with this data dir?).
-pub async fn connect(path: &Path) -> anyhow::Result<pb::management_client::ManagementClient<Channel>> {
-    if !path.exists() {
-        anyhow::bail!(
-            "no management socket at {} (is `ferrovol serve` running with this --data-dir or --socket?)",
-            path.display()
-        );
-    }
-    let path_shown = path.display().to_string();
-    let path: PathBuf = path.to_owned();
-    let channel = Endpoint::try_from("http://ferrovol.invalid")?
-        .connect_with_connector(tower::service_fn(move |_: Uri| {
-            let path = path.clone();
-            async move { Ok::<_, std::io::Error>(TokioIo::new(tokio::net::UnixStream::connect(path).await?)) }
-        }))
-        .await
-        .map_err(|e| {
-            // The innermost cause only: the layers above it repeat it.
-            let mut cause: &dyn std::error::Error = &e;
-            while let Some(inner) = cause.source() {
-                cause = inner;
-            }
-            anyhow::anyhow!(
-                "cannot connect to the management socket {path_shown}: {cause} (is `ferrovol serve` running with \
-                 this --data-dir or --socket? A server that is stopping no longer takes calls, and one that was \
-                 killed leaves its socket behind)"
-            )
-        })?;
-    // Replies are not paged: a listing of tens of thousands of volumes, or the diff of
-    // a fragmented volume, passes gRPC's default limit of 4 MiB per message.
-    Ok(pb::management_client::ManagementClient::new(channel).max_decoding_message_size(MAX_REPLY_BYTES))
-}
-
-/// The largest management reply [`connect`]'s client accepts, in bytes: about four
-/// million volumes in a listing, or a hundred million ranges in a diff.
-pub const MAX_REPLY_BYTES: usize = 1 << 30;

@@ -21,7 +21,7 @@ impl Rng {
 
 fn mapping(c: &mut Criterion) {
     let units = 1u64 << 20; // 64 GiB of 64 KiB units
-    // Refcounts as the pool keeps them: every change of a table takes the allocator.
+                            // Refcounts as the pool keeps them: every change of a table takes the allocator.
     let a = std::cell::RefCell::new(Allocator::new(units as usize));
     let mut t = MapTable::new();
     for u in 0..units {

@@ -13,7 +13,7 @@ use zerocopy::{FromBytes, IntoBytes};
 
 use crate::error::{Error, Result};
 use crate::format::*;
-use crate::meta::{MetaCounts, Allocator, Entry, MapPage, MapTable, META};
+use crate::meta::{Allocator, Entry, MapPage, MapTable, MetaCounts, META};
 
 /// One metadata change, as logged.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -1119,12 +1119,7 @@ mod tests {
         for round in 0..300 {
             let unit_size = [16u64 << 10, 32 << 10, 64 << 10, 128 << 10][round % 4];
             let units = 1 << 16;
-            let mut st = State {
-                volumes: BTreeMap::new(),
-                next_volume: 1,
-                alloc: Allocator::new(units),
-                unit_size,
-            };
+            let mut st = State { volumes: BTreeMap::new(), next_volume: 1, alloc: Allocator::new(units), unit_size };
             // Every fourth round the worst case: full pages only, each record a little
             // more than half a 16 KiB chunk, so that every chunk holds one.
             let dense = round % 8 < 2;

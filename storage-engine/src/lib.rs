@@ -26,7 +26,7 @@ mod volume;
 pub use error::{Error, ErrorKind, Result};
 pub use io::{AlignedBuf, IoOptions, Reaper};
 pub use pool::{
-    check, repair, validate_name, CheckReport, Pool, PoolOptions, PoolStatus, Recovery, RefcountRepair, RepairReport, VolumeInfo, DEFAULT_POOL_SIZE,
-    DEFAULT_UNIT_SIZE, MAX_NAME_LEN, MAX_VOLUME_SIZE,
+    check, repair, validate_name, CheckReport, Pool, PoolOptions, PoolStatus, Recovery, RefcountRepair, RepairReport,
+    VolumeInfo, DEFAULT_POOL_SIZE, DEFAULT_UNIT_SIZE, MAX_NAME_LEN, MAX_VOLUME_SIZE,
 };
 pub use volume::{Extent, ReadResult, Volume, MAX_IO_BYTES};

@@ -48,9 +48,9 @@ use std::sync::Arc;
 mod sync {
     #[cfg(feature = "shuttle")]
     pub use shuttle::sync::atomic::{AtomicU32, AtomicU8};
+    pub use std::sync::atomic::Ordering;
     #[cfg(not(feature = "shuttle"))]
     pub use std::sync::atomic::{AtomicU32, AtomicU8};
-    pub use std::sync::atomic::Ordering;
 
     /// `n` atomics of value 0. With std's, one zeroed allocation (`calloc`: pages the
     /// kernel hands out zeroed, resident only once touched).

@@ -1106,7 +1106,12 @@ impl Pool {
 
     /// Shares `source` as `target`; `Ok(Err(need))` when the metadata it adds finds no
     /// room (nothing changed).
-    async fn share(&self, source: &str, target: &str, snapshot: bool) -> Result<std::result::Result<VolumeInfo, NeedRoom>> {
+    async fn share(
+        &self,
+        source: &str,
+        target: &str,
+        snapshot: bool,
+    ) -> Result<std::result::Result<VolumeInfo, NeedRoom>> {
         self.inner.check_writable()?;
         let src = self
             .inner
@@ -1837,7 +1842,11 @@ impl PoolInner {
             );
             let reserved: std::collections::VecDeque<u32> = (0..bound).map_while(|_| alloc.alloc_meta()).collect();
             if (reserved.len() as u64) < bound {
-                tracing::error!(bound, spare = reserved.len(), "the spare holds fewer units than a checkpoint may take");
+                tracing::error!(
+                    bound,
+                    spare = reserved.len(),
+                    "the spare holds fewer units than a checkpoint may take"
+                );
             }
             alloc.checkpoint_units = bound;
             let mut j = self.journal.lock();

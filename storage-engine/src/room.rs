@@ -300,7 +300,8 @@ impl PoolInner {
             let rxs: Vec<_> = batch
                 .iter()
                 .map(|&u| {
-                    let seg = Segment { file_offset: self.geo.unit_offset(u64::from(u)), buf_offset: 0, len: us as usize };
+                    let seg =
+                        Segment { file_offset: self.geo.unit_offset(u64::from(u)), buf_offset: 0, len: us as usize };
                     self.ring.rw(Dir::Write { dsync: false }, AlignedBuf::zeroed(us as usize), vec![seg])
                 })
                 .collect();

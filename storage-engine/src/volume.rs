@@ -633,7 +633,11 @@ impl Volume {
             if Box::pin(self.pool.make_room(need, tries)).await.map_err(|e| self.err(e, "write", offset))? {
                 return Ok(false);
             }
-            return Err(self.err(Error::new(ErrorKind::NoSpace, "no free data unit for copy-on-write"), "write", offset));
+            return Err(self.err(
+                Error::new(ErrorKind::NoSpace, "no free data unit for copy-on-write"),
+                "write",
+                offset,
+            ));
         };
         self.finish_private(lunit, s, e, old, target, buf, offset).await
     }

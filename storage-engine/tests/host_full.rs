@@ -85,7 +85,11 @@ fn open(fs: &HostFs, preallocate: bool) -> Pool {
 
 /// Writes 1 MiB pieces of `v` from `start` (piece `i` all of byte `i`) until one fails;
 /// returns how many succeeded and the error.
-fn write_until_full(rt: &tokio::runtime::Runtime, v: &storage_engine::Volume, start: u64) -> (u64, storage_engine::Error) {
+fn write_until_full(
+    rt: &tokio::runtime::Runtime,
+    v: &storage_engine::Volume,
+    start: u64,
+) -> (u64, storage_engine::Error) {
     let mut i = start;
     loop {
         match rt.block_on(write(v, i * MIB, &[i as u8; MIB as usize], false)) {

@@ -95,13 +95,33 @@ enum Plane {
 enum Kind {
     /// The first four volumes, made before the threads start.
     Create,
-    Write { name: String, sector: u64, tags: Vec<u64>, fua: bool },
-    Zero { name: String, sector: u64, count: u64 },
+    Write {
+        name: String,
+        sector: u64,
+        tags: Vec<u64>,
+        fua: bool,
+    },
+    Zero {
+        name: String,
+        sector: u64,
+        count: u64,
+    },
     Flush,
-    Snapshot { source: String, name: String },
-    Clone { source: String, name: String },
-    Delete { name: String },
-    Grow { name: String, size: u64 },
+    Snapshot {
+        source: String,
+        name: String,
+    },
+    Clone {
+        source: String,
+        name: String,
+    },
+    Delete {
+        name: String,
+    },
+    Grow {
+        name: String,
+        size: u64,
+    },
 }
 
 /// An operation and the span of the I/O log it ran over.
@@ -120,7 +140,9 @@ impl Done {
     /// The data operation's volume and its value for `sector`, if it covers it.
     fn value(&self, name: &str, sector: u64) -> Option<u64> {
         match &self.kind {
-            Kind::Write { name: n, sector: s, tags, .. } if n == name && (*s..s + tags.len() as u64).contains(&sector) => {
+            Kind::Write { name: n, sector: s, tags, .. }
+                if n == name && (*s..s + tags.len() as u64).contains(&sector) =>
+            {
                 Some(tags[(sector - s) as usize])
             }
             Kind::Zero { name: n, sector: s, count } if n == name && (*s..s + count).contains(&sector) => Some(0),
@@ -262,7 +284,7 @@ impl<'a> Model<'a> {
     /// What a read of the live pool after the workload must find in `name`'s sector:
     /// its last write's value, or, if none, its first content.
     fn latest(&self, name: &str, sector: u64) -> BTreeSet<u64> {
-        let last = self.ops.get(name).into_iter().flatten().filter_map(|d| d.value(name, sector)).last();
+        let last = self.ops.get(name).into_iter().flatten().filter_map(|d| d.value(name, sector)).next_back();
         match last {
             Some(v) => [v].into(),
             None => self.first_content(name, sector),
@@ -329,7 +351,11 @@ async fn data_thread(sh: Arc<Shared>, me: usize, seed: u64) {
             let count = 1 + rng.below(64);
             let sector = region + rng.below(REGION_SECTORS - count + 1);
             let (off, len) = (sector * SECTOR, count * SECTOR);
-            let res = if rng.chance(60) { v.trim(off, len, false).await } else { v.write_zeroes(off, len, false, false).await };
+            let res = if rng.chance(60) {
+                v.trim(off, len, false).await
+            } else {
+                v.write_zeroes(off, len, false, false).await
+            };
             res.unwrap_or_else(|e| panic!("zero {name}: {e}"));
             sh.record(Kind::Zero { name, sector, count }, start);
         } else {
@@ -573,7 +599,10 @@ fn run_seed(seed: u64, cuts: usize) {
         let (base, events, history) = match live {
             Ok(r) => r,
             Err(e) => {
-                let _ = writeln!(std::io::stderr(), "concurrent workload failed live: seed {seed:#x}, workload {w} ({plane:?})");
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "concurrent workload failed live: seed {seed:#x}, workload {w} ({plane:?})"
+                );
                 std::panic::resume_unwind(e);
             }
         };

@@ -78,7 +78,10 @@ impl Model {
                 let mut g = self.ghost.lock().unwrap();
                 let durable = *self.durable.lock().unwrap();
                 if let Some((_, at)) = g.releases.iter().find(|(u, at)| *u == old.punit && *at >= durable) {
-                    panic!("table {t} wrote unit {} in place while the release logged at {at} was not durable ({durable})", old.punit);
+                    panic!(
+                        "table {t} wrote unit {} in place while the release logged at {at} was not durable ({durable})",
+                        old.punit
+                    );
                 }
                 g.content.insert(old.punit, v);
                 g.logical.insert((t, lunit), v);
@@ -163,7 +166,9 @@ impl Model {
                 );
             }
             for (_, page) in map.pages() {
-                let seen = owners.entry(std::sync::Arc::as_ptr(page)).or_insert((0, page.owners.load(std::sync::atomic::Ordering::SeqCst)));
+                let seen = owners
+                    .entry(std::sync::Arc::as_ptr(page))
+                    .or_insert((0, page.owners.load(std::sync::atomic::Ordering::SeqCst)));
                 seen.0 += 1;
                 if seen.0 == 1 {
                     for u in page.units() {

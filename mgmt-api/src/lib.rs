@@ -1,0 +1,265 @@
+//! ferrovol's management API: the storage host's control surface, gRPC (tonic) over a
+//! unix socket (`ferrovol serve` listens on `<data-dir>/ferrovol.sock` by default).
+//!
+//! Lives here: the protocol (`proto/ferrovol.proto`, package `ferrovol.v1`) and its
+//! generated code ([`pb`]: messages, the `Management` service trait a server
+//! implements, and the raw client), and [`Client`], a typed client whose calls return
+//! [`ApiError`], one error of a small matchable [`ErrorKind`]. Used by the `ferrovol`
+//! CLI and by the CSI controller; implemented by the `ferrovol` server. Not here: the
+//! engine or anything else of ferrovol's (this crate depends on none of them), the
+//! server side (the `ferrovol` crate's `mgmt` module).
+
+use std::path::{Path, PathBuf};
+
+use hyper_util::rt::TokioIo;
+use tonic::transport::{Channel, Endpoint, Uri};
+
+/// Generated protobuf and gRPC code for package `ferrovol.v1` (proto/ferrovol.proto);
+/// the comments of the proto file are its documentation.
+#[allow(missing_docs)]
+pub mod pb {
+    tonic::include_proto!("ferrovol.v1");
+}
+
+pub use pb::{ByteRange, PoolStatus, Volume};
+
+/// The largest reply [`Client`] accepts, in bytes: about four million volumes in a
+/// listing, or a hundred million ranges in a diff. Replies are not paged, and gRPC's
+/// default of 4 MiB per message is passed by a listing of some 16,000 volumes.
+pub const MAX_REPLY_BYTES: usize = 1 << 30;
+
+/// What kind of failure an [`ApiError`] is: what a caller decides on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// No such volume or snapshot (gRPC `NOT_FOUND`).
+    NotFound,
+    /// A volume or snapshot of that name exists (`ALREADY_EXISTS`).
+    AlreadyExists,
+    /// A bad name, size or request (`INVALID_ARGUMENT`).
+    InvalidArgument,
+    /// The pool, or the file system under it, is full (`RESOURCE_EXHAUSTED`).
+    NoSpace,
+    /// The request cannot be served in the pool's state: it failed after an I/O error,
+    /// or the volume is a read-only snapshot (`FAILED_PRECONDITION`).
+    FailedPrecondition,
+    /// No server answers at the address (not running, or stopping).
+    Unavailable,
+    /// The connection broke during the call: its outcome is unknown (a change may or
+    /// may not have been made).
+    Interrupted,
+    /// The server failed otherwise (`INTERNAL` and the rest).
+    Internal,
+}
+
+/// The error of a management call: its kind, and a message for people.
+#[derive(Debug, thiserror::Error)]
+#[error("{message}")]
+pub struct ApiError {
+    kind: ErrorKind,
+    message: String,
+}
+
+impl ApiError {
+    /// What kind of failure this is.
+    pub fn kind(&self) -> ErrorKind {
+        self.kind
+    }
+
+    /// The message, as `Display` shows it.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+
+    fn new(kind: ErrorKind, message: impl Into<String>) -> ApiError {
+        ApiError { kind, message: message.into() }
+    }
+
+    /// The error a status the client received stands for. A status made by the client
+    /// itself (it carries a source: the transport broke) or `UNKNOWN` means the call was
+    /// cut on its way, and its outcome is unknown.
+    fn from_status(s: tonic::Status) -> ApiError {
+        use std::error::Error as _;
+        use tonic::Code;
+        if s.source().is_some() || s.code() == Code::Unknown {
+            return ApiError::new(
+                ErrorKind::Interrupted,
+                format!(
+                    "the connection to the server broke during the call ({}: the server stopped or was killed?); \
+                     its outcome is unknown: if it was a change, list the volumes and snapshots once the server \
+                     runs again",
+                    s.message()
+                ),
+            );
+        }
+        let kind = match s.code() {
+            Code::NotFound => ErrorKind::NotFound,
+            Code::AlreadyExists => ErrorKind::AlreadyExists,
+            Code::InvalidArgument | Code::OutOfRange => ErrorKind::InvalidArgument,
+            Code::ResourceExhausted => ErrorKind::NoSpace,
+            Code::FailedPrecondition => ErrorKind::FailedPrecondition,
+            Code::Unavailable => ErrorKind::Unavailable,
+            _ => ErrorKind::Internal,
+        };
+        ApiError::new(kind, s.message())
+    }
+}
+
+/// A management client. Cheap to clone; calls may run concurrently.
+#[derive(Clone)]
+pub struct Client {
+    inner: pb::management_client::ManagementClient<Channel>,
+}
+
+type Result<T> = std::result::Result<T, ApiError>;
+
+impl Client {
+    /// Connects to the management socket at `path`.
+    ///
+    /// Errors: [`ErrorKind::Unavailable`] when the socket does not exist or nobody
+    /// listens on it (the message asks whether `ferrovol serve` runs with that data
+    /// directory or socket).
+    pub async fn connect_unix(path: &Path) -> Result<Client> {
+        if !path.exists() {
+            return Err(ApiError::new(
+                ErrorKind::Unavailable,
+                format!(
+                    "no management socket at {} (is `ferrovol serve` running with this --data-dir or --socket?)",
+                    path.display()
+                ),
+            ));
+        }
+        let shown = path.display().to_string();
+        let path: PathBuf = path.to_owned();
+        let endpoint = Endpoint::try_from("http://ferrovol.invalid").expect("a valid placeholder URI");
+        let channel = endpoint
+            .connect_with_connector(tower::service_fn(move |_: Uri| {
+                let path = path.clone();
+                async move { Ok::<_, std::io::Error>(TokioIo::new(tokio::net::UnixStream::connect(path).await?)) }
+            }))
+            .await
+            .map_err(|e| {
+                // The innermost cause only: the layers above it repeat it.
+                let mut cause: &dyn std::error::Error = &e;
+                while let Some(inner) = cause.source() {
+                    cause = inner;
+                }
+                ApiError::new(
+                    ErrorKind::Unavailable,
+                    format!(
+                        "cannot connect to the management socket {shown}: {cause} (is `ferrovol serve` running with \
+                         this --data-dir or --socket? A server that is stopping no longer takes calls, and one that \
+                         was killed leaves its socket behind)"
+                    ),
+                )
+            })?;
+        Ok(Client::over(channel))
+    }
+
+    /// A client over an established channel.
+    pub fn over(channel: Channel) -> Client {
+        Client {
+            inner: pb::management_client::ManagementClient::new(channel).max_decoding_message_size(MAX_REPLY_BYTES),
+        }
+    }
+
+    /// The generated client, for calls this one does not wrap.
+    pub fn raw(&self) -> pb::management_client::ManagementClient<Channel> {
+        self.inner.clone()
+    }
+
+    /// Creates a thin volume of `size_bytes` (a multiple of 4096). Durable on return.
+    ///
+    /// Errors: [`ErrorKind::InvalidArgument`], [`ErrorKind::AlreadyExists`],
+    /// [`ErrorKind::NoSpace`], [`ErrorKind::FailedPrecondition`], and the transport's.
+    pub async fn create_volume(&self, name: &str, size_bytes: u64) -> Result<Volume> {
+        let req = pb::CreateVolumeRequest { name: name.to_owned(), size_bytes };
+        self.raw().create_volume(req).await.map(|r| r.into_inner()).map_err(ApiError::from_status)
+    }
+
+    /// Deletes a volume (not a snapshot).
+    ///
+    /// Errors: [`ErrorKind::NotFound`], [`ErrorKind::FailedPrecondition`], and the transport's.
+    pub async fn delete_volume(&self, name: &str) -> Result<()> {
+        let req = pb::DeleteVolumeRequest { name: name.to_owned() };
+        self.raw().delete_volume(req).await.map(|_| ()).map_err(ApiError::from_status)
+    }
+
+    /// Grows a volume to `size_bytes`.
+    ///
+    /// Errors: [`ErrorKind::NotFound`], [`ErrorKind::InvalidArgument`] (shrink, bad
+    /// size, a snapshot), and the transport's.
+    pub async fn resize_volume(&self, name: &str, size_bytes: u64) -> Result<Volume> {
+        let req = pb::ResizeVolumeRequest { name: name.to_owned(), size_bytes };
+        self.raw().resize_volume(req).await.map(|r| r.into_inner()).map_err(ApiError::from_status)
+    }
+
+    /// One volume or snapshot (`VOLUME@SNAPSHOT`).
+    ///
+    /// Errors: [`ErrorKind::NotFound`], and the transport's.
+    pub async fn volume(&self, name: &str) -> Result<Volume> {
+        let req = pb::GetVolumeRequest { name: name.to_owned() };
+        self.raw().get_volume(req).await.map(|r| r.into_inner()).map_err(ApiError::from_status)
+    }
+
+    /// Every volume (not snapshots), sorted by name.
+    ///
+    /// Errors: the transport's.
+    pub async fn list_volumes(&self) -> Result<Vec<Volume>> {
+        let r = self.raw().list_volumes(pb::ListVolumesRequest {}).await.map_err(ApiError::from_status)?;
+        Ok(r.into_inner().volumes)
+    }
+
+    /// The pool's capacity and use.
+    ///
+    /// Errors: the transport's.
+    pub async fn pool_status(&self) -> Result<PoolStatus> {
+        let r = self.raw().get_pool_status(pb::GetPoolStatusRequest {}).await.map_err(ApiError::from_status)?;
+        Ok(r.into_inner())
+    }
+
+    /// Takes snapshot `snapshot` of `volume`, exported as `VOLUME@SNAPSHOT`.
+    ///
+    /// Errors: [`ErrorKind::NotFound`], [`ErrorKind::AlreadyExists`],
+    /// [`ErrorKind::InvalidArgument`], [`ErrorKind::NoSpace`], and the transport's.
+    pub async fn create_snapshot(&self, volume: &str, snapshot: &str) -> Result<Volume> {
+        let req = pb::CreateSnapshotRequest { volume: volume.to_owned(), snapshot: snapshot.to_owned() };
+        self.raw().create_snapshot(req).await.map(|r| r.into_inner()).map_err(ApiError::from_status)
+    }
+
+    /// Deletes snapshot `snapshot` of `volume`.
+    ///
+    /// Errors: [`ErrorKind::NotFound`], and the transport's.
+    pub async fn delete_snapshot(&self, volume: &str, snapshot: &str) -> Result<()> {
+        let req = pb::DeleteSnapshotRequest { volume: volume.to_owned(), snapshot: snapshot.to_owned() };
+        self.raw().delete_snapshot(req).await.map(|_| ()).map_err(ApiError::from_status)
+    }
+
+    /// Snapshots of `volume`, or of every volume, sorted by name.
+    ///
+    /// Errors: [`ErrorKind::NotFound`] (a name with neither a volume nor snapshots),
+    /// and the transport's.
+    pub async fn list_snapshots(&self, volume: Option<&str>) -> Result<Vec<Volume>> {
+        let req = pb::ListSnapshotsRequest { volume: volume.unwrap_or_default().to_owned() };
+        let r = self.raw().list_snapshots(req).await.map_err(ApiError::from_status)?;
+        Ok(r.into_inner().snapshots)
+    }
+
+    /// A writable volume `name` sharing the data of `source` (`VOLUME@SNAPSHOT` or
+    /// `VOLUME`).
+    ///
+    /// Errors: [`ErrorKind::NotFound`], [`ErrorKind::AlreadyExists`],
+    /// [`ErrorKind::InvalidArgument`], [`ErrorKind::NoSpace`], and the transport's.
+    pub async fn clone_volume(&self, source: &str, name: &str) -> Result<Volume> {
+        let req = pb::CloneVolumeRequest { source: source.to_owned(), name: name.to_owned() };
+        self.raw().clone_volume(req).await.map(|r| r.into_inner()).map_err(ApiError::from_status)
+    }
+
+    /// Byte ranges that may differ between `from` and `to` (volumes or snapshots).
+    ///
+    /// Errors: [`ErrorKind::NotFound`], and the transport's.
+    pub async fn diff(&self, from: &str, to: &str) -> Result<Vec<ByteRange>> {
+        let req = pb::DiffSnapshotsRequest { from: from.to_owned(), to: to.to_owned() };
+        let r = self.raw().diff_snapshots(req).await.map_err(ApiError::from_status)?;
+        Ok(r.into_inner().ranges)
+    }
+}

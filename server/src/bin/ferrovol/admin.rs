@@ -1,0 +1,239 @@
+//! What the administrative commands print: `volume ...`, `snapshot ...`, `pool status`
+//! (clients of the management API) and `check` (on a stopped pool). Not here: parsing
+//! (args.rs), the server (the `ferrovol` library).
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use mgmt_api::{Client, Volume};
+
+use crate::args::{SnapshotCmd, VolumeCmd};
+
+fn human(bytes: u64) -> String {
+    const U: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    let mut v = bytes as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i + 1 < U.len() {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{v:.1} {}", U[i])
+    }
+}
+
+fn volume_json(v: &Volume) -> serde_json::Value {
+    serde_json::json!({
+        "name": v.name, "id": v.id, "size_bytes": v.size_bytes,
+        "allocated_bytes": v.allocated_bytes, "created_unix": v.created_unix, "export_name": v.export_name,
+        "snapshot": v.snapshot, "exclusive_bytes": v.exclusive_bytes, "shared_bytes": v.shared_bytes,
+    })
+}
+
+/// One row per volume; the NAME column is as wide as the longest name (at least 24).
+fn print_table(vs: &[Volume]) {
+    let w = vs.iter().map(|v| v.name.chars().count()).max().unwrap_or(0).max(24);
+    out!("{:<w$} {:>12} {:>12} {:>12} {:>12}", "NAME", "SIZE", "ALLOCATED", "EXCLUSIVE", "SHARED");
+    for v in vs {
+        out!(
+            "{:<w$} {:>12} {:>12} {:>12} {:>12}",
+            v.name,
+            human(v.size_bytes),
+            human(v.allocated_bytes),
+            human(v.exclusive_bytes),
+            human(v.shared_bytes)
+        );
+    }
+}
+
+/// `ferrovol snapshot ...` against the server at `socket`.
+pub(crate) async fn snapshot_cmd(socket: &Path, cmd: SnapshotCmd) -> anyhow::Result<()> {
+    let c = Client::connect_unix(socket).await?;
+    match cmd {
+        SnapshotCmd::Create { volume, snapshot } => {
+            let v = c.create_snapshot(&volume, &snapshot).await?;
+            out!("created snapshot {}", v.name);
+        }
+        SnapshotCmd::List { volume, json } => {
+            let vs = c.list_snapshots(volume.as_deref()).await?;
+            if json {
+                out!("{}", serde_json::Value::Array(vs.iter().map(volume_json).collect()));
+            } else {
+                print_table(&vs);
+            }
+        }
+        SnapshotCmd::Delete { volume, snapshot } => {
+            c.delete_snapshot(&volume, &snapshot).await?;
+            out!("deleted snapshot {volume}@{snapshot}");
+        }
+        SnapshotCmd::Diff { from, to, json } => {
+            let ranges = c.diff(&from, &to).await?;
+            if json {
+                let r: Vec<_> =
+                    ranges.iter().map(|r| serde_json::json!({"offset": r.offset, "length": r.length})).collect();
+                out!("{}", serde_json::Value::Array(r));
+            } else {
+                for r in &ranges {
+                    out!("{} {}", r.offset, r.length);
+                }
+                let total: u64 = ranges.iter().map(|r| r.length).sum();
+                eprintln!("{} ranges, {} bytes differ", ranges.len(), total);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `ferrovol volume ...` against the server at `socket`.
+pub(crate) async fn volume_cmd(socket: &Path, cmd: VolumeCmd) -> anyhow::Result<()> {
+    let c = Client::connect_unix(socket).await?;
+    match cmd {
+        VolumeCmd::Create { name, size } => {
+            let v = c.create_volume(&name, size).await?;
+            out!("created volume {} ({} bytes, {})", v.name, v.size_bytes, human(v.size_bytes));
+        }
+        VolumeCmd::List { json } => {
+            let vs = c.list_volumes().await?;
+            if json {
+                out!("{}", serde_json::Value::Array(vs.iter().map(volume_json).collect()));
+            } else {
+                print_table(&vs);
+            }
+        }
+        VolumeCmd::Info { name, json } => {
+            let v = c.volume(&name).await?;
+            if json {
+                out!("{}", volume_json(&v));
+            } else {
+                out!(
+                    "name: {}\ntype: {}\nid: {}\nsize: {} ({})\nallocated: {} ({})\nexport: {}",
+                    v.name,
+                    if v.snapshot { "snapshot (read-only)" } else { "volume" },
+                    v.id,
+                    v.size_bytes,
+                    human(v.size_bytes),
+                    v.allocated_bytes,
+                    human(v.allocated_bytes),
+                    v.export_name
+                );
+            }
+        }
+        VolumeCmd::Delete { name } => {
+            c.delete_volume(&name).await?;
+            out!("deleted volume {name}");
+        }
+        VolumeCmd::Clone { from, name } => {
+            let v = c.clone_volume(&from, &name).await?;
+            out!("created volume {} from {from}", v.name);
+        }
+        VolumeCmd::Resize { name, size } => {
+            let v = c.resize_volume(&name, size).await?;
+            out!("resized volume {} to {} bytes ({})", v.name, v.size_bytes, human(v.size_bytes));
+        }
+    }
+    Ok(())
+}
+
+/// `ferrovol pool status` against the server at `socket`.
+pub(crate) async fn pool_status(socket: &Path, json: bool) -> anyhow::Result<()> {
+    let c = Client::connect_unix(socket).await?;
+    let s = c.pool_status().await?;
+    if json {
+        out!(
+            "{}",
+            serde_json::json!({
+                "uuid": s.uuid, "path": s.path, "capacity_bytes": s.capacity_bytes, "used_bytes": s.used_bytes,
+                "metadata_bytes": s.metadata_bytes, "free_bytes": s.free_bytes, "reserved_bytes": s.reserved_bytes,
+                "unit_size_bytes": s.unit_size_bytes,
+                "volume_count": s.volume_count, "direct_io": s.direct_io, "failed": s.failed, "nbd_endpoints": s.nbd_endpoints,
+            })
+        );
+    } else {
+        out!("pool {} at {}", s.uuid, s.path);
+        out!(
+            "capacity {}  used {}  metadata {}  free {} (of which {} reserved for metadata)",
+            human(s.capacity_bytes),
+            human(s.used_bytes),
+            human(s.metadata_bytes),
+            human(s.free_bytes),
+            human(s.reserved_bytes)
+        );
+        out!(
+            "unit size {}  volumes and snapshots {}  O_DIRECT {}  failed {}",
+            human(u64::from(s.unit_size_bytes)),
+            s.volume_count,
+            s.direct_io,
+            s.failed
+        );
+        for e in s.nbd_endpoints {
+            out!("nbd: {e}");
+        }
+    }
+    Ok(())
+}
+
+/// `ferrovol check [--repair]` on the stopped pool at `path`: exit 0 clean (or
+/// repaired), 1 with the problems (or a refused repair), 2 when the pool cannot be
+/// checked (in use, missing, unreadable).
+pub(crate) async fn check(path: PathBuf, repair: bool) -> anyhow::Result<ExitCode> {
+    match repair {
+        true => {
+            let report = match tokio::task::spawn_blocking(move || storage_engine::repair(&path)).await? {
+                Ok(r) => r,
+                Err(e) if e.kind() == storage_engine::ErrorKind::Corrupt => {
+                    out!("PROBLEM: {e}");
+                    return Ok(ExitCode::FAILURE);
+                }
+                Err(e) => {
+                    eprintln!("ferrovol: {e}");
+                    return Ok(ExitCode::from(2));
+                }
+            };
+            for (unit, found, now) in &report.changed {
+                out!("repaired: data unit {unit} had refcount {found}; {now} mapping pages map it");
+            }
+            if report.changed.is_empty() {
+                out!("nothing to repair");
+            } else {
+                out!(
+                    "{} refcounts repaired ({} leaked units free again); a fresh checkpoint was written",
+                    report.changed.len(),
+                    report.freed
+                );
+            }
+            out!("{}", report.summary);
+            out!("clean");
+            Ok(ExitCode::SUCCESS)
+        }
+        false => {
+            let report = match tokio::task::spawn_blocking(move || storage_engine::check(&path)).await? {
+                Ok(r) => r,
+                Err(e) if e.kind() == storage_engine::ErrorKind::Corrupt => {
+                    // Not even loadable: an inconsistency too.
+                    out!("PROBLEM: {e}");
+                    return Ok(ExitCode::FAILURE);
+                }
+                Err(e) => {
+                    eprintln!("ferrovol: {e}");
+                    return Ok(ExitCode::from(2));
+                }
+            };
+            out!("{}", report.summary);
+            for w in &report.warnings {
+                out!("warning: {w}");
+            }
+            if report.problems.is_empty() {
+                out!("clean");
+                Ok(ExitCode::SUCCESS)
+            } else {
+                for p in &report.problems {
+                    out!("PROBLEM: {p}");
+                }
+                out!("{} problems", report.problems.len());
+                Ok(ExitCode::FAILURE)
+            }
+        }
+    }
+}

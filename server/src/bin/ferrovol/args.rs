@@ -1,0 +1,302 @@
+//! The command line: what `ferrovol` accepts (clap), and how `serve`'s flags become a
+//! [`HostOptions`]. Not here: what the commands do (admin.rs, main.rs).
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use ferrovol::host::HostOptions;
+
+/// Thin-provisioned volumes in a pool, served over NBD.
+#[derive(Parser)]
+#[command(name = "ferrovol", version, about)]
+pub(crate) struct Cli {
+    /// Directory holding the pool file (pool.img) and the sockets.
+    #[arg(long, global = true, env = "FERROVOL_DATA_DIR", default_value = "./ferrovol-data")]
+    pub(crate) data_dir: PathBuf,
+    #[command(subcommand)]
+    pub(crate) cmd: Cmd,
+}
+
+/// The management socket, for the commands that use it (not `check`, which reads a
+/// stopped pool).
+#[derive(clap::Args)]
+pub(crate) struct Mgmt {
+    /// Management socket (default: <data-dir>/ferrovol.sock).
+    #[arg(long, global = true, env = "FERROVOL_SOCKET")]
+    pub(crate) socket: Option<PathBuf>,
+}
+
+impl Mgmt {
+    pub(crate) fn path(&self, data_dir: &Path) -> PathBuf {
+        self.socket.clone().unwrap_or_else(|| data_dir.join("ferrovol.sock"))
+    }
+}
+
+#[derive(Subcommand)]
+pub(crate) enum Cmd {
+    /// Run the storage server: create or open the pool and serve every volume over NBD.
+    Serve {
+        #[command(flatten)]
+        mgmt: Mgmt,
+        #[command(flatten)]
+        args: ServeArgs,
+    },
+    /// Create, list, resize and delete volumes on a running server.
+    Volume {
+        #[command(flatten)]
+        mgmt: Mgmt,
+        #[command(subcommand)]
+        cmd: VolumeCmd,
+    },
+    /// Create, list, delete and diff snapshots on a running server.
+    Snapshot {
+        #[command(flatten)]
+        mgmt: Mgmt,
+        #[command(subcommand)]
+        cmd: SnapshotCmd,
+    },
+    /// Pool information from a running server.
+    Pool {
+        #[command(flatten)]
+        mgmt: Mgmt,
+        #[command(subcommand)]
+        cmd: PoolCmd,
+    },
+    /// Verify a stopped pool: checksums, mappings against refcounts, free space.
+    /// Exits 1 naming each problem found (a file that holds no pool, or one too damaged
+    /// to load, included), 2 if the pool cannot be checked (in use, missing,
+    /// unreadable). What the pool opens despite is printed as `warning:` lines (a
+    /// damaged older superblock slot; in a pool of format version 2 or older, valid log
+    /// batches behind a damaged one, an error from version 3 on).
+    ///
+    /// With --repair, a pool whose refcounts disagree with its mappings (what open
+    /// refuses) gets them rebuilt from the mappings, with the free space, and a fresh
+    /// checkpoint; each change is printed. A pool whose mappings or records are damaged
+    /// is refused (exit 1) and left unchanged: the mappings are what a repair trusts.
+    Check {
+        /// Pool file or block device (default: <data-dir>/pool.img).
+        #[arg(long)]
+        pool: Option<PathBuf>,
+        /// Rebuild the refcounts and free space from the mappings (stop the server first).
+        #[arg(long)]
+        repair: bool,
+    },
+}
+
+#[derive(clap::Args)]
+pub(crate) struct ServeArgs {
+    /// Pool file or raw block device (default: <data-dir>/pool.img, created if missing).
+    #[arg(long)]
+    pub(crate) pool: Option<PathBuf>,
+    /// Size of a new pool file (K, M, G, T are powers of 1024). Ignored for an existing pool.
+    #[arg(long, default_value = "64GiB", value_parser = parse_size)]
+    pub(crate) pool_size: u64,
+    /// Data-unit (allocation-unit) size of a new pool: 16K, 32K, 64K or 128K.
+    #[arg(long, default_value = "64KiB", value_parser = parse_size)]
+    pub(crate) unit_size: u64,
+    /// TCP address for NBD.
+    #[arg(long, default_value = "127.0.0.1:10809")]
+    pub(crate) listen: SocketAddr,
+    /// Unix socket for NBD (default: <data-dir>/nbd.sock).
+    #[arg(long)]
+    pub(crate) nbd_socket: Option<PathBuf>,
+    /// With --pool on a block device: if the device holds no ferrovol pool, format it
+    /// as a new one (destroys its contents).
+    #[arg(long)]
+    pub(crate) format: bool,
+    /// Seconds a client in the handshake (before it chooses an export) may go without
+    /// sending or reading a byte; the whole handshake may take ten times this at most.
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) handshake_timeout: u64,
+    /// Seconds without requests after which an idle NBD connection is closed; 0 never
+    /// closes (the kernel's client keeps idle connections for as long as a device is attached).
+    #[arg(long, default_value_t = 0)]
+    pub(crate) idle_timeout: u64,
+    /// NBD connections open at once, over TCP and the unix socket.
+    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) max_connections: u64,
+    /// NBD connections at once to one volume or snapshot.
+    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) max_connections_per_export: u64,
+    /// READ and WRITE payload bytes one connection may have buffered at once; past it
+    /// the server stops reading that client's requests (backpressure).
+    #[arg(long, default_value = "128MiB", value_parser = parse_size)]
+    pub(crate) max_in_flight_bytes: u64,
+    /// Bytes of READ data, WRITE payload and block status replies all connections
+    /// together may hold at once; past it requests wait. Each connection also has 2 MiB
+    /// of its own outside it, so memory stays under this plus 2 MiB per connection.
+    #[arg(long, default_value = "1GiB", value_parser = parse_size)]
+    pub(crate) max_total_in_flight_bytes: u64,
+    /// Seconds a client may take to read the next 256 KiB of a reply or to send the next
+    /// 256 KiB of a WRITE payload; a connection that takes longer is closed, freeing
+    /// what it held.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) stall_timeout: u64,
+    /// Seconds connections get, once the server is told to stop, to finish requests in
+    /// flight and disconnect; requests they send meanwhile get NBD_ESHUTDOWN.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(0..=86_400))]
+    pub(crate) shutdown_grace: u64,
+    /// Open the pool even if one superblock slot is damaged and may have held the newer
+    /// generation: the pool is opened from the other slot, losing whatever was committed
+    /// after it. Without it such a pool is refused (the error says so).
+    #[arg(long)]
+    pub(crate) accept_superblock_rollback: bool,
+    /// Open the pool even if a metadata log batch is damaged with a later commit intact
+    /// behind it: the log is replayed up to the damaged batch, losing the commits from it
+    /// on. Without it such a pool is refused (the error names the batches).
+    #[arg(long)]
+    pub(crate) accept_log_loss: bool,
+    /// Allocate every block of the pool file on the host file system at create and at
+    /// open (fallocate), so that no write ever needs room from it. Without it the pool
+    /// file is sparse: when the host file system fills up, writes that need new room
+    /// get ENOSPC, as in a full pool. No effect on a block device.
+    #[arg(long)]
+    pub(crate) preallocate: bool,
+    /// NBD data-plane threads, each with its own io_uring; a connection stays on the one
+    /// serving the fewest connections when it is accepted. One thread batches the most
+    /// requests per wake-up and was fastest on a 2-core host with its clients on the
+    /// same cores (BENCHMARKS.md); more let a host with cores to spare serve more
+    /// connections at once.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=256))]
+    pub(crate) dataplane_threads: u64,
+    /// Serve Prometheus metrics over HTTP at this address (`GET /metrics`); off by default.
+    #[arg(long)]
+    pub(crate) metrics_listen: Option<SocketAddr>,
+}
+
+#[derive(Subcommand)]
+pub(crate) enum VolumeCmd {
+    /// Create a thin volume (exported over NBD under its name).
+    Create {
+        /// Volume name (also its NBD export name): 1 to 128 of A-Z a-z 0-9 . _ -, not
+        /// starting with . or -
+        name: String,
+        /// Virtual size, a multiple of 4096 bytes, at most 1 PiB (e.g. 10GiB; K, M, G, T,
+        /// P are powers of 1024, so 10GB is 10 GiB too).
+        #[arg(long, value_parser = parse_size)]
+        size: u64,
+    },
+    /// List volumes with virtual size and allocated bytes.
+    List {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show one volume (or VOLUME@SNAPSHOT).
+    Info {
+        /// Volume name, or VOLUME@SNAPSHOT.
+        name: String,
+        /// Print JSON (with exclusive and shared bytes) instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Delete a volume and free the space only it held (its snapshots and clones keep
+    /// theirs).
+    Delete {
+        /// Volume name.
+        name: String,
+    },
+    /// Grow a volume online (shrinking is refused); new NBD connections see the new size.
+    Resize {
+        /// Volume name.
+        name: String,
+        /// New virtual size, a multiple of 4096 bytes, not below the current one.
+        #[arg(long, value_parser = parse_size)]
+        size: u64,
+    },
+    /// Create a writable volume from a snapshot (VOLUME@SNAPSHOT) or a volume, sharing its data.
+    Clone {
+        /// VOLUME@SNAPSHOT or VOLUME.
+        #[arg(long)]
+        from: String,
+        /// Name of the new volume.
+        name: String,
+    },
+}
+
+#[derive(Subcommand)]
+pub(crate) enum SnapshotCmd {
+    /// Take a read-only, crash-consistent snapshot (exported as VOLUME@SNAPSHOT).
+    Create {
+        /// Volume to snapshot.
+        volume: String,
+        /// Snapshot name (same rules as volume names).
+        snapshot: String,
+    },
+    /// List snapshots (of VOLUME, or all) with allocated, exclusive and shared bytes.
+    List {
+        /// Only this volume's snapshots.
+        volume: Option<String>,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Delete a snapshot.
+    Delete {
+        /// Volume the snapshot belongs to.
+        volume: String,
+        /// Snapshot name.
+        snapshot: String,
+    },
+    /// Byte ranges that differ between two snapshots (or a snapshot and its volume).
+    Diff {
+        /// VOLUME@SNAPSHOT (or VOLUME).
+        from: String,
+        /// VOLUME@SNAPSHOT (or VOLUME).
+        to: String,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+pub(crate) enum PoolCmd {
+    /// Capacity, used, metadata and free bytes (and the part of free reserved for metadata).
+    Status {
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+pub(crate) fn parse_size(s: &str) -> Result<u64, String> {
+    parse_size::Config::new().with_binary().parse_size(s).map_err(|e| format!("'{s}' is not a size: {e}"))
+}
+
+impl ServeArgs {
+    /// The host these flags describe, on `data_dir` with its management socket at
+    /// `mgmt_socket`.
+    ///
+    /// Errors: a unit size past 4 GiB.
+    pub(crate) fn host_options(&self, data_dir: &Path, mgmt_socket: PathBuf) -> anyhow::Result<HostOptions> {
+        let mut o = HostOptions::new(data_dir);
+        o.pool = self.pool.clone();
+        o.pool_size = self.pool_size;
+        o.unit_size =
+            u32::try_from(self.unit_size).map_err(|_| anyhow::anyhow!("unit size {} is too large", self.unit_size))?;
+        o.format = self.format;
+        o.preallocate = self.preallocate;
+        o.accept_superblock_rollback = self.accept_superblock_rollback;
+        o.accept_log_loss = self.accept_log_loss;
+        o.listen = self.listen;
+        o.nbd_socket = self.nbd_socket.clone();
+        o.mgmt_socket = Some(mgmt_socket);
+        o.metrics_listen = self.metrics_listen;
+        o.dataplane_threads = self.dataplane_threads as usize;
+        o.nbd = nbd::ServerConfig {
+            handshake_timeout: Duration::from_secs(self.handshake_timeout),
+            idle_timeout: (self.idle_timeout > 0).then(|| Duration::from_secs(self.idle_timeout)),
+            max_connections: self.max_connections as usize,
+            max_connections_per_export: self.max_connections_per_export as usize,
+            max_in_flight_bytes: self.max_in_flight_bytes as usize,
+            max_total_in_flight_bytes: usize::try_from(self.max_total_in_flight_bytes).unwrap_or(usize::MAX),
+            stall_timeout: Duration::from_secs(self.stall_timeout),
+            shutdown_grace: Duration::from_secs(self.shutdown_grace),
+            ..Default::default()
+        };
+        Ok(o)
+    }
+}

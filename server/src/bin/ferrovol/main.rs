@@ -1,0 +1,78 @@
+//! `ferrovol`: the storage host's binary, a thin command line over the `ferrovol`
+//! library (start-up: `ferrovol::host`) and the management API's client (`mgmt-api`).
+//!
+//! Lives here: `main` (logging, the runtime, signals) and the dispatch of commands.
+//! Not here: the flags (args.rs), what the administrative commands print (admin.rs),
+//! the server itself (the library).
+
+/// `println!` for command output: when the reader has gone (`ferrovol volume list |
+/// head -1`), the command ends quietly with success instead of panicking; any other
+/// error writing stdout ends it with a message and status 1.
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        if let Err(e) = writeln!(std::io::stdout(), $($arg)*) {
+            if e.kind() == std::io::ErrorKind::BrokenPipe {
+                std::process::exit(0);
+            }
+            eprintln!("ferrovol: writing the output failed: {e}");
+            std::process::exit(1);
+        }
+    }};
+}
+
+mod admin;
+mod args;
+
+use std::process::ExitCode;
+
+use args::{Cli, Cmd, PoolCmd};
+use clap::Parser;
+use ferrovol::host::Host;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("FERROVOL_LOG").unwrap_or_else(|_| "info".into()))
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("tokio runtime");
+    let r = rt.block_on(run(cli));
+    match r {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("ferrovol: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    let dir = &cli.data_dir;
+    match cli.cmd {
+        Cmd::Serve { mgmt, args } => {
+            // Catch SIGTERM and SIGINT before anything can connect: the listening sockets
+            // accept connections (into their backlog) as soon as they are bound, so a
+            // supervisor may see the server as up and stop it while the pool is still
+            // opening. The stop is then taken after the open, and the pool is closed
+            // cleanly.
+            use tokio::signal::unix::{signal, SignalKind};
+            let mut term = signal(SignalKind::terminate())?;
+            let mut interrupt = signal(SignalKind::interrupt())?;
+            let host = Host::start(args.host_options(dir, mgmt.path(dir))?).await?;
+            tokio::select! {
+                _ = interrupt.recv() => {}
+                _ = term.recv() => {}
+            }
+            host.shut_down().await?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Volume { mgmt, cmd } => admin::volume_cmd(&mgmt.path(dir), cmd).await.map(|()| ExitCode::SUCCESS),
+        Cmd::Snapshot { mgmt, cmd } => admin::snapshot_cmd(&mgmt.path(dir), cmd).await.map(|()| ExitCode::SUCCESS),
+        Cmd::Pool { mgmt, cmd: PoolCmd::Status { json } } => {
+            admin::pool_status(&mgmt.path(dir), json).await.map(|()| ExitCode::SUCCESS)
+        }
+        Cmd::Check { pool, repair } => admin::check(pool.unwrap_or_else(|| dir.join("pool.img")), repair).await,
+    }
+}

@@ -1,0 +1,363 @@
+//! A storage host: the pool, its NBD listeners and data-plane threads, the management
+//! API and the metrics endpoint, started and stopped as one ([`Host`]). `ferrovol serve`
+//! runs one; tests (and, in-process, the CSI tests) can start one with [`HostOptions`].
+//!
+//! Lives here: [`HostOptions`] (plain values: what `ferrovol serve`'s flags set),
+//! [`Host::start`] and [`Host::shut_down`], the data-plane threads. Not here: the command
+//! line (the binary's args.rs), signals (the binary's main.rs), what is served
+//! (exports.rs, mgmt.rs, metrics.rs).
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use storage_engine::{Pool, PoolOptions};
+
+use crate::{exports, metrics, mgmt};
+
+/// How to run a storage host. [`HostOptions::new`] gives `ferrovol serve`'s defaults.
+#[derive(Debug, Clone)]
+pub struct HostOptions {
+    /// Directory for the default pool file (`pool.img`) and sockets; created if missing.
+    pub data_dir: PathBuf,
+    /// Pool file or block device (default: `<data_dir>/pool.img`, created if missing).
+    pub pool: Option<PathBuf>,
+    /// Size in bytes of a new pool file.
+    pub pool_size: u64,
+    /// Data-unit size in bytes of a new pool.
+    pub unit_size: u32,
+    /// With `pool` a block device: format it if it holds no pool (destroys its contents).
+    pub format: bool,
+    /// Allocate the whole pool file on the host file system (`PoolOptions::preallocate`).
+    pub preallocate: bool,
+    /// Open despite a damaged newer superblock slot (`PoolOptions::accept_superblock_rollback`).
+    pub accept_superblock_rollback: bool,
+    /// Open despite a damaged log batch before later commits (`PoolOptions::accept_log_loss`).
+    pub accept_log_loss: bool,
+    /// TCP address for NBD (port 0: any free port; [`Host::nbd_addr`] tells which).
+    pub listen: SocketAddr,
+    /// Unix socket for NBD (default: `<data_dir>/nbd.sock`).
+    pub nbd_socket: Option<PathBuf>,
+    /// Unix socket for the management API (default: `<data_dir>/ferrovol.sock`).
+    pub mgmt_socket: Option<PathBuf>,
+    /// HTTP address for Prometheus metrics (`GET /metrics`); none by default.
+    pub metrics_listen: Option<SocketAddr>,
+    /// NBD data-plane threads (at least 1).
+    pub dataplane_threads: usize,
+    /// The NBD server's limits (timeouts, connections, memory budgets, shutdown grace).
+    pub nbd: nbd::ServerConfig,
+}
+
+impl HostOptions {
+    /// `ferrovol serve`'s defaults on `data_dir`: a 64 GiB pool of 64 KiB units,
+    /// NBD on 127.0.0.1:10809, one data-plane thread, the NBD server's default limits.
+    pub fn new(data_dir: impl Into<PathBuf>) -> HostOptions {
+        HostOptions {
+            data_dir: data_dir.into(),
+            pool: None,
+            pool_size: storage_engine::DEFAULT_POOL_SIZE,
+            unit_size: storage_engine::DEFAULT_UNIT_SIZE,
+            format: false,
+            preallocate: false,
+            accept_superblock_rollback: false,
+            accept_log_loss: false,
+            listen: SocketAddr::from(([127, 0, 0, 1], 10809)),
+            nbd_socket: None,
+            mgmt_socket: None,
+            metrics_listen: None,
+            dataplane_threads: 1,
+            nbd: nbd::ServerConfig::default(),
+        }
+    }
+
+    /// The pool file or device this host opens.
+    pub fn pool_path(&self) -> PathBuf {
+        self.pool.clone().unwrap_or_else(|| self.data_dir.join("pool.img"))
+    }
+
+    /// The management socket this host listens on.
+    pub fn mgmt_socket_path(&self) -> PathBuf {
+        self.mgmt_socket.clone().unwrap_or_else(|| self.data_dir.join("ferrovol.sock"))
+    }
+
+    /// The NBD unix socket this host listens on.
+    pub fn nbd_socket_path(&self) -> PathBuf {
+        self.nbd_socket.clone().unwrap_or_else(|| self.data_dir.join("nbd.sock"))
+    }
+}
+
+/// A running storage host. Dropping it without [`Host::shut_down`] leaves the pool as a
+/// crash would (everything acknowledged stays durable).
+pub struct Host {
+    pool: Pool,
+    nbd_addr: SocketAddr,
+    nbd_socket: PathBuf,
+    mgmt_socket: PathBuf,
+    nbd_server: Arc<nbd::Server<exports::PoolRegistry>>,
+    stop_tx: tokio::sync::watch::Sender<bool>,
+    tcp_task: tokio::task::JoinHandle<std::io::Result<()>>,
+    unix_task: tokio::task::JoinHandle<std::io::Result<()>>,
+    mgmt_task: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+    metrics_task: Option<tokio::task::JoinHandle<()>>,
+    dataplane: DataPlane,
+}
+
+impl Host {
+    /// Starts a host: binds the NBD listeners (TCP first, so a busy port leaves no
+    /// socket file behind), the metrics endpoint and the management socket, then opens
+    /// or creates the pool (on the blocking pool) and serves. Call on a tokio runtime,
+    /// which then runs the management API and metrics; NBD runs on data-plane threads
+    /// of its own.
+    ///
+    /// Errors: invalid options (`format` on a file, in-flight budgets under 1 MiB), a
+    /// busy address or socket, a pool that does not open (its error names the path).
+    pub async fn start(opts: HostOptions) -> anyhow::Result<Host> {
+        let pool_path = opts.pool_path();
+        if opts.format {
+            use std::os::unix::fs::FileTypeExt;
+            let is_dev = std::fs::metadata(&pool_path).is_ok_and(|m| m.file_type().is_block_device());
+            anyhow::ensure!(
+                is_dev,
+                "--format formats a block device, and {} is not one (a missing pool file is created without it)",
+                pool_path.display()
+            );
+        }
+        anyhow::ensure!(
+            opts.nbd.max_in_flight_bytes >= 1 << 20,
+            "--max-in-flight-bytes must be at least 1MiB (one maximum-size request may still exceed it)"
+        );
+        anyhow::ensure!(
+            opts.nbd.max_total_in_flight_bytes >= 1 << 20,
+            "--max-total-in-flight-bytes must be at least 1MiB (one maximum-size request may still exceed it)"
+        );
+        let data_dir = &opts.data_dir;
+        std::fs::create_dir_all(data_dir).with_context(|| format!("create data dir {}", data_dir.display()))?;
+        let dataplane = DataPlane::start(opts.dataplane_threads).context("start the NBD data-plane threads")?;
+        let pool_opts = PoolOptions {
+            size: opts.pool_size,
+            unit_size: opts.unit_size,
+            io: storage_engine::IoOptions {
+                reaper: storage_engine::Reaper::PerRuntime(dataplane.handles.clone()),
+                ..Default::default()
+            },
+            accept_superblock_rollback: opts.accept_superblock_rollback,
+            accept_log_loss: opts.accept_log_loss,
+            preallocate: opts.preallocate,
+        };
+        // Listen first, so a busy port or socket leaves no new pool file behind. The NBD
+        // listeners belong to the data-plane runtime, the management socket to this one.
+        let nbd_socket = opts.nbd_socket_path();
+        let mgmt_socket = opts.mgmt_socket_path();
+        let tcp = std::net::TcpListener::bind(opts.listen)
+            .and_then(|l| {
+                l.set_nonblocking(true)?;
+                let _rt = dataplane.handle().enter();
+                tokio::net::TcpListener::from_std(l)
+            })
+            .with_context(|| format!("bind NBD on {}", opts.listen))?;
+        // TCP before the unix sockets: a busy port leaves no socket file behind either.
+        let metrics_listener = match opts.metrics_listen {
+            Some(addr) => Some(
+                tokio::net::TcpListener::bind(addr)
+                    .await
+                    .with_context(|| format!("bind the metrics endpoint on {addr}"))?,
+            ),
+            None => None,
+        };
+        let unix = {
+            let _rt = dataplane.handle().enter();
+            bind_unix(&nbd_socket)?
+        };
+        let mgmt_listener = match bind_unix(&mgmt_socket) {
+            Ok(l) => l,
+            Err(e) => {
+                let _ = std::fs::remove_file(&nbd_socket);
+                return Err(e);
+            }
+        };
+        let p = pool_path.clone();
+        let format = opts.format;
+        let pool = dataplane
+            .handle()
+            .spawn_blocking(move || {
+                // `format` was checked to name a block device above.
+                if format {
+                    Pool::open_or_format_device(&p, &pool_opts)
+                } else {
+                    Pool::open_or_create(&p, &pool_opts)
+                }
+            })
+            .await?;
+        let pool = match pool {
+            Ok(pool) => pool,
+            Err(e) => {
+                let _ = std::fs::remove_file(&nbd_socket);
+                let _ = std::fs::remove_file(&mgmt_socket);
+                return Err(anyhow::anyhow!("pool {}: {e}", pool_path.display()));
+            }
+        };
+        let nbd_addr = tcp.local_addr()?;
+        let endpoints = vec![format!("nbd://{nbd_addr}"), format!("nbd+unix:///?socket={}", nbd_socket.display())];
+        tracing::info!(nbd_tcp = %nbd_addr, nbd_unix = %nbd_socket.display(), management = %mgmt_socket.display(), "serving");
+
+        let metrics = Arc::new(metrics::Metrics::new());
+        let registry = Arc::new(exports::PoolRegistry::new(pool.clone(), metrics.clone()));
+        let nbd_server = nbd::Server::new_on(registry, opts.nbd.clone(), dataplane.handles.clone());
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+            let _ = rx.wait_for(|s| *s).await;
+        };
+        let metrics_task = metrics_listener.map(|l| {
+            if let Ok(addr) = l.local_addr() {
+                tracing::info!(%addr, "serving Prometheus metrics at /metrics");
+            }
+            let server = nbd_server.clone();
+            tokio::spawn(metrics::serve(
+                l,
+                metrics.clone(),
+                pool.clone(),
+                move || metrics::NbdCounts {
+                    connections: server.connections(),
+                    stalled_connections: server.stalled_connections(),
+                },
+                stopped(stop_rx.clone()),
+            ))
+        });
+        let dp = dataplane.handle();
+        let tcp_task = dp.spawn(nbd_server.clone().serve_tcp(tcp, stopped(stop_rx.clone())));
+        let unix_task = dp.spawn(nbd_server.clone().serve_unix(unix, stopped(stop_rx.clone())));
+        let mgmt_task = tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(mgmt::ManagementService::new(pool.clone(), endpoints))
+                .serve_with_incoming_shutdown(
+                    tokio_stream::wrappers::UnixListenerStream::new(mgmt_listener),
+                    stopped(stop_rx.clone()),
+                ),
+        );
+        Ok(Host {
+            pool,
+            nbd_addr,
+            nbd_socket,
+            mgmt_socket,
+            nbd_server,
+            stop_tx,
+            tcp_task,
+            unix_task,
+            mgmt_task,
+            metrics_task,
+            dataplane,
+        })
+    }
+
+    /// The NBD TCP address the host listens on.
+    pub fn nbd_addr(&self) -> SocketAddr {
+        self.nbd_addr
+    }
+
+    /// The NBD unix socket.
+    pub fn nbd_socket(&self) -> &Path {
+        &self.nbd_socket
+    }
+
+    /// The management socket.
+    pub fn mgmt_socket(&self) -> &Path {
+        &self.mgmt_socket
+    }
+
+    /// The pool served.
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    /// Stops serving: the listeners close, connections get a soft disconnect (requests
+    /// in flight are answered, new ones get `NBD_ESHUTDOWN`, each connection closes when
+    /// its client leaves or the shutdown grace ends), the management API stops, and the
+    /// pool is flushed and closed with a checkpoint; the sockets' files are removed.
+    ///
+    /// Errors: the final checkpoint failed (the log still holds every commit).
+    pub async fn shut_down(self) -> anyhow::Result<()> {
+        tracing::info!("shutting down: flushing and checkpointing the pool");
+        let _ = self.stop_tx.send(true);
+        let _ = self.tcp_task.await;
+        let _ = self.unix_task.await;
+        self.nbd_server.shut_down();
+        let grace_end = tokio::time::Instant::now() + self.nbd_server.config().shutdown_grace + Duration::from_secs(1);
+        while self.nbd_server.connections() > 0 && tokio::time::Instant::now() < grace_end {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let _ = self.mgmt_task.await;
+        if let Some(t) = self.metrics_task {
+            let _ = t.await;
+        }
+        let _ = std::fs::remove_file(&self.nbd_socket);
+        let _ = std::fs::remove_file(&self.mgmt_socket);
+        if let Err(e) = self.pool.flush().await {
+            tracing::error!(error = %e, "final flush failed");
+        }
+        let pool = self.pool;
+        tokio::task::spawn_blocking(move || pool.close()).await??;
+        self.dataplane.stop();
+        tracing::info!("pool closed cleanly");
+        Ok(())
+    }
+}
+
+/// Binds a unix socket at `path`, replacing a stale socket file (one nobody listens on).
+fn bind_unix(path: &Path) -> anyhow::Result<tokio::net::UnixListener> {
+    if path.exists() {
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            anyhow::bail!("{} is in use by a running server", path.display());
+        }
+        std::fs::remove_file(path).with_context(|| format!("remove stale socket {}", path.display()))?;
+    }
+    tokio::net::UnixListener::bind(path).with_context(|| format!("bind {}", path.display()))
+}
+
+/// The NBD data plane: threads each driving a current-thread tokio runtime that reaps
+/// one of the pool's io_urings and serves the NBD connections placed on it, so that a
+/// request is received, submitted, completed and answered on one thread with no
+/// hand-off. The first also owns the listeners. Management requests run on the caller's
+/// runtime.
+struct DataPlane {
+    /// Every thread's runtime; the first also owns the listeners and opens the pool.
+    handles: Vec<tokio::runtime::Handle>,
+    stops: Vec<tokio::sync::oneshot::Sender<()>>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl DataPlane {
+    /// Starts `n` (at least 1) threads: `ferrovol-nbd`, then `ferrovol-nbd-1` and on.
+    fn start(n: usize) -> std::io::Result<DataPlane> {
+        let (mut handles, mut stops, mut threads) = (Vec::new(), Vec::new(), Vec::new());
+        for i in 0..n.max(1) {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            handles.push(rt.handle().clone());
+            let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+            stops.push(stop);
+            let name = if i == 0 { "ferrovol-nbd".to_owned() } else { format!("ferrovol-nbd-{i}") };
+            threads.push(std::thread::Builder::new().name(name).spawn(move || {
+                rt.block_on(async {
+                    let _ = stopped.await;
+                });
+            })?);
+        }
+        Ok(DataPlane { handles, stops, threads })
+    }
+
+    /// The first thread's runtime (listeners, opening the pool).
+    fn handle(&self) -> &tokio::runtime::Handle {
+        &self.handles[0]
+    }
+
+    /// Stops the runtimes (dropping whatever tasks are left) once the pool is closed.
+    fn stop(self) {
+        for stop in self.stops {
+            let _ = stop.send(());
+        }
+        for t in self.threads {
+            let _ = t.join();
+        }
+    }
+}
