@@ -6,7 +6,9 @@ fn main() {
     // SAFETY: build scripts are single-threaded, so no other thread reads the
     // environment while it changes.
     #[allow(unsafe_code)]
-    unsafe { std::env::set_var("PROTOC", protoc) };
+    unsafe {
+        std::env::set_var("PROTOC", protoc)
+    };
     println!("cargo:rerun-if-changed=proto/ferrovol.proto");
     tonic_prost_build::configure()
         .compile_protos(&["proto/ferrovol.proto"], &["proto"])
