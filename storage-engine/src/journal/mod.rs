@@ -1,0 +1,20 @@
+//! Metadata records, the redo log, and checkpoints: encoding, decoding and replay.
+//!
+//! Lives here, by file: records.rs (a [`Record`] is one metadata change; its framing,
+//! and one commit's records as log batches), state.rs (the whole metadata as a plain
+//! [`State`], replay of one record, the checkpoint's encoding and the bound on its
+//! size), superblock.rs (geometry, choosing the current slot), recovery.rs ([`load`]:
+//! superblock, checkpoint and log replay, for open and `check`). Not here: when to
+//! commit or checkpoint (the store), the data path.
+
+mod records;
+mod recovery;
+mod state;
+mod superblock;
+#[cfg(test)]
+mod tests;
+
+pub(crate) use records::{encode_batches, Record};
+pub(crate) use recovery::{load, Accept, Loaded, LogCursor};
+pub(crate) use state::{checkpoint_bytes_bound, checkpoint_units_bound, derive_refcounts, State, VolumeMeta};
+pub(crate) use superblock::Geometry;

@@ -1,0 +1,524 @@
+//! Loading a pool: the checkpoint the superblock names, then the log replayed on top
+//! ([`load`], used by open and by `check`; docs/on-disk-format.md 7), and what it found
+//! ([`Loaded`]). Reads only. Not here: what the pool does with it (open), the records'
+//! codec (records.rs).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use zerocopy::{FromBytes, IntoBytes};
+
+use super::records::{split_records, Record};
+use super::state::{derive_refcounts, State, VolumeMeta};
+use super::superblock::{read_superblock, Geometry, ReadAt};
+use crate::error::{Error, Result};
+use crate::format::*;
+use crate::meta::{Allocator, Entry, MapPage, MapTable, MetaCounts, META};
+
+/// The log's position after loading: where the next batch goes.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LogCursor {
+    /// Absolute position (bytes) where replay started and the log is kept from.
+    pub head: u64,
+    /// Absolute position of the next batch.
+    pub pos: u64,
+    /// Sequence number of the last valid batch.
+    pub seq: u64,
+}
+
+/// Everything [`load`] found.
+pub(crate) struct Loaded {
+    pub sb: Superblock,
+    pub geo: Geometry,
+    pub state: State,
+    pub log: LogCursor,
+    /// Units of the current checkpoint.
+    pub checkpoint_units: Vec<u32>,
+    /// Checkpoint refcounts differing from those its mappings imply: (unit, stored, derived).
+    pub refcount_mismatches: Vec<(u64, u32, u32)>,
+    /// Log batches replayed.
+    pub batches: u64,
+    /// A damaged superblock slot the pool was opened despite ([`read_superblock`]).
+    pub superblock_warning: Option<String>,
+    /// Valid batches of later sequence numbers beyond the end of the replayed log, in a
+    /// pool of format version 1 or 2, or kept out of the replay as asked
+    /// ([`batches_beyond`]).
+    pub log_warning: Option<String>,
+    /// The highest sequence number of any valid batch in the log region, at least the
+    /// last one replayed: the checkpoint at open must number past it.
+    pub highest_seq: u64,
+}
+
+/// Damage that [`load`] accepts, with a warning, instead of refusing the pool; each
+/// accepts a loss of committed metadata. The default refuses both.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Accept {
+    /// Open from the one valid superblock slot when the damaged one may have held the
+    /// newer generation ([`read_superblock`]).
+    pub superblock_rollback: bool,
+    /// Open with the log replayed up to a damaged batch that has a later commit intact
+    /// behind it, dropping the commits from the damaged batch on ([`batches_beyond`]).
+    pub log_loss: bool,
+}
+
+/// Reads the superblock, the checkpoint and replays the log. Never writes.
+pub(crate) fn load(read: &mut ReadAt<'_>, size: u64, accept: Accept) -> Result<Loaded> {
+    let (sb, geo, superblock_warning, rolled_back) = read_superblock(read, size, accept.superblock_rollback)?;
+    let later_commits = if rolled_back {
+        LaterCommits::RolledBack
+    } else if accept.log_loss {
+        LaterCommits::LossAccepted
+    } else {
+        LaterCommits::Refuse
+    };
+    match load_from(read, sb, geo, later_commits) {
+        Ok(loaded) => Ok(Loaded { superblock_warning, ..loaded }),
+        // A checkpoint that does not load after rolling back to the older slot: say so,
+        // as its units may have been reused once the newer checkpoint was durable.
+        Err(e) if e.kind() == crate::ErrorKind::Corrupt && rolled_back => Err(Error::corrupt(format!(
+            "{}. That checkpoint is the older one, named by the only valid superblock slot; once a newer \
+                 checkpoint is durable the older one's units may be reused, so the pool cannot be rolled back to \
+                 it: restore the pool from a copy. ({})",
+            e.message(),
+            superblock_warning.unwrap()
+        ))),
+        Err(e) => Err(e),
+    }
+}
+
+/// What [`batches_beyond`] makes of a later commit found intact behind the end of the
+/// replay: the log was damaged, unless the open rolled back to the older superblock
+/// slot, whose log is followed by the commits of the newer generation it drops.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LaterCommits {
+    /// Refuse the pool (`Corrupt`).
+    Refuse,
+    /// Open with a warning: the loss was accepted ([`Accept::log_loss`]).
+    LossAccepted,
+    /// Open with a warning: they belong to the generation the rollback drops.
+    RolledBack,
+}
+
+/// [`load`] after the superblock: the checkpoint `sb` names, then the log.
+fn load_from(read: &mut ReadAt<'_>, sb: Superblock, geo: Geometry, later_commits: LaterCommits) -> Result<Loaded> {
+    let (mut state, checkpoint_units) = load_checkpoint(read, &sb, &geo)?;
+    let refcount_mismatches = refcount_mismatches(&state, geo.unit_count)?;
+    // Kept up to date through replay by the table changes and the records.
+    state.alloc.counts = MetaCounts::of(state.volumes.values().map(|v| (&v.map, v.name.len())));
+    let (log, batches) = replay_log(read, &mut state, &sb, &geo)?;
+    state.alloc.release_all();
+    let (log_warning, highest_seq) = batches_beyond(read, &geo, sb.version.get(), &log, later_commits)?;
+    Ok(Loaded {
+        sb,
+        geo,
+        state,
+        log,
+        checkpoint_units,
+        refcount_mismatches,
+        batches,
+        superblock_warning: None,
+        log_warning,
+        highest_seq,
+    })
+}
+
+/// What the chunks of a checkpoint build up as they are read.
+struct CheckpointLoad {
+    /// The stored refcounts, and the checkpoint's units as META.
+    alloc: Allocator,
+    volumes: BTreeMap<u64, VolumeMeta>,
+    next_volume: u64,
+    /// Pages by `page_id`, for the page references that follow them.
+    pages: Vec<Arc<MapPage>>,
+    /// Refcount entries read.
+    refcounts: u64,
+    /// The end record, once read.
+    end: Option<EndRec>,
+}
+
+/// Loads the checkpoint `sb` names (docs/on-disk-format.md 7.2): walks its chain of
+/// chunks, checking each header and checksum, applies their records, and checks the
+/// totals. Returns the state it holds (the refcounts as stored) and its units.
+///
+/// Errors: [`crate::ErrorKind::Corrupt`] naming the chunk and what is wrong;
+/// [`crate::ErrorKind::Io`].
+fn load_checkpoint(read: &mut ReadAt<'_>, sb: &Superblock, geo: &Geometry) -> Result<(State, Vec<u32>)> {
+    let mut c = CheckpointLoad {
+        alloc: Allocator::new(geo.unit_count as usize),
+        volumes: BTreeMap::new(),
+        next_volume: 1,
+        pages: Vec::new(),
+        refcounts: 0,
+        end: None,
+    };
+    let mut checkpoint_units = Vec::new();
+    let mut unit = sb.checkpoint_unit.get();
+    let mut index = 0u64;
+    if unit != NO_UNIT {
+        while unit != NO_UNIT {
+            let expected_chunks = c.end.as_ref().map_or(sb.checkpoint_chunks.get(), |e| e.chunks.get());
+            if unit >= geo.unit_count || index >= expected_chunks {
+                return Err(Error::corrupt(format!(
+                    "checkpoint chunk {index} points at unit {unit}, outside the checkpoint"
+                )));
+            }
+            match c.alloc.refcount(unit as u32) {
+                0 => c.alloc.set_loaded(unit as u32, META),
+                META => return Err(Error::corrupt(format!("checkpoint chunk list loops at unit {unit}"))),
+                _ => {
+                    return Err(Error::corrupt(format!(
+                        "data unit {unit} holds checkpoint chunk {index} but has a refcount entry"
+                    )))
+                }
+            }
+            checkpoint_units.push(unit as u32);
+            let bytes =
+                read(geo.unit_offset(unit), geo.unit_size as usize).map_err(|e| Error::io("read checkpoint", e))?;
+            let (h, rest) = ChunkHeader::read_from_prefix(&bytes).expect("unit holds a header");
+            let plen = h.payload_len.get() as usize;
+            let mut hz = h.clone();
+            hz.crc = 0.into();
+            let ok = h.magic.get() == CHECKPOINT_MAGIC
+                && plen <= rest.len()
+                && h.pool_uuid == geo.uuid
+                && h.checkpoint_seq.get() == sb.checkpoint_seq.get()
+                && h.index.get() == index
+                && crc32c::crc32c_append(crc(hz.as_bytes()), &rest[..plen]) == h.crc.get();
+            if !ok {
+                return Err(Error::corrupt(format!(
+                    "checkpoint chunk {index} at data unit {unit} (byte offset {}) fails its header or checksum",
+                    geo.unit_offset(unit)
+                )));
+            }
+            c.apply_chunk(index, &rest[..plen], geo)?;
+            unit = h.next_unit.get();
+            index += 1;
+        }
+        let Some(end) = &c.end else {
+            return Err(Error::corrupt("checkpoint has no end record (incomplete)"));
+        };
+        if end.chunks.get() != index
+            || sb.checkpoint_chunks.get() != index
+            || end.volumes.get() != c.volumes.len() as u64
+            || end.pages.get() != c.pages.len() as u64
+            || end.refcounts.get() != c.refcounts
+        {
+            return Err(Error::corrupt("checkpoint totals do not match its contents"));
+        }
+    }
+    let state = State { volumes: c.volumes, next_volume: c.next_volume, alloc: c.alloc, unit_size: geo.unit_size };
+    Ok((state, checkpoint_units))
+}
+
+impl CheckpointLoad {
+    /// Applies the records of chunk `index` (docs/on-disk-format.md 3.6): volumes
+    /// before their pages, pages in `page_id` order, references to earlier pages.
+    ///
+    /// Errors: [`crate::ErrorKind::Corrupt`] naming the chunk and the record.
+    fn apply_chunk(&mut self, index: u64, payload: &[u8], geo: &Geometry) -> Result<()> {
+        for (kind, body) in split_records(payload)? {
+            let bad = |what: &str| Error::corrupt(format!("checkpoint chunk {index}: malformed {what} record"));
+            match kind {
+                REC_POOL => {
+                    self.next_volume = PoolRec::read_from_bytes(body).map_err(|_| bad("pool"))?.next_volume.get()
+                }
+                REC_VOLUME => {
+                    let Record::Volume { volume, size, created, name } = Record::decode(kind, body)? else {
+                        unreachable!()
+                    };
+                    let flags = VolumeRec::read_from_prefix(body).map_err(|_| bad("volume"))?.0.flags.get();
+                    if flags & !VOLUME_FLAG_SNAPSHOT != 0 {
+                        return Err(bad("volume (unknown flags)"));
+                    }
+                    let map = MapTable::new();
+                    let snapshot = flags & VOLUME_FLAG_SNAPSHOT != 0;
+                    self.volumes.insert(volume, VolumeMeta { name, snapshot, size, created, map });
+                }
+                REC_PAGE => {
+                    let (h, entries) = PageRec::read_from_prefix(body).map_err(|_| bad("page"))?;
+                    let n = h.entries.get() as usize;
+                    let entries = <[PageEntry]>::ref_from_bytes(entries).map_err(|_| bad("page"))?;
+                    if entries.len() != n || h.page_id.get() != self.pages.len() as u64 {
+                        return Err(bad("page"));
+                    }
+                    let mut page = MapPage::new();
+                    page.mapped = n as u32;
+                    for e in entries {
+                        let i = e.index.get() as usize;
+                        let punit = u32::try_from(e.punit.get()).map_err(|_| bad("page"))?;
+                        if i >= PAGE_ENTRIES || page.entries[i].is_mapped() || u64::from(punit) >= geo.unit_count {
+                            return Err(bad("page entry"));
+                        }
+                        page.entries[i] = Entry { punit, bitmap: e.bitmap.get() };
+                    }
+                    let page = Arc::new(page);
+                    self.pages.push(page.clone());
+                    let vol = self.volumes.get_mut(&h.volume.get()).ok_or_else(|| bad("page (unknown volume)"))?;
+                    put_page(vol, h.page_index.get(), page, geo.unit_size).map_err(|_| bad("page (index)"))?;
+                }
+                REC_PAGE_REF => {
+                    let r = PageRefRec::read_from_bytes(body).map_err(|_| bad("page ref"))?;
+                    let page = self.pages.get(r.page_id.get() as usize).cloned().ok_or_else(|| bad("page ref"))?;
+                    page.owners.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+                    let vol = self.volumes.get_mut(&r.volume.get()).ok_or_else(|| bad("page ref (unknown volume)"))?;
+                    put_page(vol, r.page_index.get(), page, geo.unit_size).map_err(|_| bad("page ref (index)"))?;
+                }
+                REC_REFCOUNTS => {
+                    for e in <[RefcountEntry]>::ref_from_bytes(body).map_err(|_| bad("refcounts"))? {
+                        let (u, r) = (e.unit.get(), e.refcount.get());
+                        if u >= geo.unit_count || self.alloc.refcount(u as u32) != 0 || r == 0 || r == META {
+                            return Err(Error::corrupt(format!(
+                                "checkpoint refcount entry for unit {u} is out of range, repeated or invalid ({r})"
+                            )));
+                        }
+                        self.alloc.set_loaded(u as u32, r);
+                        self.refcounts += 1;
+                    }
+                }
+                REC_END => {
+                    let e = EndRec::read_from_bytes(body).map_err(|_| bad("end"))?;
+                    self.end = Some(e.clone());
+                }
+                k => return Err(Error::corrupt(format!("checkpoint chunk {index}: unknown record kind {k}"))),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Checkpoint refcounts that differ from those its mappings imply (docs/on-disk-format.md
+/// 7.3): `(unit, stored, derived)`, a unit's derived refcount being the number of
+/// distinct pages that map it. Reads every entry of both tables; pages never written
+/// stay non-resident.
+///
+/// Errors: [`crate::ErrorKind::Corrupt`] when a mapped unit is part of the checkpoint.
+fn refcount_mismatches(state: &State, units: u64) -> Result<Vec<(u64, u32, u32)>> {
+    let derived = derive_refcounts(state.volumes.values().map(|v| &v.map), units as usize);
+    let mut mismatches = Vec::new();
+    for u in 0..units as u32 {
+        let derived = derived.refcount(u);
+        let stored = match state.alloc.refcount(u) {
+            META if derived > 0 => {
+                return Err(Error::corrupt(format!("data unit {u} is both mapped and part of the checkpoint")));
+            }
+            META => 0,
+            r => r,
+        };
+        if stored != derived {
+            mismatches.push((u as u64, stored, derived));
+        }
+    }
+    Ok(mismatches)
+}
+
+/// Replays the log from the superblock's head onto `state` (docs/on-disk-format.md 4.5,
+/// 7.4), batch by batch in sequence, to the first missing or invalid one. Returns the
+/// log's cursor after the last batch replayed, and how many were.
+///
+/// Errors: [`crate::ErrorKind::Corrupt`] for a batch out of its commit's order or a
+/// record that does not apply; [`crate::ErrorKind::Io`].
+fn replay_log(read: &mut ReadAt<'_>, state: &mut State, sb: &Superblock, geo: &Geometry) -> Result<(LogCursor, u64)> {
+    let version = sb.version.get();
+    let mut log = LogCursor { head: sb.log_head.get(), pos: sb.log_head.get(), seq: sb.checkpoint_seq.get() };
+    let mut batches = 0;
+    // The commit index the next batch may carry besides 0 (a new commit); the first
+    // batch after a checkpoint begins a commit.
+    let mut next_index = 0u16;
+    loop {
+        let found = read_batch(read, geo, version, log.pos, log.seq + 1)?.map(|b| (log.pos, b));
+        let found = match found {
+            Some(f) => Some(f),
+            None if !log.pos.is_multiple_of(geo.log_size) => {
+                let next_lap = log.pos + (geo.log_size - log.pos % geo.log_size);
+                read_batch(read, geo, version, next_lap, log.seq + 1)?.map(|b| (next_lap, b))
+            }
+            None => None,
+        };
+        let Some((at, batch)) = found else { break };
+        if at + batch.blocks * BLOCK_SIZE - log.head > geo.log_size {
+            break; // would overlap the start of the live log: not a batch of this lap
+        }
+        if batch.commit_index != 0 && batch.commit_index != next_index {
+            return Err(Error::corrupt(format!(
+                "log batch {} says it is batch {} of its commit, but {}",
+                log.seq + 1,
+                batch.commit_index,
+                if batches == 0 {
+                    "it is the first batch after the checkpoint".to_string()
+                } else {
+                    format!("the batch before it was batch {} of its commit", next_index.wrapping_sub(1))
+                }
+            )));
+        }
+        for (kind, body) in split_records(&batch.payload)? {
+            state.apply(Record::decode(kind, body)?)?;
+        }
+        batches += 1;
+        next_index = batch.commit_index.wrapping_add(1);
+        log.seq += 1;
+        log.pos = at + batch.blocks * BLOCK_SIZE;
+    }
+    Ok((log, batches))
+}
+
+/// Looks through the whole log region for valid batches (magic, pool, checksum) whose
+/// sequence number is past the last one replayed, `log.seq`: the replay stopped at a
+/// damaged or missing batch (`log.seq + 1`) with such batches behind it.
+///
+/// A crash while a commit writes its batches (all at once) can leave a later batch of
+/// that never acknowledged commit complete behind a torn one: that is the normal end
+/// of a log and says nothing. But a commit's batches are written only once every batch
+/// of the commit before it is durable, so a valid batch whose commit began after the
+/// missing one (`seq - commit_index > log.seq + 1`) proves that the missing batch was
+/// durable and has been damaged since, and every commit from it on, acknowledged
+/// flushes among them, would be lost. From format version 3 on that is corruption
+/// (`Err`, kind `Corrupt`, naming the sequence numbers), unless `later_commits` says
+/// otherwise: then a warning saying what was dropped. In older pools, whose
+/// batches do not say where their commit began, the two cannot be told apart, and any
+/// valid later batch is returned as a warning instead. Also returns the highest
+/// sequence number of any valid batch found (at least `log.seq`). Reads the log once, a
+/// MiB at a time.
+fn batches_beyond(
+    read: &mut ReadAt<'_>,
+    geo: &Geometry,
+    version: u32,
+    log: &LogCursor,
+    later_commits: LaterCommits,
+) -> Result<(Option<String>, u64)> {
+    const PIECE: u64 = 1 << 20;
+    let missing = log.seq + 1;
+    let (mut found, mut last) = (0u64, log.seq);
+    // The earliest commit start found past the missing batch, and its batch's sequence.
+    let mut later_commit: Option<(u64, u64)> = None;
+    let mut off = 0;
+    while off < geo.log_size {
+        let len = PIECE.min(geo.log_size - off);
+        let piece = read(geo.log_offset + off, len as usize).map_err(|e| Error::io("read log", e))?;
+        for (i, block) in piece.chunks_exact(BLOCK_SIZE as usize).enumerate() {
+            let (h, _) = BatchHeader::read_from_prefix(block).expect("block holds a header");
+            if h.magic.get() != LOG_MAGIC || h.pool_tag.get() != geo.pool_tag() || h.seq.get() <= log.seq {
+                continue;
+            }
+            let pos = off + i as u64 * BLOCK_SIZE;
+            let seq = h.seq.get();
+            if let Some(batch) = read_batch(read, geo, version, pos, seq)? {
+                if seq > MAX_SEQ {
+                    return Err(Error::corrupt(format!(
+                        "log batch at log offset {pos} has sequence number {seq}, out of range"
+                    )));
+                }
+                found += 1;
+                last = last.max(seq);
+                let start = seq.saturating_sub(u64::from(batch.commit_index));
+                if start > missing && later_commit.is_none_or(|(s, _)| start < s) {
+                    later_commit = Some((start, seq));
+                }
+            }
+        }
+        off += len;
+    }
+    if version >= COMMIT_INDEX_VERSION {
+        let damage = |start| {
+            format!(
+                "log batch {missing} is damaged or missing, but the commit that begins at batch {start} lies \
+                 intact behind it (valid batches up to {last}), and a commit is written only once the one \
+                 before it is durable: the log was damaged after the fact, and the commits from batch {missing} \
+                 on (acknowledged flushes among them) cannot be replayed"
+            )
+        };
+        let warning = match (later_commit, later_commits) {
+            (Some((start, _)), LaterCommits::RolledBack) => Some(format!(
+                "the log after the checkpoint rolled back to ends at batch {}; the valid batches behind it \
+                 (up to {last}, from batch {start} a later commit) were written after it, by the generation the \
+                 rollback drops (or the older log was damaged there), and are not replayed",
+                log.seq
+            )),
+            (Some((start, _)), LaterCommits::LossAccepted) => Some(format!(
+                "opened as asked (accept log loss) with the metadata as it was before log batch {missing}; the \
+                 commits from that batch on (valid batches up to {last}) are dropped: blocks they mapped read as \
+                 zeros again, volumes and snapshots they created, deleted or resized are as before them, and the \
+                 space they allocated is free again. Data is not rolled back: overwrites of blocks mapped before \
+                 them stay as written, and data units they freed may have been reused since, so ranges that \
+                 mapped them before may now read data written later, by any volume. (Why: {})",
+                damage(start)
+            )),
+            (Some((start, _)), LaterCommits::Refuse) => {
+                return Err(Error::corrupt(format!(
+                    "{}. The pool is not opened and is left as it is. Restore it from a copy, or, if losing those \
+                 commits is acceptable, open it with the log loss accepted (`ferrovol serve --accept-log-loss`), \
+                 which keeps the state before batch {missing}",
+                    damage(start)
+                )))
+            }
+            // Later batches of the commit the missing batch belongs to: a torn commit,
+            // never acknowledged.
+            (None, _) => None,
+        };
+        return Ok((warning, last));
+    }
+    let warning = (found > 0).then(|| {
+        format!(
+            "the log replay stopped at a damaged or missing batch (sequence {missing}), and {found} valid batch(es) \
+             with later sequence numbers (up to {last}) lie beyond it and were not replayed. If the server \
+             was stopped while committing, they belong to that unacknowledged commit and nothing \
+             acknowledged is lost; otherwise the log was damaged and the commits from sequence {missing} on \
+             (acknowledged flushes among them) were lost. (This pool's format version {version} does not \
+             record where a commit begins; from its next open on it is version {FORMAT_VERSION}, which does.)"
+        )
+    });
+    Ok((warning, last))
+}
+
+fn put_page(vol: &mut VolumeMeta, index: u64, page: Arc<MapPage>, unit_size: u64) -> std::result::Result<(), ()> {
+    let pages = vol.size.div_ceil(unit_size).div_ceil(PAGE_ENTRIES as u64);
+    if index >= pages || vol.map.page(index as usize).is_some() {
+        return Err(());
+    }
+    vol.map.put_page(index as usize, page);
+    Ok(())
+}
+
+/// A valid log batch read by [`read_batch`].
+struct Batch {
+    /// Blocks it occupies, header included.
+    blocks: u64,
+    /// Its [`BatchHeader::commit_index`] (0 before format version 3).
+    commit_index: u16,
+    /// Its records.
+    payload: Vec<u8>,
+}
+
+/// Reads the batch at absolute log position `pos` if it is valid and has sequence
+/// number `seq` (section 4.5 of docs/on-disk-format.md); `version` is the pool's format
+/// version (before version 3 the commit index must be 0).
+fn read_batch(read: &mut ReadAt<'_>, geo: &Geometry, version: u32, pos: u64, seq: u64) -> Result<Option<Batch>> {
+    let rel = pos % geo.log_size;
+    let first = read(geo.log_offset + rel, BLOCK_SIZE as usize).map_err(|e| Error::io("read log", e))?;
+    let (h, _) = BatchHeader::read_from_prefix(&first).expect("block holds a header");
+    let blocks = u64::from(h.blocks.get());
+    let plen = h.payload_len.get() as usize;
+    let commit_index = h.commit_index.get();
+    if h.magic.get() != LOG_MAGIC
+        || h.seq.get() != seq
+        || h.pool_tag.get() != geo.pool_tag()
+        || blocks == 0
+        || blocks * BLOCK_SIZE > MAX_BATCH_BYTES as u64
+        || rel + blocks * BLOCK_SIZE > geo.log_size
+        || size_of::<BatchHeader>() + plen > (blocks * BLOCK_SIZE) as usize
+        || (version < COMMIT_INDEX_VERSION && commit_index != 0)
+    {
+        return Ok(None);
+    }
+    let all = if blocks == 1 {
+        first
+    } else {
+        read(geo.log_offset + rel, (blocks * BLOCK_SIZE) as usize).map_err(|e| Error::io("read log", e))?
+    };
+    let payload = &all[size_of::<BatchHeader>()..size_of::<BatchHeader>() + plen];
+    let mut hz = h.clone();
+    hz.crc = 0.into();
+    if crc32c::crc32c_append(crc(hz.as_bytes()), payload) != h.crc.get() {
+        return Ok(None); // torn or never completed: the end of the log
+    }
+    Ok(Some(Batch { blocks, commit_index, payload: payload.to_vec() }))
+}

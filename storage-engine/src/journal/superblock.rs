@@ -1,0 +1,168 @@
+//! The superblock: the pool's geometry from a validated slot ([`Geometry`],
+//! [`validate_superblock`]) and the choice of the current slot ([`read_superblock`],
+//! docs/on-disk-format.md 7.1). Not here: writing superblocks (the store's checkpoint).
+
+use zerocopy::{FromBytes, IntoBytes};
+
+use crate::error::{Error, Result};
+use crate::format::*;
+
+/// Reads `len` bytes at byte `offset` of the pool.
+pub(crate) type ReadAt<'a> = dyn FnMut(u64, usize) -> std::io::Result<Vec<u8>> + 'a;
+
+/// Pool geometry from a validated superblock.
+#[derive(Debug, Clone)]
+pub(crate) struct Geometry {
+    pub uuid: [u8; 16],
+    pub pool_size: u64,
+    pub unit_size: u64,
+    pub log_offset: u64,
+    pub log_size: u64,
+    pub data_offset: u64,
+    pub unit_count: u64,
+}
+
+impl Geometry {
+    pub fn pool_tag(&self) -> u64 {
+        u64::from_le_bytes(self.uuid[..8].try_into().expect("8 bytes"))
+    }
+    pub fn unit_offset(&self, unit: u64) -> u64 {
+        self.data_offset + unit * self.unit_size
+    }
+    pub fn blocks_per_unit(&self) -> u64 {
+        self.unit_size / BLOCK_SIZE
+    }
+}
+
+/// Validates a superblock's fields. `size` is the device size in bytes.
+pub(crate) fn validate_superblock(sb: &Superblock, size: u64) -> Result<Geometry> {
+    if sb.magic != SUPERBLOCK_MAGIC {
+        return Err(Error::corrupt("not a ferrovol pool: superblock magic is missing"));
+    }
+    if !(MIN_READ_VERSION..=FORMAT_VERSION).contains(&sb.version.get()) {
+        return Err(Error::corrupt(format!(
+            "pool format version {} is not supported by this build (it reads versions {MIN_READ_VERSION} to {FORMAT_VERSION})",
+            sb.version.get()
+        )));
+    }
+    if sb.compute_crc() != sb.crc.get() {
+        return Err(Error::corrupt("superblock checksum mismatch"));
+    }
+    if sb.features.get() != 0 {
+        return Err(Error::corrupt(format!("pool uses unknown feature bits {:#x}", sb.features.get())));
+    }
+    let unit_size = sb.unit_size.get();
+    let g = Geometry {
+        uuid: sb.pool_uuid,
+        pool_size: sb.pool_size.get(),
+        unit_size: u64::from(unit_size),
+        log_offset: sb.log_offset.get(),
+        log_size: sb.log_size.get(),
+        data_offset: sb.data_offset.get(),
+        unit_count: sb.unit_count.get(),
+    };
+    let sane = sb.header_size.get() as usize == size_of::<Superblock>()
+        && sb.block_size.get() as u64 == BLOCK_SIZE
+        && unit_size.is_power_of_two()
+        && (MIN_UNIT_SIZE..=MAX_UNIT_SIZE).contains(&unit_size)
+        && g.log_offset == LOG_OFFSET
+        && g.log_size >= 4 * MAX_BATCH_BYTES as u64
+        && g.log_size.is_multiple_of(BLOCK_SIZE)
+        && g.data_offset >= g.log_offset + g.log_size
+        && g.data_offset.is_multiple_of(g.unit_size)
+        && g.unit_count > 0
+        && g.unit_count < u64::from(u32::MAX)
+        && g.unit_count
+            .checked_mul(g.unit_size)
+            .and_then(|b| b.checked_add(g.data_offset))
+            .is_some_and(|end| end <= g.pool_size);
+    if !sane {
+        return Err(Error::corrupt("superblock geometry is inconsistent"));
+    }
+    if sb.checkpoint_seq.get() > MAX_SEQ || sb.log_head.get() > MAX_SEQ {
+        return Err(Error::corrupt("superblock log head or sequence number is out of range"));
+    }
+    if g.pool_size > size {
+        return Err(Error::corrupt(format!(
+            "pool was created with {} bytes but the file or device has only {size}",
+            g.pool_size
+        )));
+    }
+    Ok(g)
+}
+
+/// Picks the current superblock from the two slots (on-disk-format.md 7.1); returns it,
+/// its geometry, when one slot was damaged but the pool opens anyway a warning naming
+/// it, and whether that is a rollback (the damaged slot may have held a newer
+/// generation and `accept_rollback` let the open go on).
+///
+/// Both slots are always written (at create, then alternately by every checkpoint), so
+/// one invalid slot means damage, and a damaged slot may have held the newer
+/// generation: opening from the other would silently roll the pool back. So when only
+/// one slot is valid (generation `G`), the other is tolerated only if it is
+/// recognisably the older one (its magic intact and its generation field reading
+/// `G - 1`), or if it is all zeros with `G` 0 or 1 (a pool whose creation was cut
+/// short: it names no checkpoint); otherwise the open fails unless `accept_rollback`.
+///
+/// Errors: [`ErrorKind::Corrupt`](crate::ErrorKind::Corrupt) naming each slot's problem.
+pub(crate) fn read_superblock(
+    read: &mut ReadAt<'_>,
+    size: u64,
+    accept_rollback: bool,
+) -> Result<(Superblock, Geometry, Option<String>, bool)> {
+    if size < 2 * BLOCK_SIZE {
+        return Err(Error::corrupt(format!("file is {size} bytes: too small to be a pool")));
+    }
+    let mut slots = Vec::with_capacity(2);
+    for &off in SUPERBLOCK_OFFSETS.iter() {
+        let bytes = read(off, size_of::<Superblock>()).map_err(|e| Error::io("read superblock", e))?;
+        let sb = Superblock::read_from_bytes(&bytes).expect("256 bytes");
+        let checked = validate_superblock(&sb, size);
+        slots.push((sb, checked));
+    }
+    let (v, d) = match (&slots[0].1, &slots[1].1) {
+        (Ok(_), Ok(_)) => {
+            let newer = usize::from(slots[1].0.generation.get() > slots[0].0.generation.get());
+            let (sb, g) = slots.swap_remove(newer);
+            return Ok((sb, g.expect("valid"), None, false));
+        }
+        (Err(a), Err(b)) => {
+            return Err(Error::corrupt(format!("slot 0: {}; slot 1: {}", a.message(), b.message())));
+        }
+        (Ok(_), Err(_)) => (0, 1),
+        (Err(_), Ok(_)) => (1, 0),
+    };
+    let gen = slots[v].0.generation.get();
+    let damaged = &slots[d].0;
+    let problem = slots[d].1.as_ref().err().map(|e| e.message().to_owned()).unwrap_or_default();
+    let read_gen = damaged.generation.get();
+    let note = format!("superblock slot {d} is damaged ({problem})");
+    let mut rolled_back = false;
+    let warning = if damaged.magic == SUPERBLOCK_MAGIC && read_gen.checked_add(1) == Some(gen) {
+        format!(
+            "{note}; its generation field reads {read_gen}, one older than slot {v}'s {gen}: opened from slot {v}, \
+             and the next checkpoint rewrites slot {d}"
+        )
+    } else if gen <= 1 && damaged.as_bytes().iter().all(|&b| b == 0) {
+        // Creation writes generation 0 and 1 (both naming no checkpoint) with one sync
+        // after both: either may be missing after a cut, and neither holds anything.
+        format!("{note}: never written (the pool's creation was cut short); opened from slot {v}, generation {gen}")
+    } else if accept_rollback {
+        rolled_back = true;
+        format!(
+            "{note} and may have held a newer generation than slot {v} ({gen}); opened from slot {v} as asked \
+             (accept a superblock rollback): the metadata committed after generation {gen} is lost. Data is not \
+             rolled back: blocks overwritten in place since keep their new contents, and data units freed since \
+             may have been reused, so ranges that mapped them may read data written later, by any volume"
+        )
+    } else {
+        return Err(Error::corrupt(format!(
+            "{note} and may hold a newer generation than slot {v}, which is valid (generation {gen}; the damaged \
+             slot's generation field reads {read_gen}). Opening from slot {v} could silently lose what was committed \
+             after generation {gen}, so the pool is not opened. If that loss is acceptable, open it with a superblock \
+             rollback accepted (`ferrovol serve --accept-superblock-rollback`); otherwise restore the pool from a copy"
+        )));
+    };
+    let (sb, g) = slots.swap_remove(v);
+    Ok((sb, g.expect("valid"), Some(warning), rolled_back))
+}
