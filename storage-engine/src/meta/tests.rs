@@ -1,0 +1,146 @@
+//! Unit tests of the mapping tables and the allocator.
+
+use super::map::{split, LEAF_PAGES};
+use super::*;
+
+#[test]
+fn map_table_pages_appear_and_vanish() {
+    let mut a = Allocator::new(16);
+    let settling = a.settling_table();
+    let (u7, u8) = (a.alloc().unwrap(), a.alloc().unwrap());
+    let mut t = MapTable::new();
+    assert_eq!(t.get(1500), Entry::EMPTY);
+    t.set(1500, Entry { punit: u7, bitmap: 1 }, &mut a);
+    t.set(1501, Entry { punit: u8, bitmap: 1 }, &mut a);
+    assert_eq!(t.get(1500).punit, u7);
+    assert!(t.page(2).is_some());
+    let mut shared = t.share(&mut a);
+    assert!(t.page_shared(1500) && shared.page_shared(1501));
+    assert_eq!((a.refcount(u7), a.refcount(u8)), (1, 1), "one page maps both");
+    let old = t.set(1500, Entry::EMPTY, &mut a);
+    a.decref(old.punit);
+    assert_eq!((a.refcount(u7), a.refcount(u8)), (1, 2), "the copy references the unit it keeps");
+    assert!(!t.page_shared(1501) && !shared.page_shared(1500));
+    assert_eq!(shared.get(1500).punit, u7, "the sharer keeps its page");
+    assert_eq!(shared.mapped().count(), 2);
+    assert!(settling.is_set(u7), "left to the sharer's page alone: settling");
+    t.release_all(&mut a);
+    assert_eq!(a.refcount(u8), 1);
+    assert!(settling.is_set(u8));
+    let mut third = shared.share(&mut a);
+    a.release_pending(a.pending_mark(), &StripedCounts::new());
+    shared.release_all(&mut a);
+    assert_eq!((a.refcount(u7), a.refcount(u8)), (1, 1), "the page stays, with its one remaining owner");
+    assert!(settling.is_set(u7) && settling.is_set(u8), "left to one owner: exclusive only once durable");
+    third.release_all(&mut a);
+    assert_eq!((a.refcount(u7), a.refcount(u8), a.used), (0, 0, 0));
+    assert_eq!(a.pending_free, vec![u7, u8]);
+}
+
+#[test]
+fn a_far_mapping_costs_one_leaf_and_a_pointer_per_leaf_before_it() {
+    // One entry 1000 TiB into a volume of 64 KiB units: page 32,000,000.
+    let lunit = (1000u64 << 40) >> 16;
+    let mut a = Allocator::new(16);
+    let mut t = MapTable::new();
+    t.set(lunit, Entry { punit: 3, bitmap: 1 }, &mut a);
+    let (p, _) = split(lunit);
+    assert_eq!(t.leaves.len(), p / LEAF_PAGES + 1, "leaf pointers reach the last leaf only");
+    assert_eq!(t.leaves.iter().flatten().count(), 1, "one leaf present");
+    assert_eq!(t.pages().map(|(i, _)| i).collect::<Vec<_>>(), vec![p]);
+    assert_eq!(t.get(lunit).punit, 3);
+    assert_eq!(t.get(lunit - 1), Entry::EMPTY);
+    let shared = t.share(&mut a);
+    assert!(t.page_shared(lunit) && shared.leaves.iter().flatten().count() == 1);
+    t.set(lunit, Entry::EMPTY, &mut a);
+    assert!(t.leaves.is_empty(), "the last page gone takes its leaf and the pointers");
+    assert_eq!(shared.get(lunit).punit, 3, "the sharer keeps its page");
+}
+
+#[test]
+fn refcounts_past_a_byte_stay_exact() {
+    let mut a = Allocator::from_refcounts(vec![0, 0, 300, META]);
+    let table = a.refcount_table();
+    assert_eq!((a.refcount(2), a.refcount(3)), (300, META));
+    assert!(table.is_shared(2) && !table.is_shared(3) && !table.is_exclusive(3));
+    let u = a.alloc().unwrap();
+    for _ in 0..299 {
+        a.incref(u);
+    }
+    assert_eq!(a.refcount(u), 300);
+    assert!(table.is_shared(u));
+    for _ in 0..299 {
+        a.decref(u);
+    }
+    assert_eq!(a.refcount(u), 1);
+    assert!(table.is_exclusive(u));
+    assert_eq!(a.big.len(), 1, "only unit 2 keeps an exact count apart");
+    assert_eq!(a.nonzero_refcounts().collect::<Vec<_>>(), vec![(0, 1), (2, 300), (3, META)]);
+}
+
+#[test]
+fn allocator_holds_frees_until_released() {
+    let pins = StripedCounts::new();
+    let mut a = Allocator::from_refcounts(vec![0; 4]);
+    let u = a.alloc().unwrap();
+    assert_eq!(a.free_count(), 3);
+    a.decref(u);
+    assert_eq!(a.free_count(), 3, "not free until durable");
+    pins.add(u);
+    let mark = a.pending_mark();
+    a.release_pending(mark, &pins);
+    assert_eq!(a.free_count(), 3, "pinned by in-flight I/O");
+    assert!(pins.is_set(u + StripedCounts::STRIPES as u32), "a unit of the same stripe may be pinned");
+    pins.sub(u);
+    a.release_pending(PendingMark { free: 1, settle: 0 }, &pins);
+    assert_eq!(a.free_count(), 4);
+    let (spare, backed) = a.take_for_spare().unwrap();
+    assert!(!backed, "nothing is known to be backed yet");
+    a.spare.push_back(spare);
+    assert!((0..3).all(|_| a.alloc().is_some()));
+    assert_eq!(a.alloc(), None, "data never takes the spare");
+    let m = a.alloc_meta().unwrap();
+    assert_eq!((m, a.meta, a.spare.len()), (spare, 1, 0));
+    a.retire_meta(m);
+    a.shrink_spare(1);
+    assert_eq!(a.take_for_spare(), Some((spare, true)), "given back by the spare: known to be backed");
+}
+
+#[test]
+fn counts_follow_pages_entries_and_shares() {
+    let mut a = Allocator::new(64);
+    let mut t = MapTable::new();
+    for l in [0u64, 1, 600] {
+        let p = a.alloc().unwrap();
+        t.set(l, Entry { punit: p, bitmap: 1 }, &mut a);
+    }
+    let want = |pages, page_refs, entries| MetaCounts { volumes: 0, name_bytes: 0, pages, page_refs, entries };
+    assert_eq!(a.counts, want(2, 2, 3));
+    let mut s = t.share(&mut a);
+    assert_eq!(a.counts, want(2, 4, 3), "a share adds references, not pages");
+    let old = s.set(1, Entry::EMPTY, &mut a);
+    a.decref(old.punit);
+    assert_eq!(a.counts, want(3, 4, 4), "the copy is a page of its own, with one entry fewer than the original");
+    assert_eq!(a.counts, MetaCounts::of([(&t, 0), (&s, 0)]).with_volumes(0, 0));
+    s.release_all(&mut a);
+    assert_eq!(a.counts, want(2, 2, 3));
+    t.release_all(&mut a);
+    assert_eq!(a.counts, want(0, 0, 0));
+}
+
+#[test]
+fn a_unit_left_to_one_owner_settles_only_when_durable() {
+    let pins = StripedCounts::new();
+    let mut a = Allocator::from_refcounts(vec![0; 4]);
+    let u = a.alloc().unwrap();
+    a.incref(u);
+    let settling = a.settling_table();
+    a.decref(u);
+    assert_eq!((a.refcount(u), settling.is_set(u)), (1, true), "settling");
+    let mark = a.pending_mark();
+    a.unsettle(u); // a later change, not covered by the commit that started at `mark`
+    a.release_pending(mark, &pins);
+    assert!(settling.is_set(u), "still settling for the later change");
+    a.release_pending(a.pending_mark(), &pins);
+    assert!(!settling.is_set(u));
+}
