@@ -13,20 +13,23 @@
 //! writes are durable after [`Volume::flush`] (or with `fua`), and a crash at any point
 //! leaves consistent metadata. docs/on-disk-format.md describes the format.
 
+mod check;
 pub mod error;
 pub mod format;
+mod info;
 pub mod io;
 mod journal;
 pub mod meta;
+mod names;
 mod pool;
-mod room;
+mod store;
 pub mod testing;
 mod volume;
 
+pub use check::{check, repair, CheckReport, RefcountRepair, RepairReport};
 pub use error::{Error, ErrorKind, Result};
+pub use info::{PoolStatus, Recovery, VolumeInfo};
 pub use io::{AlignedBuf, IoOptions, Reaper};
-pub use pool::{
-    check, repair, validate_name, CheckReport, Pool, PoolOptions, PoolStatus, Recovery, RefcountRepair, RepairReport,
-    VolumeInfo, DEFAULT_POOL_SIZE, DEFAULT_UNIT_SIZE, MAX_NAME_LEN, MAX_VOLUME_SIZE,
-};
+pub use names::{validate_name, MAX_NAME_LEN, MAX_VOLUME_SIZE};
+pub use pool::{Pool, PoolOptions, DEFAULT_POOL_SIZE, DEFAULT_UNIT_SIZE};
 pub use volume::{Extent, ReadResult, Volume, MAX_IO_BYTES};

@@ -11,7 +11,7 @@
 //! of the pool.
 //!
 //! Locking: reads take only the volume's map lock shared. Writes also take the range
-//! locks of their logical units (`PoolInner::stripes`) until their bits are set:
+//! locks of their logical units (`Store::stripes`) until their bits are set:
 //! shared, or exclusive for a unit whose partial block they rewrite; trims take them
 //! exclusively while they clear bits. First writes to a block, trims and allocations
 //! take the map lock exclusively, and allocations also take the pool's allocator lock
@@ -26,8 +26,8 @@ use crate::format::BLOCK_SIZE;
 use crate::io::{AlignedBuf, Dir, Segment};
 use crate::journal::Record;
 use crate::meta::{Entry, MapTable};
-use crate::pool::{PoolInner, VolState};
-use crate::room::{self, NeedRoom, Tries};
+use crate::store::room::{self, NeedRoom, Tries};
+use crate::store::{worker_gone, Store, VolState};
 
 /// Largest request the data path accepts in one call, in bytes (32 MiB).
 pub const MAX_IO_BYTES: u64 = 32 << 20;
@@ -54,20 +54,20 @@ pub struct ReadResult {
 /// made for (after that volume is deleted, operations fail with `NotFound`).
 #[derive(Clone)]
 pub struct Volume {
-    pool: Arc<PoolInner>,
+    pool: Arc<Store>,
     vol: Arc<VolState>,
 }
 
 /// Unpins data units when dropped.
 struct Pins<'a> {
-    pool: &'a PoolInner,
+    pool: &'a Store,
     units: Vec<u32>,
 }
 
 impl Pins<'_> {
     fn add(&mut self, u: u32) {
         if self.units.last() != Some(&u) {
-            self.pool.pins.add(u);
+            self.pool.pins().add(u);
             self.units.push(u);
         }
     }
@@ -76,7 +76,7 @@ impl Pins<'_> {
 impl Drop for Pins<'_> {
     fn drop(&mut self) {
         for &u in &self.units {
-            self.pool.pins.sub(u);
+            self.pool.pins().sub(u);
         }
     }
 }
@@ -121,7 +121,7 @@ fn mask(s: u64, e: u64) -> u32 {
 }
 
 impl Volume {
-    pub(crate) fn new(pool: Arc<PoolInner>, vol: Arc<VolState>) -> Volume {
+    pub(crate) fn new(pool: Arc<Store>, vol: Arc<VolState>) -> Volume {
         Volume { pool, vol }
     }
 
@@ -143,7 +143,7 @@ impl Volume {
 
     /// The pool's data-unit size in bytes.
     pub fn unit_size(&self) -> u64 {
-        self.pool.geo.unit_size
+        self.pool.geo().unit_size
     }
 
     fn err(&self, e: Error, op: &'static str, offset: u64) -> Error {
@@ -171,7 +171,7 @@ impl Volume {
     /// pool (the device may have lost data).
     fn write_failed(&self, e: std::io::Error, offset: u64) -> Error {
         if e.raw_os_error() == Some(libc::ENOSPC) {
-            self.pool.host_full.store(true, Ordering::Relaxed);
+            self.pool.set_host_full();
             return self.err(room::host_full_error(), "write", offset);
         }
         let e = self.err(Error::io("pool write failed", e), "write", offset);
@@ -215,7 +215,7 @@ impl Volume {
         if len > MAX_IO_BYTES {
             return Err(self.err(Error::new(ErrorKind::InvalidArgument, "read longer than 32 MiB"), "read", offset));
         }
-        let g = &self.pool.geo;
+        let g = self.pool.geo();
         let b0 = offset / BLOCK_SIZE;
         let b1 = (offset + len).div_ceil(BLOCK_SIZE);
         let bpu = g.blocks_per_unit();
@@ -264,7 +264,7 @@ impl Volume {
         }
         if !segs.is_empty() {
             let (back, r) =
-                self.pool.ring.rw(Dir::Read, buf, segs).await.map_err(|_| self.err(worker_gone(), "read", offset))?;
+                self.pool.ring().rw(Dir::Read, buf, segs).await.map_err(|_| self.err(worker_gone(), "read", offset))?;
             buf = back;
             r.map_err(|e| self.err(Error::io("pool read failed", e), "read", offset))?;
         }
@@ -325,11 +325,11 @@ impl Volume {
         let b1 = (offset + len).div_ceil(BLOCK_SIZE);
         let head_partial = !offset.is_multiple_of(BLOCK_SIZE);
         let tail_partial = !(offset + len).is_multiple_of(BLOCK_SIZE);
-        // Range locks (`PoolInner::stripes`), held until the bits are set: exclusive
+        // Range locks (`Store::stripes`), held until the bits are set: exclusive
         // for the units of partial blocks, which are read, merged and rewritten, so
         // that no concurrent write to the block is undone; shared for the rest, so a
         // trim cannot unmap a unit before this write marks its blocks.
-        let bpu = self.pool.geo.blocks_per_unit();
+        let bpu = self.pool.geo().blocks_per_unit();
         let mut exclusive = Vec::new();
         if head_partial {
             exclusive.push(b0 / bpu);
@@ -363,7 +363,7 @@ impl Volume {
     /// the units `exclusive` names, shared for the others; each stripe once, in index
     /// order (so two callers never wait for each other in a cycle).
     async fn lock_units(&self, units: std::ops::Range<u64>, exclusive: Exclusive<'_>) -> Vec<StripeGuard<'_>> {
-        let n = self.pool.stripes.len();
+        let n = self.pool.stripes().len();
         let all = matches!(exclusive, Exclusive::All);
         let mut want: Vec<(usize, bool)> = if units.end - units.start >= n as u64 {
             (0..n).map(|s| (s, all)).collect()
@@ -384,7 +384,7 @@ impl Volume {
         });
         let mut guards = Vec::with_capacity(want.len());
         for (s, excl) in want {
-            let lock = &self.pool.stripes[s];
+            let lock = &self.pool.stripes()[s];
             guards.push(if excl {
                 StripeGuard::Exclusive(lock.write().await)
             } else {
@@ -401,7 +401,7 @@ impl Volume {
         let cur = map.get(lunit);
         if cur.punit == punit && cur.bitmap | m != cur.bitmap {
             let bitmap = cur.bitmap | m;
-            map.set(lunit, Entry { punit, bitmap }, &mut self.pool.alloc.lock());
+            map.set(lunit, Entry { punit, bitmap }, &mut self.pool.alloc());
             self.pool.log_record(&Record::Map { volume: self.vol.id, lunit, punit, bitmap });
         }
     }
@@ -439,7 +439,7 @@ impl Volume {
         fua: bool,
         offset: u64,
     ) -> Result<(AlignedBuf, bool)> {
-        let g = &self.pool.geo;
+        let g = self.pool.geo();
         let bpu = g.blocks_per_unit();
         let u0 = b0 / bpu;
         let u1 = (b1 - 1) / bpu + 1;
@@ -455,7 +455,7 @@ impl Volume {
             if !needs {
                 break;
             }
-            if self.pool.host_full.load(Ordering::Relaxed) {
+            if self.pool.host_full() {
                 self.pool.refill_backed_free();
             }
             let need = {
@@ -465,7 +465,7 @@ impl Volume {
                 }
                 let want: Vec<u64> = (u0..u1).filter(|&u| !map.get(u).is_mapped()).collect();
                 let extra = room::allocation_growth(&map, &want);
-                let mut a = self.pool.alloc.lock();
+                let mut a = self.pool.alloc();
                 if a.free_count() >= want.len() as u64 && self.pool.has_room(&a, extra) {
                     for &u in &want {
                         let p = a.alloc().expect("the free set holds them");
@@ -533,7 +533,7 @@ impl Volume {
         let dsync = fua && new_bits.is_empty() && private.is_empty() && self.pool.metadata_settled();
         let (buf, r) = self
             .pool
-            .ring
+            .ring()
             .rw(Dir::Write { dsync }, buf, segs)
             .await
             .map_err(|_| self.err(worker_gone(), "write", offset))?;
@@ -545,9 +545,9 @@ impl Volume {
                 let cur = map.get(u);
                 // Only if no other write is using the unit now (its pin), else that
                 // write's completion needs the mapping.
-                if cur.punit == p && cur.bitmap == 0 && !self.pool.pins.is_set(p) {
+                if cur.punit == p && cur.bitmap == 0 && !self.pool.pins().is_set(p) {
                     // Logged: a checkpoint may have captured the empty mapping meanwhile.
-                    let mut a = self.pool.alloc.lock();
+                    let mut a = self.pool.alloc();
                     map.set(u, Entry::EMPTY, &mut a);
                     self.pool.log_record(&Record::Unmap { volume: self.vol.id, lunit: u });
                     a.decref(p);
@@ -571,7 +571,7 @@ impl Volume {
             let data = &buf.full()[at..at + ((e - s) * BLOCK_SIZE) as usize];
             Box::pin(self.write_private(u, s - u * bpu, e - u * bpu, data, offset)).await?;
         }
-        self.pool.writes_since_sync.fetch_add(1, Ordering::SeqCst);
+        self.pool.note_data_write();
         Ok((buf, fua && !dsync))
     }
 
@@ -597,10 +597,11 @@ impl Volume {
         offset: u64,
         tries: &mut Tries,
     ) -> Result<bool> {
-        let g = &self.pool.geo;
+        let g = self.pool.geo();
         let us = g.unit_size as usize;
         let bs = BLOCK_SIZE as usize;
-        let _unit_lock = self.pool.cow_stripes[stripe_of(self.vol.id, lunit, self.pool.cow_stripes.len())].lock().await;
+        let _unit_lock =
+            self.pool.cow_stripes()[stripe_of(self.vol.id, lunit, self.pool.cow_stripes().len())].lock().await;
         let old = self.vol.map.read().get(lunit);
         let exclusive = old.is_mapped() && self.writable_in_place(&self.vol.map.read(), lunit, old.punit);
         let mut buf = AlignedBuf::zeroed(us);
@@ -613,11 +614,11 @@ impl Volume {
         drop(pins);
         // A fresh unit, and room for what installing it may add (its refcount, a copy
         // of the mapping page), counted until it is installed (`finish_private`).
-        if self.pool.host_full.load(Ordering::Relaxed) {
+        if self.pool.host_full() {
             self.pool.refill_backed_free();
         }
         let got = {
-            let mut a = self.pool.alloc.lock();
+            let mut a = self.pool.alloc();
             if a.free_count() > 0 && self.pool.has_room(&a, room::COW_GROWTH) {
                 let p = a.alloc().expect("the free set holds one");
                 a.cow_inflight.insert(p);
@@ -654,7 +655,7 @@ impl Volume {
         pins: Pins<'_>,
         offset: u64,
     ) -> Result<bool> {
-        let g = &self.pool.geo;
+        let g = self.pool.geo();
         let bs = BLOCK_SIZE as usize;
         let m = mask(s, e);
         let segs = merge((s..e).map(|b| Segment {
@@ -664,7 +665,7 @@ impl Volume {
         }));
         let (_, r) = self
             .pool
-            .ring
+            .ring()
             .rw(Dir::Write { dsync: false }, buf, segs)
             .await
             .map_err(|_| self.err(worker_gone(), "write", offset))?;
@@ -693,7 +694,7 @@ impl Volume {
         mut buf: AlignedBuf,
         offset: u64,
     ) -> Result<bool> {
-        let g = &self.pool.geo;
+        let g = self.pool.geo();
         let bs = BLOCK_SIZE as usize;
         let m = mask(s, e);
         let mut pins = Pins { pool: &self.pool, units: Vec::new() };
@@ -709,7 +710,7 @@ impl Volume {
                     len: bs,
                 });
                 let segs = merge(segs);
-                let (b2, r) = self.pool.ring.rw(Dir::Read, buf, segs).await.map_err(|_| worker_gone())?;
+                let (b2, r) = self.pool.ring().rw(Dir::Read, buf, segs).await.map_err(|_| worker_gone())?;
                 buf = b2;
                 r.map_err(|e| Error::io("copy-on-write read failed", e))?;
             }
@@ -718,14 +719,15 @@ impl Volume {
                 buf_offset: b as usize * bs,
                 len: bs,
             }));
-            let (_, r) = self.pool.ring.rw(Dir::Write { dsync: false }, buf, segs).await.map_err(|_| worker_gone())?;
+            let (_, r) =
+                self.pool.ring().rw(Dir::Write { dsync: false }, buf, segs).await.map_err(|_| worker_gone())?;
             r.map_err(|e| self.write_failed(e, offset))
         }
         .await;
         drop(pins);
         let mut map = self.vol.map.write();
         let cur = map.get(lunit);
-        let mut a = self.pool.alloc.lock();
+        let mut a = self.pool.alloc();
         a.cow_inflight.remove(&target);
         a.pending_growth -= room::COW_GROWTH;
         let still = if old.is_mapped() { cur.punit == old.punit } else { !cur.is_mapped() };
@@ -813,11 +815,11 @@ impl Volume {
     /// shares it, or did until a change not yet durable (after a crash before that change
     /// is, it would still map the unit), and the write copies it.
     fn writable_in_place(&self, map: &MapTable, lunit: u64, punit: u32) -> bool {
-        crate::meta::writable_in_place(map, lunit, punit, &self.pool.refcounts, &self.pool.settling)
+        crate::meta::writable_in_place(map, lunit, punit, self.pool.refcounts(), self.pool.settling())
     }
 
     fn block_written(&self, blk: u64) -> bool {
-        let bpu = self.pool.geo.blocks_per_unit();
+        let bpu = self.pool.geo().blocks_per_unit();
         let e = self.vol.map.read().get(blk / bpu);
         e.is_mapped() && e.bitmap & (1 << (blk % bpu)) != 0
     }
@@ -826,7 +828,7 @@ impl Volume {
     /// the range locks of each page's units exclusively while it changes them, so a
     /// write in flight into one of them sets its bits first.
     async fn unmap_blocks(&self, b0: u64, b1: u64, offset: u64) -> Result<()> {
-        let bpu = self.pool.geo.blocks_per_unit();
+        let bpu = self.pool.geo().blocks_per_unit();
         let page_units = crate::format::PAGE_ENTRIES as u64;
         let u0 = b0 / bpu;
         let u1 = (b1 - 1) / bpu + 1;
@@ -857,7 +859,7 @@ impl Volume {
                 if map.page_shared(u) && (u..page_end).any(|x| map.get(x).is_mapped()) {
                     let mapped = map.page((u / page_units) as usize).map_or(0, |p| u64::from(p.mapped));
                     let extra = room::page_record_bytes(mapped);
-                    if !self.pool.has_room(&self.pool.alloc.lock(), extra) {
+                    if !self.pool.has_room(&self.pool.alloc(), extra) {
                         break 'page Some(NeedRoom { units: 0, extra });
                     }
                 }
@@ -897,7 +899,7 @@ impl Volume {
         if bitmap == e.bitmap && bitmap != 0 {
             return;
         }
-        let mut a = self.pool.alloc.lock();
+        let mut a = self.pool.alloc();
         if bitmap == 0 {
             map.set(lunit, Entry::EMPTY, &mut a);
             // The record first: a commit that releases the unit's free or settling mark
@@ -957,8 +959,8 @@ impl Volume {
     /// Errors: [`ErrorKind::OutOfRange`], [`ErrorKind::NotFound`].
     pub fn block_status(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
         self.check_range("block status", offset, len)?;
-        let bpu = self.pool.geo.blocks_per_unit();
-        let us = self.pool.geo.unit_size;
+        let bpu = self.pool.geo().blocks_per_unit();
+        let us = self.pool.geo().unit_size;
         let page_bytes = us * crate::format::PAGE_ENTRIES as u64;
         let end = offset + len;
         let mut ext = Vec::new();
@@ -996,7 +998,7 @@ enum Exclusive<'a> {
     Only(&'a [u64]),
 }
 
-/// A held range lock (`PoolInner::stripes`).
+/// A held range lock (`Store::stripes`).
 enum StripeGuard<'a> {
     Shared(#[allow(dead_code)] tokio::sync::RwLockReadGuard<'a, ()>),
     Exclusive(#[allow(dead_code)] tokio::sync::RwLockWriteGuard<'a, ()>),
@@ -1007,9 +1009,4 @@ fn stripe_of(volume: u64, key: u64, n: usize) -> usize {
     let h = (volume.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ key).wrapping_mul(0xff51_afd7_ed55_8ccd);
     // The high bits mix best; 32 of them cover any stripe count in use.
     (h >> 32) as usize % n
-}
-
-/// The error of an I/O whose completion channel closed: the ring's reaper is gone.
-pub(crate) fn worker_gone() -> Error {
-    Error::new(ErrorKind::Failed, "the I/O worker stopped")
 }

@@ -36,13 +36,12 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use super::{worker_gone, Store};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{PageEntry, PageRec, PageRefRec, RecordHeader, VolumeRec, BLOCK_SIZE};
 use crate::io::{self, AlignedBuf, Dir, Segment};
 use crate::journal::{checkpoint_bytes_bound, checkpoint_units_bound};
 use crate::meta::{Allocator, MapTable};
-use crate::pool::PoolInner;
-use crate::volume::worker_gone;
 
 /// Units of the rule kept beyond the bound (module docs).
 pub(crate) const SLACK_UNITS: u64 = 4;
@@ -100,7 +99,7 @@ pub(crate) struct NeedRoom {
     pub extra: u64,
 }
 
-/// The remedies a change has tried so far ([`PoolInner::make_room`]); a change starts
+/// The remedies a change has tried so far ([`Store::make_room`]); a change starts
 /// with the default.
 #[derive(Debug, Default)]
 pub(crate) struct Tries {
@@ -108,7 +107,7 @@ pub(crate) struct Tries {
     attempts: u32,
 }
 
-/// What may give a change room ([`PoolInner::make_room`]).
+/// What may give a change room ([`Store::make_room`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Remedy {
     /// Frees wait for a commit to become durable.
@@ -120,7 +119,7 @@ pub(crate) enum Remedy {
     Checkpoint,
 }
 
-impl PoolInner {
+impl Store {
     /// `N`: units a checkpoint of the metadata takes at most, with `extra` more bytes.
     pub(crate) fn checkpoint_need(&self, a: &Allocator, extra: u64) -> u64 {
         let bytes = checkpoint_bytes_bound(&a.counts, a.used) + a.pending_growth + extra;

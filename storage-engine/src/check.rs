@@ -1,0 +1,217 @@
+//! Checking and repairing a stopped pool: [`check`] (read only) and [`repair`] (the
+//! refcounts and free set rebuilt from the mappings), with the checks of the volumes'
+//! records that open shares ([`volume_problems`]). Not here: loading (`journal`).
+
+use std::fs::File;
+use std::path::Path;
+
+use crate::error::{Error, Result};
+use crate::io::{self, IoOptions};
+use crate::journal::{self, State};
+use crate::meta::Allocator;
+use crate::names::{validate_name, validate_size};
+use crate::pool::lock;
+use crate::Pool;
+
+pub(crate) fn read_at_file(file: &File) -> impl FnMut(u64, usize) -> std::io::Result<Vec<u8>> + '_ {
+    use std::os::unix::fs::FileExt;
+    move |off, len| {
+        let mut v = vec![0u8; len];
+        file.read_exact_at(&mut v, off)?;
+        Ok(v)
+    }
+}
+
+/// Result of [`check`].
+#[derive(Debug, Clone)]
+pub struct CheckReport {
+    /// Problems found; empty means the pool is consistent.
+    pub problems: Vec<String>,
+    /// What the pool opens despite: damage with no loss (a damaged older superblock
+    /// slot, which the next checkpoint rewrites), and, in a pool of format version 1 or
+    /// 2 only, valid log batches behind the end of the replayed log, which a crash
+    /// during a commit leaves but a damaged batch of an earlier commit also does (then
+    /// the commits after it were lost). From version 3 on the second case is an error.
+    pub warnings: Vec<String>,
+    /// Volumes, units mapped, units free, units of metadata, log batches replayed.
+    pub summary: String,
+}
+
+/// What is wrong with the loaded volumes that checksums cannot catch (a record written
+/// wrong, or damage whose checksum was recomputed): invalid or duplicate names, sizes
+/// that are not a multiple of 4096 or past 1 PiB, mappings past a volume's end, and
+/// written-block bits past a unit's blocks. Run by [`check`], and by open, which
+/// refuses such a pool rather than serve and keep the damage.
+pub(crate) fn volume_problems(st: &State, bpu: u64) -> Vec<String> {
+    let mut problems = Vec::new();
+    let mut names = std::collections::HashSet::new();
+    for (id, v) in &st.volumes {
+        let name_ok = match v.name.split_once('@') {
+            Some((vol, snap)) => v.snapshot && validate_name(vol).is_ok() && validate_name(snap).is_ok(),
+            None => !v.snapshot && validate_name(&v.name).is_ok(),
+        };
+        if !name_ok || !names.insert(v.name.clone()) {
+            problems.push(format!("volume {id} has an invalid or duplicate name '{}'", v.name));
+        }
+        if validate_size(v.size).is_err() {
+            problems.push(format!("volume '{}' has an invalid size {}", v.name, v.size));
+        }
+        let units = st.units_of(v.size);
+        for (lunit, e) in v.map.mapped() {
+            if lunit >= units {
+                problems.push(format!("volume '{}' maps logical unit {lunit} past its end", v.name));
+            }
+            if bpu < 32 && e.bitmap >> bpu != 0 {
+                problems.push(format!(
+                    "volume '{}' logical unit {lunit} has bitmap bits past the unit's {bpu} blocks",
+                    v.name
+                ));
+            }
+        }
+    }
+    problems
+}
+
+/// Verifies a stopped pool without writing to it: superblock, checkpoint and log
+/// checksums, mappings against refcounts, and free-space accounting.
+///
+/// Errors: the file cannot be opened or read, or is not a pool at all
+/// ([`ErrorKind::Corrupt`]); inconsistencies that do not stop loading are listed in
+/// the report instead.
+pub fn check(path: &Path) -> Result<CheckReport> {
+    let file = File::open(path).map_err(|e| Error::io(format!("open {}", path.display()), e))?;
+    lock(&file, false, path)?;
+    let size = io::device_size(&file).map_err(|e| Error::io("size of pool", e))?;
+    let mut read = read_at_file(&file);
+    let loaded = journal::load(&mut read, size, journal::Accept::default())?;
+    let mut problems = Vec::new();
+    let warnings: Vec<String> = loaded.superblock_warning.iter().chain(loaded.log_warning.iter()).cloned().collect();
+    for (u, stored, derived) in &loaded.refcount_mismatches {
+        problems
+            .push(format!("checkpoint refcount of data unit {u} is {stored} but {derived} mapping pages reference it"));
+    }
+    let st = &loaded.state;
+    problems.extend(volume_problems(st, loaded.geo.blocks_per_unit()));
+    let derived = journal::derive_refcounts(st.volumes.values().map(|v| &v.map), loaded.geo.unit_count as usize);
+    let a = &st.alloc;
+    let (mut used, mut meta, mut free) = (0u64, 0u64, 0u64);
+    for u in 0..a.unit_count() as u32 {
+        let (r, should) = (a.refcount(u), derived.refcount(u));
+        match r {
+            crate::meta::META => meta += 1,
+            0 => free += 1,
+            _ => used += 1,
+        }
+        if r != crate::meta::META && r != should {
+            problems.push(format!("data unit {u} has refcount {r} but {should} mapping pages reference it"));
+        }
+    }
+    if meta != loaded.checkpoint_units.len() as u64 {
+        problems.push(format!(
+            "{} units marked as metadata but the checkpoint has {}",
+            meta,
+            loaded.checkpoint_units.len()
+        ));
+    }
+    if used + meta + free != loaded.geo.unit_count || a.free_count() != free {
+        problems.push(format!(
+            "free-space accounting: {used} used + {meta} metadata + {free} free != {} units (allocator free {})",
+            loaded.geo.unit_count,
+            a.free_count()
+        ));
+    }
+    let summary = format!(
+        "pool {}: {} volumes, {} units of {} KiB: {used} mapped, {meta} metadata, {free} free; {} log batches replayed",
+        uuid::Uuid::from_bytes(loaded.geo.uuid),
+        st.volumes.len(),
+        loaded.geo.unit_count,
+        loaded.geo.unit_size / 1024,
+        loaded.batches
+    );
+    Ok(CheckReport { problems, warnings, summary })
+}
+
+/// One refcount [`repair`] changed: `(data unit, refcount found, refcount now)`, the
+/// latter the number of distinct mapping pages that map the unit.
+pub type RefcountRepair = (u32, u32, u32);
+
+/// What [`repair`] did.
+#[derive(Debug, Clone)]
+pub struct RepairReport {
+    /// Each refcount changed, in ascending unit order. Empty: nothing needed repair.
+    pub changed: Vec<RefcountRepair>,
+    /// Units referenced by no mapping that were held as used (leaked): free now.
+    pub freed: u64,
+    /// The summary of [`check`] on the repaired pool.
+    pub summary: String,
+}
+
+/// Repairs a stopped pool whose refcounts disagree with its mappings (what `check`
+/// reports as refcount mismatches, and open refuses): loads it as open does, rebuilds
+/// every refcount from the mappings (the number of distinct mapping pages that map
+/// each unit) and the free set from those, and writes a fresh checkpoint. Each change
+/// is in the report. The mappings are the source of truth and are not changed; a
+/// pool whose mappings or records are damaged is refused, and so is one `check`
+/// finds nothing wrong with (nothing is written then).
+///
+/// Errors: [`ErrorKind::Corrupt`] when the pool does not load or its mappings are
+/// damaged (the message says so: a repair cannot fix those); [`ErrorKind::InUse`] when
+/// a server has it open; [`ErrorKind::Io`].
+pub fn repair(path: &Path) -> Result<RepairReport> {
+    let before = check(path)?;
+    let mut changed = Vec::new();
+    if !before.problems.is_empty() {
+        let pool = Pool::open_inner(path, &IoOptions::default(), journal::Accept::default(), false, Some(&mut changed))
+            .map_err(|e| e.op("repair pool"))?;
+        pool.close().map_err(|e| e.op("repair pool"))?;
+    }
+    let after = check(path)?;
+    if let Some(p) = after.problems.first() {
+        return Err(Error::corrupt(format!(
+            "{p} ({} problem(s) left that a repair of the refcounts cannot fix)",
+            after.problems.len()
+        ))
+        .op("repair pool"));
+    }
+    let freed = changed.iter().filter(|(_, _, now)| *now == 0).count() as u64;
+    Ok(RepairReport { changed, freed, summary: after.summary })
+}
+
+/// Replaces the refcounts of `st` (a loaded pool, its log replayed) by those its
+/// mappings imply, and its free set by what follows from them; returns each change.
+///
+/// Errors: [`ErrorKind::Corrupt`] when a mapped unit is also a unit of the checkpoint
+/// (`checkpoint_units`): the mappings are damaged.
+pub(crate) fn rebuild_refcounts(st: &mut State, checkpoint_units: &[u32]) -> Result<Vec<RefcountRepair>> {
+    let units = st.alloc.unit_count() as usize;
+    let derived = journal::derive_refcounts(st.volumes.values().map(|v| &v.map), units);
+    let mut changed = Vec::new();
+    for u in 0..units as u32 {
+        let (found, should) = (st.alloc.refcount(u), derived.refcount(u));
+        if found == crate::meta::META {
+            if should > 0 {
+                return Err(Error::corrupt(format!(
+                    "data unit {u} is mapped and holds the checkpoint: the mappings are damaged, and a repair \
+                     rebuilds only what derives from them: restore the pool from a copy"
+                )));
+            }
+        } else if found != should {
+            changed.push((u, found, should));
+        }
+    }
+    if !changed.is_empty() {
+        let mut a = Allocator::new(units);
+        for &u in checkpoint_units {
+            a.set_loaded(u, crate::meta::META);
+        }
+        for (u, r) in derived.nonzero_refcounts() {
+            a.set_loaded(u, r);
+        }
+        a.counts = st.alloc.counts;
+        st.alloc = a;
+        for &(u, found, should) in &changed {
+            tracing::warn!(unit = u, found, now = should, "repaired the refcount of a data unit");
+        }
+    }
+    Ok(changed)
+}

@@ -1,0 +1,72 @@
+//! What the engine reports about a pool and its volumes: [`VolumeInfo`], [`PoolStatus`]
+//! and [`Recovery`], plain values. Not here: computing them (the store, the pool).
+
+use std::path::PathBuf;
+
+/// A volume as listed by the management API.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VolumeInfo {
+    /// Name (also the NBD export name): `VOLUME` or, for a snapshot, `VOLUME@SNAPSHOT`.
+    pub name: String,
+    /// Id, unique for the pool's lifetime.
+    pub id: u64,
+    /// Whether this is a read-only snapshot.
+    pub snapshot: bool,
+    /// Virtual size in bytes.
+    pub size: u64,
+    /// Bytes of data units mapped (units × unit size).
+    pub allocated: u64,
+    /// Bytes of mapped units no other volume or snapshot references: what deleting
+    /// this one would free.
+    pub exclusive: u64,
+    /// Bytes of mapped units shared with other volumes or snapshots.
+    pub shared: u64,
+    /// Creation time, seconds since the Unix epoch.
+    pub created: u64,
+}
+
+/// Pool-wide space accounting, in bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolStatus {
+    /// Pool UUID, hyphenated.
+    pub uuid: String,
+    /// Path of the pool file or device.
+    pub path: PathBuf,
+    /// Bytes of the data area (units × unit size).
+    pub capacity: u64,
+    /// Bytes in data units referenced by volumes.
+    pub used: u64,
+    /// Bytes in units holding checkpoint metadata.
+    pub metadata: u64,
+    /// Bytes in free units (including units whose free is not yet durable).
+    pub free: u64,
+    /// Of `free`, the bytes freed by deletes, trims and copies on write whose free is
+    /// not yet durable: they become allocatable after the next commit (reclaim is
+    /// no more than this wait; nothing is copied or rewritten).
+    pub freeing: u64,
+    /// Of `free`, the bytes data writes may not allocate: the metadata reserve, room
+    /// for the next checkpoints (docs/on-disk-format.md, section 9). It grows with
+    /// the metadata, so `free - reserved` is an upper bound on what writes to unmapped
+    /// ranges can still take (at most a few percent high with 16 KiB units on an
+    /// emptier pool, exact when full); a write that needs more gets `ENOSPC`.
+    pub reserved: u64,
+    /// Data-unit size.
+    pub unit_size: u32,
+    /// Number of volumes, snapshots included (each snapshot is a read-only volume).
+    pub volumes: u64,
+    /// Whether the pool file is opened with O_DIRECT.
+    pub direct_io: bool,
+    /// Whether the pool stopped accepting writes after an I/O error.
+    pub failed: bool,
+}
+
+/// What the last [`Pool::open`] read to recover the pool: the checkpoint and the log
+/// batches after it. Recovery reads grow with these, never with the pool's size (the
+/// data area is not scanned; see docs/on-disk-format.md, section 7).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Recovery {
+    /// Log batches replayed on top of the checkpoint.
+    pub batches_replayed: u64,
+    /// Bytes read from the pool: superblocks, checkpoint chunks and log batches.
+    pub bytes_read: u64,
+}

@@ -1,0 +1,360 @@
+//! The catalogue: volumes, snapshots and clones of a pool (create, delete, resize,
+//! share, list, diff). Each change is logged and committed before it returns. Not here:
+//! the data path (`volume`), the room for the metadata a change adds (the store's
+//! room.rs).
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use super::Pool;
+use crate::error::{Error, ErrorKind, Result};
+use crate::format::{BLOCK_SIZE, PAGE_ENTRIES};
+use crate::info::VolumeInfo;
+use crate::journal::Record;
+use crate::meta::MapTable;
+use crate::names::{check_no_orphan_snapshots, validate_name, validate_size};
+use crate::store::room::{self, NeedRoom, Tries};
+use crate::store::VolState;
+
+fn now() -> u32 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs() as u32).unwrap_or(0)
+}
+
+/// The error of a change whose metadata finds no room: the pool (or the host file
+/// system under it) is full.
+fn metadata_full() -> Error {
+    Error::new(
+        ErrorKind::NoSpace,
+        "the pool is too full for the metadata this change adds (its next checkpoints must fit); \
+         delete snapshots or volumes to free space",
+    )
+}
+
+impl Pool {
+    /// Creates a thin volume of `size` bytes (a multiple of 4096). Durable on return.
+    ///
+    /// Errors: [`ErrorKind::InvalidArgument`] (name, size), [`ErrorKind::AlreadyExists`],
+    /// [`ErrorKind::Failed`]/[`ErrorKind::Io`] if the commit fails.
+    pub async fn create_volume(&self, name: &str, size: u64) -> Result<VolumeInfo> {
+        let err = |e: Error| e.op("create volume").volume(name);
+        validate_name(name).map_err(err)?;
+        validate_size(size).map_err(err)?;
+        self.inner.check_writable().map_err(err)?;
+        let mut tries = Tries::default();
+        loop {
+            let need = {
+                let mut vols = self.inner.volumes().write();
+                if vols.contains_key(name) {
+                    return Err(err(Error::new(ErrorKind::AlreadyExists, "a volume of that name exists")));
+                }
+                check_no_orphan_snapshots(&vols, name).map_err(err)?;
+                let extra = room::volume_record_bytes(name.len());
+                let mut a = self.inner.alloc();
+                if self.inner.has_room(&a, extra) {
+                    let id = self.inner.next_volume_id();
+                    let created = now();
+                    let vs = VolState::new(id, name.to_owned(), false, created, size, MapTable::new());
+                    self.inner.log_record(&Record::Volume { volume: id, size, created, name: name.to_owned() });
+                    a.counts.volumes += 1;
+                    a.counts.name_bytes += name.len() as u64;
+                    self.inner.after_growth(&a);
+                    drop(a);
+                    vols.insert(name.to_owned(), Arc::new(vs));
+                    break;
+                }
+                NeedRoom { units: 0, extra }
+            };
+            if !self.inner.make_room(need, &mut tries).await.map_err(err)? {
+                return Err(err(metadata_full()));
+            }
+        }
+        self.inner.commit().await.map_err(err)?;
+        tracing::info!(volume = name, size, "created volume");
+        self.volume_info(name)
+    }
+
+    /// Deletes a volume and frees the data units only it referenced (after the delete
+    /// is durable); its snapshots and clones stay intact. Open handles fail with
+    /// [`ErrorKind::NotFound`] from then on. Costs in-memory metadata work proportional
+    /// to the volume's mapped pages and one log record; no data is read or rewritten.
+    /// In a pool too full to allocate, also asks for a checkpoint in the background,
+    /// which gives back the room the deleted metadata held (a snapshot, clone or write
+    /// that needs the room before then takes a checkpoint itself).
+    ///
+    /// Errors: [`ErrorKind::NotFound`] (also for a snapshot name: use
+    /// [`Pool::delete_snapshot`]), [`ErrorKind::Failed`]/[`ErrorKind::Io`].
+    pub async fn delete_volume(&self, name: &str) -> Result<()> {
+        if name.contains('@') {
+            return Err(Error::new(ErrorKind::NotFound, "no such volume (a snapshot is deleted with snapshot delete)")
+                .op("delete volume")
+                .volume(name));
+        }
+        self.delete_any(name, "delete volume").await
+    }
+
+    /// Deletes snapshot `snapshot` of `volume`; space only it held is freed at once
+    /// (its metadata's share by a checkpoint in a pool too full to allocate, as
+    /// [`Pool::delete_volume`]).
+    ///
+    /// Errors: [`ErrorKind::NotFound`], [`ErrorKind::Failed`]/[`ErrorKind::Io`].
+    pub async fn delete_snapshot(&self, volume: &str, snapshot: &str) -> Result<()> {
+        self.delete_any(&format!("{volume}@{snapshot}"), "delete snapshot").await
+    }
+
+    async fn delete_any(&self, name: &str, op: &'static str) -> Result<()> {
+        let err = |e: Error| e.op(op).volume(name);
+        self.inner.check_writable().map_err(err)?;
+        {
+            let mut vols = self.inner.volumes().write();
+            let vs =
+                vols.remove(name).ok_or_else(|| err(Error::new(ErrorKind::NotFound, "no such volume or snapshot")))?;
+            let mut map = vs.map.write();
+            vs.deleted.store(true, Ordering::SeqCst);
+            // The record first: a commit that releases the settling marks and frees the
+            // release causes also carries it (on-disk-format.md 6.1 rules 2, 9, 12).
+            self.inner.log_record(&Record::VolumeDelete { volume: vs.id });
+            let mut alloc = self.inner.alloc();
+            map.release_all(&mut alloc);
+            alloc.counts.volumes -= 1;
+            alloc.counts.name_bytes -= vs.name.len() as u64;
+            self.inner.trim_spare(&mut alloc);
+        }
+        self.inner.commit().await.map_err(err)?;
+        tracing::info!(name, op, "deleted");
+        // In a pool too full to allocate, the units the current checkpoint holds beyond
+        // what the next needs come back only with a checkpoint (room.rs). A change that
+        // needs them checkpoints by itself; this asks for one in the background as well,
+        // so that the room shows as free soon. Deletes made while it is pending share
+        // it: a burst of deletes costs one or two checkpoints, not one each.
+        let tight = {
+            let a = self.inner.alloc();
+            a.free_count() == 0 && self.inner.checkpoint_lowers_need(&a)
+        };
+        if tight {
+            self.inner.request_checkpoint();
+        }
+        Ok(())
+    }
+
+    /// Takes snapshot `snapshot` of `volume`: a read-only volume named
+    /// `VOLUME@SNAPSHOT` that shares every mapping page (no data copied; the cost
+    /// grows with the number of mapped pages, not with the size). It holds every write
+    /// acknowledged before the call and none issued after the reply; writes in flight
+    /// on this volume are waited for. Durable on return.
+    ///
+    /// Errors: [`ErrorKind::NotFound`], [`ErrorKind::AlreadyExists`],
+    /// [`ErrorKind::InvalidArgument`] (name), [`ErrorKind::Failed`]/[`ErrorKind::Io`].
+    pub async fn create_snapshot(&self, volume: &str, snapshot: &str) -> Result<VolumeInfo> {
+        let full = format!("{volume}@{snapshot}");
+        let err = |e: Error| e.op("create snapshot").volume(&full);
+        validate_name(snapshot).map_err(err)?;
+        self.share_or_checkpoint(volume, &full, true).await.map_err(err)
+    }
+
+    /// Writes a checkpoint now (docs/on-disk-format.md 6.3): the log is emptied, and the
+    /// room held back for metadata is computed afresh from what the metadata takes.
+    /// The engine checkpoints by itself when the log fills, when an allocation or a
+    /// snapshot finds the room held back inflated by metadata changes since the last
+    /// checkpoint, and (in the background) after a delete in a pool too full to
+    /// allocate; this is for tools and tests.
+    ///
+    /// Errors: [`ErrorKind::Failed`] or [`ErrorKind::NoSpace`]: the pool failed
+    /// earlier, is closing, or failed in this checkpoint (see `Store::checkpoint_async`).
+    pub async fn checkpoint(&self) -> Result<()> {
+        self.inner.checkpoint_async().await.map_err(|e| e.op("checkpoint"))
+    }
+
+    /// [`Self::share`], making room for the metadata it adds when it finds none
+    /// ([`Store::make_room`]).
+    async fn share_or_checkpoint(&self, source: &str, target: &str, snapshot: bool) -> Result<VolumeInfo> {
+        let mut tries = Tries::default();
+        loop {
+            match self.share(source, target, snapshot).await? {
+                Ok(info) => return Ok(info),
+                Err(need) => {
+                    if !self.inner.make_room(need, &mut tries).await? {
+                        return Err(metadata_full());
+                    }
+                }
+            }
+        }
+    }
+
+    /// Creates writable volume `name` from `source` (`VOLUME@SNAPSHOT` or `VOLUME`),
+    /// sharing its pages; the clone has its own lifetime (deleting the source leaves it
+    /// intact). Durable on return.
+    ///
+    /// Errors: [`ErrorKind::NotFound`], [`ErrorKind::AlreadyExists`],
+    /// [`ErrorKind::InvalidArgument`] (name), [`ErrorKind::Failed`]/[`ErrorKind::Io`].
+    pub async fn clone_volume(&self, source: &str, name: &str) -> Result<VolumeInfo> {
+        let err = |e: Error| e.op("clone volume").volume(name);
+        validate_name(name).map_err(err)?;
+        self.share_or_checkpoint(source, name, false).await.map_err(err)
+    }
+
+    /// Shares `source` as `target`; `Ok(Err(need))` when the metadata it adds finds no
+    /// room (nothing changed).
+    async fn share(
+        &self,
+        source: &str,
+        target: &str,
+        snapshot: bool,
+    ) -> Result<std::result::Result<VolumeInfo, NeedRoom>> {
+        self.inner.check_writable()?;
+        let src = self
+            .inner
+            .volumes()
+            .read()
+            .get(source)
+            .cloned()
+            .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("no volume or snapshot '{source}'")))?;
+        if snapshot && src.snapshot {
+            return Err(Error::new(ErrorKind::InvalidArgument, "snapshots are taken of volumes, not of snapshots"));
+        }
+        // Wait for writes in flight on the source, and hold new ones back briefly.
+        let _quiet = src.gate.write().await;
+        {
+            let mut vols = self.inner.volumes().write();
+            if vols.contains_key(target) {
+                return Err(Error::new(ErrorKind::AlreadyExists, "a volume or snapshot of that name exists"));
+            }
+            if !snapshot {
+                check_no_orphan_snapshots(&vols, target)?;
+            }
+            if src.deleted.load(Ordering::SeqCst) {
+                return Err(Error::new(ErrorKind::NotFound, format!("'{source}' was deleted")));
+            }
+            let map = src.map.read();
+            // The new volume's record, and a reference to each page it shares.
+            let extra = room::volume_record_bytes(target.len()) + room::PAGE_REF_BYTES * map.pages().count() as u64;
+            let mut alloc = self.inner.alloc();
+            if !self.inner.has_room(&alloc, extra) {
+                return Ok(Err(NeedRoom { units: 0, extra }));
+            }
+            let id = self.inner.next_volume_id();
+            let created = now();
+            let size = src.size.load(Ordering::SeqCst);
+            let shared = map.share(&mut alloc);
+            alloc.counts.volumes += 1;
+            alloc.counts.name_bytes += target.len() as u64;
+            self.inner.after_growth(&alloc);
+            drop(alloc);
+            self.inner.log_record(&Record::Share {
+                source: src.id,
+                target: id,
+                size,
+                created,
+                snapshot,
+                name: target.to_owned(),
+            });
+            vols.insert(
+                target.to_owned(),
+                Arc::new(VolState::new(id, target.to_owned(), snapshot, created, size, shared)),
+            );
+        }
+        drop(_quiet);
+        self.inner.commit().await?;
+        tracing::info!(source, target, snapshot, "shared");
+        self.volume_info(target).map(Ok)
+    }
+
+    /// Snapshots, of `volume` or of all volumes, sorted by name.
+    pub fn list_snapshots(&self, volume: Option<&str>) -> Vec<VolumeInfo> {
+        let prefix = volume.map(|v| format!("{v}@"));
+        self.inner
+            .volumes()
+            .read()
+            .values()
+            .filter(|v| v.snapshot && prefix.as_ref().is_none_or(|p| v.name.starts_with(p.as_str())))
+            .map(|v| self.inner.info(v))
+            .collect()
+    }
+
+    /// Byte ranges `(offset, length)` whose content may differ between `a` and `b`
+    /// (volumes or snapshots, e.g. two snapshots of one volume, or a snapshot and the
+    /// live volume), found from the mappings alone: ranges where one side has written
+    /// blocks the other lacks, or both map different data units. Pages the two share
+    /// are skipped without a look. The ranges are sorted, disjoint, 4 KiB-aligned, and
+    /// cover up to the larger size.
+    ///
+    /// Errors: [`ErrorKind::NotFound`].
+    pub fn diff(&self, a: &str, b: &str) -> Result<Vec<(u64, u64)>> {
+        let get = |n: &str| {
+            self.inner
+                .volumes()
+                .read()
+                .get(n)
+                .cloned()
+                .ok_or_else(|| Error::new(ErrorKind::NotFound, "no such volume or snapshot").op("diff").volume(n))
+        };
+        let (va, vb) = (get(a)?, get(b)?);
+        let (ma, mb) = (va.map.read().clone(), vb.map.read().clone());
+        let bpu = self.inner.geo().blocks_per_unit();
+        let us = self.inner.geo().unit_size;
+        // Pages present on either side, in order.
+        let present: std::collections::BTreeSet<usize> = ma.pages().chain(mb.pages()).map(|(p, _)| p).collect();
+        let mut out: Vec<(u64, u64)> = Vec::new();
+        let mut push = |off: u64, len: u64| match out.last_mut() {
+            Some((o, l)) if *o + *l == off => *l += len,
+            _ => out.push((off, len)),
+        };
+        for p in present {
+            if let (Some(x), Some(y)) = (ma.page(p), mb.page(p)) {
+                if Arc::ptr_eq(x, y) {
+                    continue;
+                }
+            }
+            for i in 0..PAGE_ENTRIES as u64 {
+                let lunit = p as u64 * PAGE_ENTRIES as u64 + i;
+                let (ea, eb) = (ma.get(lunit), mb.get(lunit));
+                for blk in 0..bpu {
+                    let bit = 1u32 << blk;
+                    let wa = ea.is_mapped() && ea.bitmap & bit != 0;
+                    let wb = eb.is_mapped() && eb.bitmap & bit != 0;
+                    if wa != wb || (wa && ea.punit != eb.punit) {
+                        push(lunit * us + blk * BLOCK_SIZE, BLOCK_SIZE);
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Grows a volume to `size` bytes (a multiple of 4096). Durable on return. Requests
+    /// are checked against the new size at once, but an NBD client learns an export's
+    /// size only in its handshake: connected clients see the growth after reconnecting.
+    ///
+    /// Errors: [`ErrorKind::NotFound`], [`ErrorKind::InvalidArgument`] (shrink, bad size, or a snapshot).
+    pub async fn resize_volume(&self, name: &str, size: u64) -> Result<VolumeInfo> {
+        let err = |e: Error| e.op("resize volume").volume(name);
+        validate_size(size).map_err(err)?;
+        self.inner.check_writable().map_err(err)?;
+        {
+            let vols = self.inner.volumes().read();
+            let vs = match vols.get(name) {
+                Some(v) if v.snapshot => {
+                    return Err(err(Error::new(ErrorKind::InvalidArgument, "a snapshot cannot be resized")))
+                }
+                Some(v) => v,
+                None => return Err(err(Error::new(ErrorKind::NotFound, "no such volume"))),
+            };
+            // Held so that the resize record is logged in order with this volume's
+            // mapping records.
+            let _map = vs.map.write();
+            let old = vs.size.load(Ordering::SeqCst);
+            if size < old {
+                return Err(err(Error::new(
+                    ErrorKind::InvalidArgument,
+                    format!("shrinking from {old} to {size} bytes is not supported"),
+                )));
+            }
+            if size != old {
+                self.inner.log_record(&Record::VolumeResize { volume: vs.id, size });
+                vs.size.store(size, Ordering::SeqCst);
+            }
+        }
+        self.inner.commit().await.map_err(err)?;
+        self.volume_info(name)
+    }
+}

@@ -1,0 +1,153 @@
+//! The public handle of a pool: [`Pool`] and [`PoolOptions`]. Lives here: the handle,
+//! what it reports (volumes, status) and closing; by file, open.rs (creating, opening,
+//! formatting a device) and catalogue.rs (volumes, snapshots and clones: create,
+//! delete, resize, share, diff). Not here: the shared state and commits (`store`), the
+//! data path (`volume`), checking (`check`).
+
+mod catalogue;
+mod open;
+
+use std::sync::Arc;
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::info::{PoolStatus, Recovery, VolumeInfo};
+use crate::io::IoOptions;
+use crate::journal;
+use crate::store::Store;
+use crate::volume::Volume;
+
+pub(crate) use open::lock;
+
+/// Default pool size for a newly created pool file: 64 GiB (sparse).
+pub const DEFAULT_POOL_SIZE: u64 = 64 << 30;
+/// Default data-unit size: 64 KiB.
+pub const DEFAULT_UNIT_SIZE: u32 = 64 * 1024;
+/// How to create and open a pool.
+#[derive(Debug, Clone)]
+pub struct PoolOptions {
+    /// Size in bytes for a new pool file (ignored for block devices, whose size is used).
+    pub size: u64,
+    /// Data-unit (allocation-unit) size in bytes: a power of two from 16 KiB to 128 KiB.
+    pub unit_size: u32,
+    /// How the pool's io_uring is set up (not stored in the pool).
+    pub io: IoOptions,
+    /// Open the pool from its one valid superblock slot even when the other slot is
+    /// damaged and may have held the newer generation, accepting the loss of whatever
+    /// was committed after the valid one (on-disk-format.md 7.1). Off by default: such
+    /// a pool is refused with [`ErrorKind::Corrupt`].
+    pub accept_superblock_rollback: bool,
+    /// Open the pool even if a log batch is damaged with a later commit intact behind
+    /// it, replaying the log up to the damaged batch and dropping the commits from it
+    /// on (on-disk-format.md 4.5). Off by default: such a pool is refused with
+    /// [`ErrorKind::Corrupt`].
+    pub accept_log_loss: bool,
+    /// Allocate every block of a pool file on the host file system (`fallocate`) at
+    /// create and at open, so that no write to the pool ever needs room from the host:
+    /// a thin pool on a thick file. Ignored for block devices, which need none.
+    pub preallocate: bool,
+}
+
+impl PoolOptions {
+    fn accept(&self) -> journal::Accept {
+        journal::Accept { superblock_rollback: self.accept_superblock_rollback, log_loss: self.accept_log_loss }
+    }
+}
+
+impl Default for PoolOptions {
+    fn default() -> Self {
+        PoolOptions {
+            size: DEFAULT_POOL_SIZE,
+            unit_size: DEFAULT_UNIT_SIZE,
+            io: IoOptions::default(),
+            accept_superblock_rollback: false,
+            accept_log_loss: false,
+            preallocate: false,
+        }
+    }
+}
+
+/// A pool of thin volumes on one file or block device. Cheap to clone.
+#[derive(Clone)]
+pub struct Pool {
+    inner: Arc<Store>,
+}
+
+impl Pool {
+    /// A handle for I/O on the volume `name`.
+    ///
+    /// Errors: [`ErrorKind::NotFound`].
+    pub fn volume(&self, name: &str) -> Result<Volume> {
+        let vols = self.inner.volumes().read();
+        let vs = vols.get(name).ok_or_else(|| Error::new(ErrorKind::NotFound, "no such volume").volume(name))?;
+        Ok(Volume::new(self.inner.clone(), vs.clone()))
+    }
+
+    /// Information on one volume.
+    ///
+    /// Errors: [`ErrorKind::NotFound`].
+    pub fn volume_info(&self, name: &str) -> Result<VolumeInfo> {
+        let vols = self.inner.volumes().read();
+        let vs = vols
+            .get(name)
+            .ok_or_else(|| Error::new(ErrorKind::NotFound, "no such volume").op("volume info").volume(name))?;
+        Ok(self.inner.info(vs))
+    }
+
+    /// Names of every volume and snapshot (`VOL@SNAP`), sorted. Cheap: unlike
+    /// [`Pool::list_volumes`] it computes no space accounting.
+    pub fn names(&self) -> Vec<String> {
+        self.inner.volumes().read().keys().cloned().collect()
+    }
+
+    /// All volumes (not snapshots), sorted by name.
+    pub fn list_volumes(&self) -> Vec<VolumeInfo> {
+        self.inner.volumes().read().values().filter(|v| !v.snapshot).map(|v| self.inner.info(v)).collect()
+    }
+
+    /// Space accounting of the pool.
+    pub fn status(&self) -> PoolStatus {
+        // The registry before the allocator, never while holding it: deletes and
+        // snapshots take the allocator while holding the registry.
+        let volumes = self.inner.volumes().read().len() as u64;
+        let a = self.inner.alloc();
+        let us = self.inner.geo().unit_size;
+        let unit_count = a.unit_count();
+        PoolStatus {
+            uuid: uuid::Uuid::from_bytes(self.inner.geo().uuid).to_string(),
+            path: self.inner.path().to_owned(),
+            capacity: unit_count * us,
+            used: a.used * us,
+            metadata: a.meta * us,
+            free: (unit_count - a.used - a.meta) * us,
+            freeing: a.pending_free.len() as u64 * us,
+            reserved: (a.spare.len() as u64).max(self.inner.spare_needed(&a, 0)).min(unit_count - a.used - a.meta) * us,
+            unit_size: us as u32,
+            volumes,
+            direct_io: self.inner.direct(),
+            failed: self.inner.is_failed(),
+        }
+    }
+
+    /// Makes every write completed before the call durable (group commit across volumes).
+    ///
+    /// Errors: [`ErrorKind::Failed`] if the pool failed (now or earlier).
+    pub async fn flush(&self) -> Result<()> {
+        self.inner.commit().await
+    }
+
+    /// What the open of this pool read: log batches replayed and bytes read.
+    pub fn recovery(&self) -> Recovery {
+        self.inner.recovery()
+    }
+
+    /// Stops the committer and writes a checkpoint; the pool then opens without replay.
+    /// Writes, trims and flushes through outstanding [`Volume`] handles fail afterwards
+    /// (reads still work); the pool file stays open until the last handle is dropped.
+    ///
+    /// Errors: [`ErrorKind::Failed`] if the pool had failed (no checkpoint is written);
+    /// [`ErrorKind::Io`] if the final checkpoint cannot be written (the pool is then
+    /// marked failed; the log still holds every committed change).
+    pub fn close(self) -> Result<()> {
+        self.inner.close()
+    }
+}

@@ -1,0 +1,363 @@
+//! Creating and opening a pool: [`Pool::create`], [`Pool::open`] and the variants that
+//! create a missing file or format a device, the advisory lock on the pool file, and
+//! the open a repair makes. Not here: what a loaded pool is (`journal`), its state
+//! (`store`).
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::path::Path;
+use std::sync::Arc;
+
+use zerocopy::IntoBytes;
+
+use super::{Pool, PoolOptions};
+use crate::check::{read_at_file, rebuild_refcounts, volume_problems, RefcountRepair};
+use crate::error::{Error, ErrorKind, Result};
+use crate::format::*;
+use crate::info::Recovery;
+use crate::io::{self, AlignedBuf, IoOptions, IoRing};
+use crate::journal::{self, State};
+use crate::store::{sync, write_blocks, LogState, Parts, Store, VolState};
+
+/// Locks the pool file, retrying for up to 3 s: after a process is killed with I/O in
+/// flight, the kernel releases its files (and their locks) a little after it is reaped.
+pub(crate) fn lock(file: &File, exclusive: bool, path: &Path) -> Result<()> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(3);
+    loop {
+        match io::lock_file(file, exclusive) {
+            Ok(()) => return Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if std::time::Instant::now() >= deadline {
+                    return Err(Error::new(
+                        ErrorKind::InUse,
+                        format!("{} is in use by another process (a running server?)", path.display()),
+                    ));
+                }
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            Err(e) => return Err(Error::io(format!("lock {}", path.display()), e)),
+        }
+    }
+}
+
+/// Where [`Pool::create`] formats a new pool file before moving it to `path`.
+fn creating_path(path: &Path) -> std::path::PathBuf {
+    let mut name = path.file_name().unwrap_or_default().to_owned();
+    name.push(".creating");
+    path.with_file_name(name)
+}
+
+/// `fsync` of the directory holding `path`, so that a rename into it is durable.
+fn sync_parent_dir(path: &Path) -> std::io::Result<()> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    File::open(dir)?.sync_all()
+}
+
+impl Pool {
+    /// Opens the pool at `path`, or creates it with `opts` if the file does not exist.
+    ///
+    /// Errors: see [`Pool::open`] and [`Pool::create`].
+    pub fn open_or_create(path: &Path, opts: &PoolOptions) -> Result<Pool> {
+        if path.exists() {
+            Pool::open_inner(path, &opts.io, opts.accept(), opts.preallocate, None)
+        } else {
+            Pool::create(path, opts)
+        }
+    }
+
+    /// Opens the pool on block device `path`, or, if neither superblock slot carries
+    /// the pool magic, formats the whole device as a new pool (destroying what it
+    /// held). A device with a damaged ferrovol superblock is refused, never formatted.
+    ///
+    /// Errors: as [`Pool::open`] and [`Pool::create`].
+    pub fn open_or_format_device(path: &Path, opts: &PoolOptions) -> Result<Pool> {
+        match Pool::open_inner(path, &opts.io, opts.accept(), opts.preallocate, None) {
+            Err(e)
+                if e.kind() == ErrorKind::Corrupt
+                    && e.message().matches("superblock magic is missing").count() == 2 =>
+            {
+                tracing::warn!(path = %path.display(), "no ferrovol pool on the device; formatting it");
+                Pool::create(path, opts)
+            }
+            r => r,
+        }
+    }
+
+    /// Creates a pool: a new sparse file of `opts.size` bytes, or an existing block
+    /// device (its whole size). Refuses to overwrite an existing regular file. A new
+    /// file is formatted as `<path>.creating` and renamed to `path` once durable, so an
+    /// interrupted create leaves no file at `path`.
+    ///
+    /// Errors: [`ErrorKind::AlreadyExists`] for an existing file,
+    /// [`ErrorKind::InvalidArgument`] for a bad unit size or a pool too small,
+    /// [`ErrorKind::Io`].
+    pub fn create(path: &Path, opts: &PoolOptions) -> Result<Pool> {
+        let unit = opts.unit_size;
+        if !unit.is_power_of_two() || !(MIN_UNIT_SIZE..=MAX_UNIT_SIZE).contains(&unit) {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                format!("unit size {unit} must be a power of two from 16 KiB to 128 KiB"),
+            ));
+        }
+        let is_dev = std::fs::metadata(path).map(|m| {
+            use std::os::unix::fs::FileTypeExt;
+            m.file_type().is_block_device()
+        });
+        let is_dev = match is_dev {
+            Ok(true) => true,
+            Ok(false) => {
+                return Err(Error::new(
+                    ErrorKind::AlreadyExists,
+                    format!("{} exists; refusing to overwrite it", path.display()),
+                ))
+            }
+            Err(_) => false,
+        };
+        // A new file is formatted under a temporary name beside `path` and moved into
+        // place only once both superblocks are durable: a crash or kill during creation
+        // never leaves a file at `path` that is not a pool (which every later start would
+        // call corrupt). A leftover of such a crash is reused; its lock keeps two
+        // creators apart.
+        let creating = (!is_dev).then(|| creating_path(path));
+        let target = creating.as_deref().unwrap_or(path);
+        let (file, _direct) =
+            io::open_pool_file(target, !is_dev).map_err(|e| Error::io(format!("create {}", target.display()), e))?;
+        lock(&file, true, target)?;
+        let remove_creating = || {
+            if let Some(c) = &creating {
+                let _ = std::fs::remove_file(c);
+            }
+        };
+        let discard = |e: Error| {
+            remove_creating();
+            e
+        };
+        if !is_dev {
+            file.set_len(0).map_err(|e| discard(Error::io("truncate a leftover pool file", e)))?;
+        }
+        let size = if is_dev { io::device_size(&file).map_err(|e| Error::io("size of device", e))? } else { opts.size };
+        let log_size = (size / 64).clamp(4 * MAX_BATCH_BYTES as u64, 64 << 20) / BLOCK_SIZE * BLOCK_SIZE;
+        let unit = u64::from(unit);
+        let data_offset = (LOG_OFFSET + log_size).div_ceil(unit) * unit;
+        let unit_count = size.saturating_sub(data_offset) / unit;
+        if unit_count < 64 || unit_count >= u64::from(u32::MAX) {
+            remove_creating();
+            // The bounds in bytes, for this unit size (the log's size grows with the pool's).
+            let offset_for = |log: u64| (LOG_OFFSET + log).div_ceil(unit) * unit;
+            let message = if unit_count < 64 {
+                let min = offset_for(4 * MAX_BATCH_BYTES as u64) + 64 * unit;
+                format!(
+                    "pool size {size} bytes is too small: with {unit}-byte data units a pool needs at least \
+                     {min} bytes (its superblocks, log and 64 data units)"
+                )
+            } else {
+                let max = offset_for(64 << 20) + (u64::from(u32::MAX) - 1) * unit;
+                format!(
+                    "pool size {size} bytes is too large: with {unit}-byte data units a pool holds at most \
+                     2^32-2 units ({max} bytes); choose a larger unit size"
+                )
+            };
+            return Err(Error::new(ErrorKind::InvalidArgument, message));
+        }
+        if !is_dev {
+            // Checked above: a size past the unit count's bound never reaches the file
+            // system (which says only "out of range").
+            file.set_len(size).map_err(|e| discard(Error::io("size pool file", e)))?;
+        }
+        let mut sb = Superblock {
+            magic: SUPERBLOCK_MAGIC,
+            version: FORMAT_VERSION.into(),
+            header_size: (size_of::<Superblock>() as u32).into(),
+            pool_uuid: *uuid::Uuid::new_v4().as_bytes(),
+            pool_size: size.into(),
+            unit_size: (unit as u32).into(),
+            block_size: (BLOCK_SIZE as u32).into(),
+            log_offset: LOG_OFFSET.into(),
+            log_size: log_size.into(),
+            data_offset: data_offset.into(),
+            unit_count: unit_count.into(),
+            generation: 0.into(),
+            checkpoint_unit: NO_UNIT.into(),
+            checkpoint_chunks: 0.into(),
+            checkpoint_seq: 0.into(),
+            log_head: 0.into(),
+            features: 0.into(),
+            reserved: [0; 120],
+            crc: 0.into(),
+            pad: 0.into(),
+        };
+        let file = Arc::new(file);
+        let ring = IoRing::new(file.clone(), 256, &IoOptions::default())
+            .map_err(|e| discard(Error::io("set up io_uring", e)))?;
+        // Zero the log, so that no stale batch of a former pool can look current and
+        // the host file system holds blocks for all of it (a log write never needs room
+        // there), then write both superblock slots (generations 0 and 1).
+        let formatted = (|| {
+            if opts.preallocate && !is_dev {
+                io::allocate(&file, 0, size).map_err(|e| Error::io("preallocate the pool file", e))?;
+            }
+            let zeros = AlignedBuf::zeroed(1 << 20);
+            let mut at = LOG_OFFSET;
+            while at < LOG_OFFSET + log_size {
+                let len = (LOG_OFFSET + log_size - at).min(1 << 20);
+                write_blocks(&ring, at, &zeros.full()[..len as usize])?;
+                at += len;
+            }
+            for g in 0..2u64 {
+                sb.generation = g.into();
+                sb.crc = sb.compute_crc().into();
+                write_blocks(&ring, SUPERBLOCK_OFFSETS[(g % 2) as usize], sb.as_bytes())?;
+            }
+            sync(&ring)
+        })();
+        drop(ring);
+        formatted.map_err(discard)?;
+        if let Some(c) = &creating {
+            // Only this creator holds the lock on `c`, and `path` did not exist above.
+            if path.exists() {
+                return Err(discard(Error::new(
+                    ErrorKind::AlreadyExists,
+                    format!("{} appeared while the pool was created; refusing to overwrite it", path.display()),
+                )));
+            }
+            std::fs::rename(c, path).map_err(|e| discard(Error::io(format!("create {}", path.display()), e)))?;
+            sync_parent_dir(path).map_err(|e| Error::io(format!("sync the directory of {}", path.display()), e))?;
+        }
+        drop(file); // releases the lock for open()
+        tracing::info!(path = %path.display(), size, unit_size = unit, "created pool");
+        Pool::open_inner(path, &opts.io, journal::Accept::default(), opts.preallocate, None)
+    }
+
+    /// Opens an existing pool: reads the superblock and checkpoint, replays the log.
+    /// Nothing is written before all of it validated.
+    ///
+    /// Errors: [`ErrorKind::Corrupt`] naming what is wrong (not a pool, checksum
+    /// mismatch with its location, unsupported version, inconsistent refcounts, one
+    /// superblock slot damaged when it may have held the newer generation: see
+    /// [`PoolOptions::accept_superblock_rollback`]; a damaged log batch with a later
+    /// commit behind it: see [`PoolOptions::accept_log_loss`]); [`ErrorKind::Io`].
+    pub fn open(path: &Path) -> Result<Pool> {
+        Pool::open_with(path, &IoOptions::default())
+    }
+
+    /// [`Pool::open`] with its io_uring set up as `io` says.
+    ///
+    /// Errors: as [`Pool::open`].
+    pub fn open_with(path: &Path, io: &IoOptions) -> Result<Pool> {
+        Pool::open_inner(path, io, journal::Accept::default(), false, None)
+    }
+
+    /// Opens the pool; with `repair`, rebuilds its refcounts from its mappings first
+    /// (instead of refusing a pool whose refcounts disagree with them) and lists each
+    /// change there: [`repair`].
+    pub(crate) fn open_inner(
+        path: &Path,
+        io: &IoOptions,
+        accept: journal::Accept,
+        preallocate: bool,
+        repair: Option<&mut Vec<RefcountRepair>>,
+    ) -> Result<Pool> {
+        let (file, direct) =
+            io::open_pool_file(path, false).map_err(|e| Error::io(format!("open {}", path.display()), e))?;
+        lock(&file, true, path)?;
+        let size = io::device_size(&file).map_err(|e| Error::io("size of pool", e))?;
+        let is_dev = {
+            use std::os::unix::fs::FileTypeExt;
+            file.metadata().map_err(|e| Error::io("stat pool", e))?.file_type().is_block_device()
+        };
+        let mut bytes_read = 0u64;
+        let loaded = {
+            let plain = File::open(path).map_err(|e| Error::io(format!("open {}", path.display()), e))?;
+            let mut read_file = read_at_file(&plain);
+            let mut read = |off: u64, len: usize| {
+                bytes_read += len as u64;
+                read_file(off, len)
+            };
+            journal::load(&mut read, size, accept).map_err(|e| e.op("open pool"))?
+        };
+        for w in loaded.superblock_warning.iter().chain(loaded.log_warning.iter()) {
+            tracing::warn!(path = %path.display(), "{w}");
+        }
+        let mut loaded = loaded;
+        let damaged = volume_problems(&loaded.state, loaded.geo.blocks_per_unit());
+        if let Some(first) = damaged.first() {
+            let what = if repair.is_some() {
+                "; the mappings themselves are damaged, and a repair rebuilds only what derives from them: \
+                 restore the pool from a copy"
+            } else {
+                "; run `ferrovol check`"
+            };
+            return Err(Error::corrupt(format!(
+                "{first} ({} problem(s) in the volumes' records){what}",
+                damaged.len()
+            ))
+            .op("open pool"));
+        }
+        if let Some(changes) = repair {
+            *changes = rebuild_refcounts(&mut loaded.state, &loaded.checkpoint_units)?;
+        } else if let Some((u, stored, derived)) = loaded.refcount_mismatches.first() {
+            return Err(Error::corrupt(format!(
+                "checkpoint refcount of data unit {u} is {stored} but {derived} mapping pages reference it ({} mismatches); \
+                 stop the server and run `ferrovol check --repair`, which rebuilds the refcounts from the mappings",
+                loaded.refcount_mismatches.len()
+            )));
+        }
+        if !direct {
+            tracing::warn!(path = %path.display(), "file system refuses O_DIRECT; using buffered I/O");
+        }
+        if preallocate && !is_dev {
+            io::allocate(&file, 0, size).map_err(|e| Error::io("preallocate the pool file", e).op("open pool"))?;
+        }
+        let file = Arc::new(file);
+        let ring = IoRing::new(file.clone(), 256, io).map_err(|e| Error::io("set up io_uring", e))?;
+        let journal::Loaded { sb, geo, state, log, checkpoint_units, batches, highest_seq, .. } = loaded;
+        let upgrade = sb.version.get() < FORMAT_VERSION;
+        let State { volumes, next_volume, mut alloc, .. } = state;
+        debug_assert_eq!(
+            alloc.counts,
+            crate::meta::MetaCounts::of(volumes.values().map(|v| (&v.map, v.name.len()))),
+            "metadata counts kept through replay"
+        );
+        alloc.checkpoint_units = checkpoint_units.len() as u64;
+        let vols = volumes
+            .into_iter()
+            .map(|(id, v)| {
+                let vs = VolState::new(id, v.name.clone(), v.snapshot, v.created, v.size, v.map);
+                (v.name, Arc::new(vs))
+            })
+            .collect::<BTreeMap<_, _>>();
+        tracing::info!(path = %path.display(), volumes = vols.len(), batches, bytes_read, direct, "opened pool");
+        let inner = Store::assemble(Parts {
+            path: path.to_owned(),
+            file,
+            backed_all: is_dev || preallocate,
+            ring,
+            direct,
+            geo,
+            volumes: vols,
+            next_volume,
+            alloc,
+            recovery: Recovery { batches_replayed: batches, bytes_read },
+            log: LogState { cursor: log, sb, checkpoint_units },
+        });
+        // Checkpoint at once, moving the log's sequence numbers past any batch that a
+        // crash may have left beyond the end of the replayed log (a batch written while
+        // an earlier one of the same commit was torn), and past every valid batch in
+        // the log region (after a rollback, those of the generation it dropped).
+        // Replay then never reaches one.
+        let jump = (inner.geo().log_size / BLOCK_SIZE + 1).max(highest_seq - log.seq + 1);
+        // The spare first: the checkpoint takes its units from it (room.rs).
+        inner.prepare_at_open().map_err(|e| e.op("open pool"))?;
+        inner.checkpoint(jump).map_err(|e| e.op("open pool"))?;
+        if upgrade {
+            // The checkpoint wrote one slot in this build's format; write the other
+            // too, so that no slot is left that an older build could open from.
+            inner.rewrite_superblock().map_err(|e| e.op("open pool"))?;
+        }
+        inner.start_committer()?;
+        Ok(Pool { inner })
+    }
+}

@@ -1,0 +1,270 @@
+//! Checkpoints (docs/on-disk-format.md 6.3): the metadata written whole into units of
+//! the spare, then the superblock switched to it; and the block writes checkpoints, the
+//! log and pool creation use. Not here: when to checkpoint (commit.rs), the room for
+//! one (room.rs).
+
+use std::sync::atomic::Ordering;
+
+use tokio::sync::oneshot;
+use zerocopy::IntoBytes;
+
+use super::{worker_gone, LogState, Store};
+use crate::error::{Error, ErrorKind, Result};
+use crate::format::*;
+use crate::io::{self, AlignedBuf, Dir, IoRing, Segment};
+use crate::journal::{self, State, VolumeMeta};
+use crate::meta::Allocator;
+
+impl Store {
+    /// Writes a checkpoint (see the module docs) whose sequence number is `seq_jump`
+    /// past the last log batch (at least 1 past it).
+    /// A failure fails the pool before the log lock is released.
+    pub(crate) fn checkpoint(&self, seq_jump: u64) -> Result<()> {
+        // Held throughout: no commit cycle takes records or moves the log meanwhile.
+        self.with_log_locked(|log| self.checkpoint_locked(log, seq_jump))
+    }
+
+    /// Writes the current superblock again into the other slot, one generation on: both
+    /// slots then name the same checkpoint. Used when an open upgrades the format
+    /// version. A failure fails the pool before the log lock is released.
+    pub(crate) fn rewrite_superblock(&self) -> Result<()> {
+        self.with_log_locked(|log| self.switch_superblock(log, log.sb.clone()))
+    }
+
+    /// Makes `sb` the current superblock: numbers it one generation past the current
+    /// one, writes it into that generation's slot and syncs it. Call with the log
+    /// locked (`log`).
+    fn switch_superblock(&self, log: &mut LogState, mut sb: Superblock) -> Result<()> {
+        sb.generation = (log.sb.generation.get() + 1).into();
+        sb.crc = sb.compute_crc().into();
+        write_blocks(&self.ring, SUPERBLOCK_OFFSETS[(sb.generation.get() % 2) as usize], sb.as_bytes())?;
+        self.sync_data_blocking()?;
+        log.sb = sb;
+        Ok(())
+    }
+
+    /// [`Self::checkpoint`] with the log lock held by the caller.
+    pub(super) fn checkpoint_locked(&self, log: &mut LogState, seq_jump: u64) -> Result<()> {
+        // 1. A consistent snapshot: all volume maps, the allocator and the journal.
+        let (snapshot, pending, upto, mut reserved) = {
+            let vols = self.volumes.read();
+            let maps: Vec<_> = vols.values().map(|v| (v.clone(), v.map.read())).collect();
+            let mut alloc = self.alloc.lock();
+            // The units this checkpoint takes at most, from the spare (room.rs): they
+            // are backed, and the rule that sizes the spare guarantees them.
+            let bound = journal::checkpoint_units_bound(
+                journal::checkpoint_bytes_bound(&alloc.counts, alloc.used),
+                self.geo.unit_size,
+            );
+            let reserved: std::collections::VecDeque<u32> = (0..bound).map_while(|_| alloc.alloc_meta()).collect();
+            if (reserved.len() as u64) < bound {
+                tracing::error!(
+                    bound,
+                    spare = reserved.len(),
+                    "the spare holds fewer units than a checkpoint may take"
+                );
+            }
+            alloc.checkpoint_units = bound;
+            let mut j = self.journal.lock();
+            j.bytes.clear(); // captured by the snapshot itself
+            let volumes = maps
+                .iter()
+                .map(|(v, m)| {
+                    let meta = VolumeMeta {
+                        name: v.name.clone(),
+                        snapshot: v.snapshot,
+                        size: v.size.load(Ordering::SeqCst),
+                        created: v.created,
+                        map: (**m).clone(),
+                    };
+                    (v.id, meta)
+                })
+                .collect();
+            // Its tables are resident only where units are in use, like the live ones.
+            let mut copy = Allocator::new(alloc.unit_count() as usize);
+            for (u, r) in alloc.nonzero_refcounts() {
+                // Checkpoint units and copy-on-write targets not yet mapped are free in it.
+                if r != crate::meta::META && !alloc.cow_inflight.contains(&u) {
+                    copy.set_loaded(u, r);
+                }
+            }
+            let st = State { volumes, next_volume: self.next_volume(), alloc: copy, unit_size: self.geo.unit_size };
+            (st, alloc.pending_mark(), self.records_logged.load(Ordering::SeqCst), reserved)
+        };
+        self.writes_since_sync.store(0, Ordering::SeqCst);
+        // 2. Encode and write the chunks one at a time, each into a freshly allocated
+        //    unit (the unit of the next chunk is taken before a chunk is written, since
+        //    its header names it), with at most CHUNKS_IN_FLIGHT writes outstanding:
+        //    memory stays a few chunks whatever the size of the checkpoint.
+        const CHUNKS_IN_FLIGHT: usize = 8;
+        let payload = self.geo.unit_size as usize - size_of::<ChunkHeader>();
+        let mut alloc_meta = || match reserved.pop_front() {
+            Some(u) => Ok(u),
+            None => {
+                // Past the bound: an engine bug, which the tests are to catch.
+                debug_assert!(false, "a checkpoint took more units than its bound");
+                let mut a = self.alloc.lock();
+                a.alloc_meta()
+                    .or_else(|| a.alloc_meta_from_free())
+                    .ok_or_else(|| Error::new(ErrorKind::NoSpace, "no free unit for the checkpoint").op("checkpoint"))
+            }
+        };
+        // At least one past the last batch: the log that follows this checkpoint never
+        // continues the sequence of the one before it, so a replay from the previous
+        // checkpoint (a rollback to the older superblock slot) stops where this one was
+        // taken, instead of going on into batches written after it without the records
+        // it absorbed (on-disk-format.md 4.3).
+        let seq = log.cursor.seq + seq_jump.max(1);
+        let mut units: Vec<u32> = Vec::new();
+        let mut inflight = std::collections::VecDeque::new();
+        let wait = |rx: oneshot::Receiver<io::RwResult>| match rx.blocking_recv() {
+            Ok((_, Ok(()))) => Ok(()),
+            Ok((_, Err(e))) => Err(Error::io("write checkpoint", e)),
+            Err(_) => Err(worker_gone()),
+        };
+        let mut emit = |body: &[u8], last: bool| -> Result<()> {
+            if units.is_empty() {
+                units.push(alloc_meta()?);
+            }
+            let next = if last { NO_UNIT } else { u64::from(alloc_meta()?) };
+            let index = units.len() as u64 - 1;
+            let h = ChunkHeader {
+                magic: CHECKPOINT_MAGIC.into(),
+                crc: 0.into(),
+                checkpoint_seq: seq.into(),
+                index: index.into(),
+                next_unit: next.into(),
+                payload_len: (body.len() as u32).into(),
+                pad: 0.into(),
+                pool_uuid: self.geo.uuid,
+                reserved: 0.into(),
+            };
+            let crc = crc32c::crc32c_append(crc(h.as_bytes()), body);
+            let h = ChunkHeader { crc: crc.into(), ..h };
+            let unit = units[index as usize];
+            if next != NO_UNIT {
+                units.push(next as u32);
+            }
+            if inflight.len() == CHUNKS_IN_FLIGHT {
+                wait(inflight.pop_front().expect("a write in flight"))?;
+            }
+            inflight.push_back(write_blocks_async(
+                &self.ring,
+                self.geo.unit_offset(u64::from(unit)),
+                &[h.as_bytes(), body],
+                false,
+            ));
+            Ok(())
+        };
+        let encoded = snapshot.encode_checkpoint(payload, &mut emit);
+        drop(snapshot);
+        let result = inflight.into_iter().fold(encoded.map(|_| ()), |r, rx| r.and(wait(rx)));
+        let result = result.and_then(|()| self.sync_data_blocking());
+        {
+            // What the bound held beyond what the checkpoint took goes back to the spare.
+            let mut a = self.alloc.lock();
+            for u in reserved.drain(..) {
+                a.retire_meta(u);
+            }
+            a.checkpoint_units = units.len() as u64;
+            if result.is_err() {
+                for &u in &units {
+                    a.retire_meta(u);
+                }
+                a.checkpoint_units = log.checkpoint_units.len() as u64;
+            }
+        }
+        result?;
+        // 3. The sync above made the data and the chunks durable; switch superblocks.
+        let mut sb = log.sb.clone();
+        sb.version = FORMAT_VERSION.into();
+        sb.checkpoint_unit = u64::from(units[0]).into();
+        sb.checkpoint_chunks = (units.len() as u64).into();
+        sb.checkpoint_seq = seq.into();
+        sb.log_head = log.cursor.pos.into();
+        self.switch_superblock(log, sb)?;
+        // 4. The old checkpoint's units and the snapshot's frees are now free.
+        // Still under the log lock: pending marks stay valid only while takes and
+        // releases of them are serialised.
+        let old = std::mem::replace(&mut log.checkpoint_units, units);
+        log.cursor.head = log.cursor.pos;
+        log.cursor.seq = seq;
+        let mut a = self.alloc.lock();
+        for u in old {
+            a.retire_meta(u);
+        }
+        self.trim_spare(&mut a);
+        a.release_pending(pending, &self.pins);
+        drop(a);
+        self.records_durable.fetch_max(upto, Ordering::SeqCst);
+        Ok(())
+    }
+}
+
+/// Synchronous write of `data` (padded to whole blocks) at byte `offset` through the ring.
+pub(crate) fn write_blocks(ring: &IoRing, offset: u64, data: &[u8]) -> Result<()> {
+    let (_, r) = write_blocks_async(ring, offset, &[data], false).blocking_recv().map_err(|_| worker_gone())?;
+    r.map_err(|e| Error::io(format!("write at byte {offset}"), e))
+}
+
+/// Writes `parts` back to back (padded with zeros to whole blocks) at byte `offset`
+/// through the ring: a checkpoint chunk is its header then its payload.
+pub(super) fn write_blocks_async(
+    ring: &IoRing,
+    offset: u64,
+    parts: &[&[u8]],
+    dsync: bool,
+) -> oneshot::Receiver<io::RwResult> {
+    let mut buf = AlignedBuf::zeroed(parts.iter().map(|p| p.len()).sum());
+    let mut at = 0;
+    for p in parts {
+        buf.full_mut()[at..at + p.len()].copy_from_slice(p);
+        at += p.len();
+    }
+    // The data rounded up to whole blocks; never the buffer's capacity, which may be
+    // larger (a power of two) and would write zeros over what follows.
+    let len = at.div_ceil(io::ALIGN) * io::ALIGN;
+    ring.rw(Dir::Write { dsync }, buf, vec![Segment { file_offset: offset, buf_offset: 0, len }])
+}
+
+pub(crate) fn sync(ring: &IoRing) -> Result<()> {
+    ring.fdatasync().blocking_recv().map_err(|_| worker_gone())?.map_err(|e| Error::io("fdatasync pool", e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::io::IoOptions;
+    use std::sync::Arc;
+
+    #[test]
+    fn block_writes_cover_their_data_and_nothing_after() {
+        // I/O buffers have power-of-two capacities; a write of 3 blocks (a log batch,
+        // say) must still write 3 blocks, not 4, or it zeroes what follows it in the
+        // log or the first data unit.
+        let dir = tempfile::tempdir().unwrap();
+        let (f, _) = io::open_pool_file(&dir.path().join("f"), true).unwrap();
+        let f = Arc::new(f);
+        let ring = IoRing::new(f.clone(), 8, &IoOptions::default()).unwrap();
+        let bs = io::ALIGN;
+        let all = || vec![Segment { file_offset: 0, buf_offset: 0, len: 8 * bs }];
+        for (blocks, tail) in [(3usize, 0usize), (2, 100), (5, 0)] {
+            // Eight blocks of 0xee, then the write into blocks 1.. of them.
+            let mut fill = AlignedBuf::zeroed(8 * bs);
+            fill.full_mut().fill(0xee);
+            ring.rw(Dir::Write { dsync: false }, fill, all()).blocking_recv().unwrap().1.unwrap();
+            let data = vec![0x11; blocks * bs - tail];
+            write_blocks(&ring, bs as u64, &data).unwrap();
+            let (back, r) = ring.rw(Dir::Read, AlignedBuf::zeroed(8 * bs), all()).blocking_recv().unwrap();
+            r.unwrap();
+            let b = back.full();
+            assert!(b[..bs].iter().all(|&x| x == 0xee), "block before the write changed");
+            assert!(b[bs..bs + data.len()].iter().all(|&x| x == 0x11));
+            assert!(b[bs + data.len()..(1 + blocks) * bs].iter().all(|&x| x == 0), "padding is not zero");
+            assert!(
+                b[(1 + blocks) * bs..].iter().all(|&x| x == 0xee),
+                "a {blocks}-block write changed the blocks after it"
+            );
+        }
+    }
+}
