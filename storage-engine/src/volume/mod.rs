@@ -21,13 +21,20 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+mod cow;
+mod locks;
+mod plan;
+
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::BLOCK_SIZE;
-use crate::io::{AlignedBuf, Dir, Segment};
+use crate::io::{AlignedBuf, Dir};
 use crate::journal::Record;
 use crate::meta::{Entry, MapTable};
 use crate::store::room::{self, NeedRoom, Tries};
 use crate::store::{worker_gone, Store, VolState};
+use cow::UnitWrite;
+use locks::{Exclusive, Pins, StripeGuard};
+use plan::{mask, ReadPlan, WritePlan};
 
 /// Largest request the data path accepts in one call, in bytes (32 MiB).
 pub const MAX_IO_BYTES: u64 = 32 << 20;
@@ -58,48 +65,6 @@ pub struct Volume {
     vol: Arc<VolState>,
 }
 
-/// Unpins data units when dropped.
-struct Pins<'a> {
-    pool: &'a Store,
-    units: Vec<u32>,
-}
-
-impl Pins<'_> {
-    fn add(&mut self, u: u32) {
-        if self.units.last() != Some(&u) {
-            self.pool.pins().add(u);
-            self.units.push(u);
-        }
-    }
-}
-
-impl Drop for Pins<'_> {
-    fn drop(&mut self) {
-        for &u in &self.units {
-            self.pool.pins().sub(u);
-        }
-    }
-}
-
-fn push_segment(segs: &mut Vec<Segment>, file_offset: u64, buf_offset: usize, len: usize) {
-    if let Some(last) = segs.last_mut() {
-        if last.file_offset + last.len as u64 == file_offset && last.buf_offset + last.len == buf_offset {
-            last.len += len;
-            return;
-        }
-    }
-    segs.push(Segment { file_offset, buf_offset, len });
-}
-
-/// Merges adjacent segments (ascending offsets in both the file and the buffer).
-fn merge(segs: impl Iterator<Item = Segment>) -> Vec<Segment> {
-    let mut out = Vec::new();
-    for s in segs {
-        push_segment(&mut out, s.file_offset, s.buf_offset, s.len);
-    }
-    out
-}
-
 fn push_extent(ext: &mut Vec<Extent>, length: u64, allocated: bool) {
     if length == 0 {
         return;
@@ -107,16 +72,6 @@ fn push_extent(ext: &mut Vec<Extent>, length: u64, allocated: bool) {
     match ext.last_mut() {
         Some(last) if last.allocated == allocated => last.length += length,
         _ => ext.push(Extent { length, allocated }),
-    }
-}
-
-/// Bits `[s, e)` of a unit bitmap.
-fn mask(s: u64, e: u64) -> u32 {
-    let width = e - s;
-    if width >= 32 {
-        u32::MAX
-    } else {
-        ((1u32 << width) - 1) << s
     }
 }
 
@@ -218,41 +173,18 @@ impl Volume {
         let g = self.pool.geo();
         let b0 = offset / BLOCK_SIZE;
         let b1 = (offset + len).div_ceil(BLOCK_SIZE);
-        let bpu = g.blocks_per_unit();
         let mut buf = AlignedBuf::recycled(((b1 - b0) * BLOCK_SIZE) as usize);
-        let mut segs = Vec::new();
-        let mut blocks: Vec<(u64, bool)> = Vec::new(); // per-unit runs of (blocks, allocated)
-        let mut pins = Pins { pool: &self.pool, units: Vec::new() };
-        {
+        let mut pins = Pins::new(&self.pool);
+        let ReadPlan { segs, runs: blocks, .. } = {
             let map = self.vol.map.read();
             if self.vol.deleted.load(Ordering::Acquire) {
                 return Err(self.deleted("read", offset));
             }
-            let mut b = b0;
-            while b < b1 {
-                let lunit = b / bpu;
-                let end = ((lunit + 1) * bpu).min(b1);
-                let e = map.get(lunit);
-                for blk in b..end {
-                    let i = blk % bpu;
-                    let written = e.is_mapped() && e.bitmap & (1 << i) != 0;
-                    if written {
-                        pins.add(e.punit);
-                        push_segment(
-                            &mut segs,
-                            g.unit_offset(u64::from(e.punit)) + i * BLOCK_SIZE,
-                            ((blk - b0) * BLOCK_SIZE) as usize,
-                            BLOCK_SIZE as usize,
-                        );
-                    }
-                    match blocks.last_mut() {
-                        Some((n, a)) if *a == written => *n += 1,
-                        _ => blocks.push((1, written)),
-                    }
-                }
-                b = end;
-            }
-        }
+            let plan = plan::plan_read(&map, g, b0, b1);
+            // Pinned under the map lock: no trim or delete frees them before the read.
+            plan.pins.iter().for_each(|&u| pins.add(u));
+            plan
+        };
         // Unwritten blocks read as zeros; the written ones are all read from the pool.
         let mut at = 0;
         for &(n, allocated) in &blocks {
@@ -359,39 +291,9 @@ impl Volume {
         Ok(())
     }
 
-    /// Takes the range locks of logical units `units`: exclusively for the stripes of
-    /// the units `exclusive` names, shared for the others; each stripe once, in index
-    /// order (so two callers never wait for each other in a cycle).
+    /// Takes the range locks of logical units `units` of this volume (locks.rs).
     async fn lock_units(&self, units: std::ops::Range<u64>, exclusive: Exclusive<'_>) -> Vec<StripeGuard<'_>> {
-        let n = self.pool.stripes().len();
-        let all = matches!(exclusive, Exclusive::All);
-        let mut want: Vec<(usize, bool)> = if units.end - units.start >= n as u64 {
-            (0..n).map(|s| (s, all)).collect()
-        } else {
-            units.map(|u| (stripe_of(self.vol.id, u, n), all)).collect()
-        };
-        if let Exclusive::Only(some) = exclusive {
-            want.extend(some.iter().map(|&u| (stripe_of(self.vol.id, u, n), true)));
-        }
-        // Exclusive sorts after shared for the same stripe; keep the last of each.
-        want.sort_unstable();
-        want.dedup_by(|later, earlier| {
-            let same = later.0 == earlier.0;
-            if same {
-                earlier.1 |= later.1;
-            }
-            same
-        });
-        let mut guards = Vec::with_capacity(want.len());
-        for (s, excl) in want {
-            let lock = &self.pool.stripes()[s];
-            guards.push(if excl {
-                StripeGuard::Exclusive(lock.write().await)
-            } else {
-                StripeGuard::Shared(lock.read().await)
-            });
-        }
-        guards
+        locks::lock_units(&self.pool, self.vol.id, units, exclusive).await
     }
 
     /// Marks blocks `m` of `lunit` written, if the unit still maps `punit` (otherwise a
@@ -428,9 +330,10 @@ impl Volume {
         Ok(r.data.as_ref().to_vec())
     }
 
-    /// Writes whole blocks `[b0, b1)` from `buf` (view = the whole run), allocating and copying on write as
-    /// needed; call with the range locks held. Returns the buffer, and whether a FUA
-    /// write still needs a commit (the caller runs it after releasing the locks).
+    /// Writes whole blocks `[b0, b1)` from `buf` (view = the whole run), allocating and
+    /// copying on write as needed; call with the range locks held. Returns the buffer,
+    /// and whether a FUA write still needs a commit (the caller runs it after releasing
+    /// the locks).
     async fn write_blocks(
         &self,
         b0: u64,
@@ -439,10 +342,69 @@ impl Volume {
         fua: bool,
         offset: u64,
     ) -> Result<(AlignedBuf, bool)> {
-        let g = self.pool.geo();
-        let bpu = g.blocks_per_unit();
-        let u0 = b0 / bpu;
-        let u1 = (b1 - 1) / bpu + 1;
+        let bpu = self.pool.geo().blocks_per_unit();
+        let allocated = self.allocate_units(b0 / bpu..(b1 - 1) / bpu + 1, offset).await?;
+        let mut pins = Pins::new(&self.pool);
+        let plan = {
+            let map = self.vol.map.read();
+            if self.vol.deleted.load(Ordering::Acquire) {
+                return Err(self.deleted("write", offset));
+            }
+            let plan = plan::plan_write(&map, self.pool.geo(), b0, b1, |m, l, p| self.writable_in_place(m, l, p));
+            // Pinned under the map lock, as for a read.
+            plan.iter().flat_map(|p| &p.pins).for_each(|&u| pins.add(u));
+            plan
+        };
+        let Some(WritePlan { segs, new_bits, private, .. }) = plan else {
+            // Unmapped between allocation and planning (by the undo of a failed write,
+            // below): allocate again.
+            drop(pins);
+            return Box::pin(self.write_blocks(b0, b1, buf, fua, offset)).await;
+        };
+        // RWF_DSYNC suffices for FUA only if this write changes no mapping and the
+        // mappings it writes through are durable already; else it waits for a commit.
+        let dsync = fua && new_bits.is_empty() && private.is_empty() && self.pool.metadata_settled();
+        let (buf, r) = self
+            .pool
+            .ring()
+            .rw(Dir::Write { dsync }, buf, segs)
+            .await
+            .map_err(|_| self.err(worker_gone(), "write", offset))?;
+        if let Err(e) = r {
+            drop(pins);
+            self.undo_allocations(&allocated);
+            return Err(self.write_failed(e, offset));
+        }
+        if !new_bits.is_empty() {
+            let mut map = self.vol.map.write();
+            if !self.vol.deleted.load(Ordering::Acquire) {
+                for (u, p, m) in new_bits {
+                    self.mark_written(&mut map, u, p, m);
+                }
+            }
+        }
+        // Only now: while pinned, a unit this write allocated or writes is not undone
+        // by another write's failure (above) before its bits are set.
+        drop(pins);
+        for &(u, s, e) in &private {
+            let at = ((s - b0) * BLOCK_SIZE) as usize;
+            let data = &buf.full()[at..at + ((e - s) * BLOCK_SIZE) as usize];
+            let w = UnitWrite { lunit: u, s: s - u * bpu, e: e - u * bpu, data, offset };
+            Box::pin(self.write_private(&w)).await?;
+        }
+        self.pool.note_data_write();
+        Ok((buf, fua && !dsync))
+    }
+
+    /// Maps a fresh data unit at each unmapped logical unit of `units`, if the free set
+    /// has them and the metadata they add has room (the store's room.rs); else makes
+    /// room and tries again. Returns what it mapped, `(lunit, punit)`, with no written
+    /// block yet (nothing is logged for them until their blocks are).
+    ///
+    /// Errors: [`ErrorKind::NoSpace`], [`ErrorKind::NotFound`] (deleted), and those of
+    /// the commit or checkpoint that making room runs.
+    async fn allocate_units(&self, units: std::ops::Range<u64>, offset: u64) -> Result<Vec<(u64, u32)>> {
+        let (u0, u1) = (units.start, units.end);
         // Allocate data units for unmapped logical units, if the free set has them and
         // the metadata they add has room (room.rs); else make room and try again.
         let mut allocated: Vec<(u64, u32)> = Vec::new();
@@ -485,281 +447,24 @@ impl Volume {
                 ));
             }
         }
-        // Plan: segments, pins, and which units gain written blocks.
-        let mut segs = Vec::new();
-        let mut new_bits: Vec<(u64, u32, u32)> = Vec::new(); // (lunit, punit, bits)
-        let mut pins = Pins { pool: &self.pool, units: Vec::new() };
-        let mut retry = false;
-        let mut private: Vec<(u64, u64, u64)> = Vec::new(); // (lunit, first block, end block)
-        {
-            let map = self.vol.map.read();
-            if self.vol.deleted.load(Ordering::Acquire) {
-                return Err(self.deleted("write", offset));
-            }
-            for u in u0..u1 {
-                let e = map.get(u);
-                if !e.is_mapped() {
-                    retry = true;
-                    break;
-                }
-                let s = (u * bpu).max(b0);
-                let e_blk = ((u + 1) * bpu).min(b1);
-                if !self.writable_in_place(&map, u, e.punit) {
-                    // Shared with a snapshot or clone: copy on write, unit by unit, below.
-                    private.push((u, s, e_blk));
-                    continue;
-                }
-                let m = mask(s - u * bpu, e_blk - u * bpu);
-                pins.add(e.punit);
-                push_segment(
-                    &mut segs,
-                    g.unit_offset(u64::from(e.punit)) + (s - u * bpu) * BLOCK_SIZE,
-                    ((s - b0) * BLOCK_SIZE) as usize,
-                    ((e_blk - s) * BLOCK_SIZE) as usize,
-                );
-                if e.bitmap & m != m {
-                    new_bits.push((u, e.punit, m));
-                }
-            }
-        }
-        if retry {
-            // Unmapped between allocation and planning (by the undo of a failed write,
-            // below): allocate again.
-            drop(pins);
-            return Box::pin(self.write_blocks(b0, b1, buf, fua, offset)).await;
-        }
-        // RWF_DSYNC suffices for FUA only if this write changes no mapping and the
-        // mappings it writes through are durable already; else it waits for a commit.
-        let dsync = fua && new_bits.is_empty() && private.is_empty() && self.pool.metadata_settled();
-        let (buf, r) = self
-            .pool
-            .ring()
-            .rw(Dir::Write { dsync }, buf, segs)
-            .await
-            .map_err(|_| self.err(worker_gone(), "write", offset))?;
-        if let Err(e) = r {
-            drop(pins);
-            // Undo allocations that never received data (nothing was logged for them).
-            let mut map = self.vol.map.write();
-            for &(u, p) in &allocated {
-                let cur = map.get(u);
-                // Only if no other write is using the unit now (its pin), else that
-                // write's completion needs the mapping.
-                if cur.punit == p && cur.bitmap == 0 && !self.pool.pins().is_set(p) {
-                    // Logged: a checkpoint may have captured the empty mapping meanwhile.
-                    let mut a = self.pool.alloc();
-                    map.set(u, Entry::EMPTY, &mut a);
-                    self.pool.log_record(&Record::Unmap { volume: self.vol.id, lunit: u });
-                    a.decref(p);
-                }
-            }
-            return Err(self.write_failed(e, offset));
-        }
-        if !new_bits.is_empty() {
-            let mut map = self.vol.map.write();
-            if !self.vol.deleted.load(Ordering::Acquire) {
-                for (u, p, m) in new_bits {
-                    self.mark_written(&mut map, u, p, m);
-                }
-            }
-        }
-        // Only now: while pinned, a unit this write allocated or writes is not undone
-        // by another write's failure (above) before its bits are set.
-        drop(pins);
-        for &(u, s, e) in &private {
-            let at = ((s - b0) * BLOCK_SIZE) as usize;
-            let data = &buf.full()[at..at + ((e - s) * BLOCK_SIZE) as usize];
-            Box::pin(self.write_private(u, s - u * bpu, e - u * bpu, data, offset)).await?;
-        }
-        self.pool.note_data_write();
-        Ok((buf, fua && !dsync))
+        Ok(allocated)
     }
 
-    /// Writes blocks `[s, e)` (relative to the unit) of logical unit `lunit` from `data`
-    /// when the unit may be shared: if it is, the written blocks the write does not
-    /// cover are copied with the new data into a fresh data unit, which then replaces
-    /// the shared one in this volume's mapping (copy on write; only written blocks are
-    /// copied). Also handles the unit having been unmapped or made exclusive meanwhile.
-    async fn write_private(&self, lunit: u64, s: u64, e: u64, data: &[u8], offset: u64) -> Result<()> {
-        let mut tries = Tries::default();
-        while !self.write_private_once(lunit, s, e, data, offset, &mut tries).await? {}
-        Ok(())
-    }
-
-    /// One attempt of [`Volume::write_private`]; `Ok(false)` asks for another (another
-    /// writer mapped the unit meanwhile).
-    async fn write_private_once(
-        &self,
-        lunit: u64,
-        s: u64,
-        e: u64,
-        data: &[u8],
-        offset: u64,
-        tries: &mut Tries,
-    ) -> Result<bool> {
-        let g = self.pool.geo();
-        let us = g.unit_size as usize;
-        let bs = BLOCK_SIZE as usize;
-        let _unit_lock =
-            self.pool.cow_stripes()[stripe_of(self.vol.id, lunit, self.pool.cow_stripes().len())].lock().await;
-        let old = self.vol.map.read().get(lunit);
-        let exclusive = old.is_mapped() && self.writable_in_place(&self.vol.map.read(), lunit, old.punit);
-        let mut buf = AlignedBuf::zeroed(us);
-        buf.full_mut()[s as usize * bs..e as usize * bs].copy_from_slice(data);
-        let mut pins = Pins { pool: &self.pool, units: Vec::new() };
-        if exclusive {
-            pins.add(old.punit);
-            return self.write_in_place(lunit, s, e, old, buf, pins, offset).await;
-        }
-        drop(pins);
-        // A fresh unit, and room for what installing it may add (its refcount, a copy
-        // of the mapping page), counted until it is installed (`finish_private`).
-        if self.pool.host_full() {
-            self.pool.refill_backed_free();
-        }
-        let got = {
-            let mut a = self.pool.alloc();
-            if a.free_count() > 0 && self.pool.has_room(&a, room::COW_GROWTH) {
-                let p = a.alloc().expect("the free set holds one");
-                a.cow_inflight.insert(p);
-                a.pending_growth += room::COW_GROWTH;
-                self.pool.after_growth(&a);
-                Some(p)
-            } else {
-                None
-            }
-        };
-        let Some(target) = got else {
-            let need = NeedRoom { units: 1, extra: room::COW_GROWTH };
-            if Box::pin(self.pool.make_room(need, tries)).await.map_err(|e| self.err(e, "write", offset))? {
-                return Ok(false);
-            }
-            return Err(self.err(
-                Error::new(ErrorKind::NoSpace, "no free data unit for copy-on-write"),
-                "write",
-                offset,
-            ));
-        };
-        self.finish_private(lunit, s, e, old, target, buf, offset).await
-    }
-
-    /// Writes blocks `[s, e)` of an exclusive unit in place and records them.
-    #[allow(clippy::too_many_arguments)]
-    async fn write_in_place(
-        &self,
-        lunit: u64,
-        s: u64,
-        e: u64,
-        old: Entry,
-        buf: AlignedBuf,
-        pins: Pins<'_>,
-        offset: u64,
-    ) -> Result<bool> {
-        let g = self.pool.geo();
-        let bs = BLOCK_SIZE as usize;
-        let m = mask(s, e);
-        let segs = merge((s..e).map(|b| Segment {
-            file_offset: g.unit_offset(u64::from(old.punit)) + b * BLOCK_SIZE,
-            buf_offset: b as usize * bs,
-            len: bs,
-        }));
-        let (_, r) = self
-            .pool
-            .ring()
-            .rw(Dir::Write { dsync: false }, buf, segs)
-            .await
-            .map_err(|_| self.err(worker_gone(), "write", offset))?;
-        drop(pins);
-        if let Err(e) = r {
-            return Err(self.write_failed(e, offset));
-        }
+    /// Unmaps the units a failed write allocated and that received no data (nothing was
+    /// logged for them), unless another write now uses one (its pin), whose completion
+    /// needs the mapping.
+    fn undo_allocations(&self, allocated: &[(u64, u32)]) {
         let mut map = self.vol.map.write();
-        if !self.vol.deleted.load(Ordering::Acquire) {
-            self.mark_written(&mut map, lunit, old.punit, m);
-        }
-        Ok(true)
-    }
-
-    /// Copy on write into the fresh unit `target`: the old unit's written blocks outside
-    /// `[s, e)` are copied with the new data (`buf`, a whole unit) in one write, then
-    /// `target` replaces the old unit in this volume's mapping.
-    #[allow(clippy::too_many_arguments)]
-    async fn finish_private(
-        &self,
-        lunit: u64,
-        s: u64,
-        e: u64,
-        old: Entry,
-        target: u32,
-        mut buf: AlignedBuf,
-        offset: u64,
-    ) -> Result<bool> {
-        let g = self.pool.geo();
-        let bs = BLOCK_SIZE as usize;
-        let m = mask(s, e);
-        let mut pins = Pins { pool: &self.pool, units: Vec::new() };
-        // Copy the old unit's written blocks that this write does not cover.
-        let copy = if old.is_mapped() { old.bitmap & !m } else { 0 };
-        let blocks = |bits: u32| (0..g.blocks_per_unit()).filter(move |b| bits & (1 << b) != 0);
-        let result: Result<()> = async {
-            if copy != 0 {
-                pins.add(old.punit);
-                let segs = blocks(copy).map(|b| Segment {
-                    file_offset: g.unit_offset(u64::from(old.punit)) + b * BLOCK_SIZE,
-                    buf_offset: b as usize * bs,
-                    len: bs,
-                });
-                let segs = merge(segs);
-                let (b2, r) = self.pool.ring().rw(Dir::Read, buf, segs).await.map_err(|_| worker_gone())?;
-                buf = b2;
-                r.map_err(|e| Error::io("copy-on-write read failed", e))?;
-            }
-            let segs = merge(blocks(copy | m).map(|b| Segment {
-                file_offset: g.unit_offset(u64::from(target)) + b * BLOCK_SIZE,
-                buf_offset: b as usize * bs,
-                len: bs,
-            }));
-            let (_, r) =
-                self.pool.ring().rw(Dir::Write { dsync: false }, buf, segs).await.map_err(|_| worker_gone())?;
-            r.map_err(|e| self.write_failed(e, offset))
-        }
-        .await;
-        drop(pins);
-        let mut map = self.vol.map.write();
-        let cur = map.get(lunit);
-        let mut a = self.pool.alloc();
-        a.cow_inflight.remove(&target);
-        a.pending_growth -= room::COW_GROWTH;
-        let still = if old.is_mapped() { cur.punit == old.punit } else { !cur.is_mapped() };
-        // If the old unit became this volume's alone meanwhile (its snapshot was
-        // deleted), another write may have gone into it in place after our copy:
-        // install nothing and write in place instead. Units never become shared again
-        // while a write runs (the gate), so a unit still shared now was shared all along.
-        let became_exclusive = old.is_mapped() && still && self.writable_in_place(&map, lunit, old.punit);
-        if result.is_err() || !still || became_exclusive || self.vol.deleted.load(Ordering::Acquire) {
-            a.decref(target);
-            let deleted = self.vol.deleted.load(Ordering::Acquire);
-            // A write that mapped the unit meanwhile must not be overwritten, and a unit
-            // now exclusive takes the write in place: try again.
-            if result.is_ok() && !deleted && (became_exclusive || (!old.is_mapped() && cur.is_mapped())) {
-                return Ok(false);
-            }
-            // Failed, or a delete came in between (it is then the later one).
-            return result.map(|()| true);
-        }
-        let bitmap = if old.is_mapped() { cur.bitmap | m } else { m };
-        if cur.punit != target || bitmap != cur.bitmap {
-            map.set(lunit, Entry { punit: target, bitmap }, &mut a);
-            // Logged before the old unit loses this reference: a commit that releases a
-            // settling mark the decref makes also carries this record (rule 9). The
-            // allocator lock, held across both, keeps a commit's start (C1) from falling
-            // between them.
-            self.pool.log_record(&Record::Map { volume: self.vol.id, lunit, punit: target, bitmap });
-            if cur.is_mapped() && cur.punit != target {
-                a.decref(cur.punit);
+        for &(u, p) in allocated {
+            let cur = map.get(u);
+            if cur.punit == p && cur.bitmap == 0 && !self.pool.pins().is_set(p) {
+                // Logged: a checkpoint may have captured the empty mapping meanwhile.
+                let mut a = self.pool.alloc();
+                map.set(u, Entry::EMPTY, &mut a);
+                self.pool.log_record(&Record::Unmap { volume: self.vol.id, lunit: u });
+                a.decref(p);
             }
         }
-        Ok(true)
     }
 
     /// Discards `len` bytes at `offset`: the range reads as zeros at once; whole 4 KiB
@@ -988,25 +693,4 @@ impl Volume {
         }
         Ok(ext)
     }
-}
-
-/// Which units [`Volume::lock_units`] locks exclusively.
-enum Exclusive<'a> {
-    /// Every unit of the range.
-    All,
-    /// These (the rest of the range shared).
-    Only(&'a [u64]),
-}
-
-/// A held range lock (`Store::stripes`).
-enum StripeGuard<'a> {
-    Shared(#[allow(dead_code)] tokio::sync::RwLockReadGuard<'a, ()>),
-    Exclusive(#[allow(dead_code)] tokio::sync::RwLockWriteGuard<'a, ()>),
-}
-
-/// Index of the lock stripe for (`volume`, `key`) among `n` stripes.
-fn stripe_of(volume: u64, key: u64, n: usize) -> usize {
-    let h = (volume.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ key).wrapping_mul(0xff51_afd7_ed55_8ccd);
-    // The high bits mix best; 32 of them cover any stripe count in use.
-    (h >> 32) as usize % n
 }
