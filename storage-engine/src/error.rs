@@ -58,6 +58,9 @@ pub struct Error {
     volume: Option<String>,
     offset: Option<u64>,
     source: Option<Box<dyn std::error::Error + Send + Sync + 'static>>,
+    /// A [`ErrorKind::Corrupt`] error about a file or device that holds no pool at all
+    /// (no superblock slot carries the magic), not a damaged one.
+    not_a_pool: bool,
 }
 
 /// `Result` with the engine's [`Error`].
@@ -66,7 +69,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 impl Error {
     /// A new error of `kind` with a human-readable message.
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Error {
-        Error { kind, message: message.into(), op: None, volume: None, offset: None, source: None }
+        Error { kind, message: message.into(), op: None, volume: None, offset: None, source: None, not_a_pool: false }
     }
 
     /// An [`ErrorKind::Io`] error wrapping `e`.
@@ -77,6 +80,17 @@ impl Error {
     /// An [`ErrorKind::Corrupt`] error.
     pub fn corrupt(message: impl Into<String>) -> Error {
         Error::new(ErrorKind::Corrupt, message)
+    }
+
+    /// The [`ErrorKind::Corrupt`] error of a file or device that holds no pool at all.
+    pub(crate) fn not_a_pool(message: impl Into<String>) -> Error {
+        Error { not_a_pool: true, ..Error::corrupt(message) }
+    }
+
+    /// Whether the file or device holds no pool at all (no superblock slot carries the
+    /// pool's magic), rather than a damaged one: what may be formatted over.
+    pub fn is_not_a_pool(&self) -> bool {
+        self.not_a_pool
     }
 
     /// Adds the cause.

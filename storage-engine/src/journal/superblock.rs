@@ -37,7 +37,7 @@ impl Geometry {
 /// Validates a superblock's fields. `size` is the device size in bytes.
 pub(crate) fn validate_superblock(sb: &Superblock, size: u64) -> Result<Geometry> {
     if sb.magic != SUPERBLOCK_MAGIC {
-        return Err(Error::corrupt("not a ferrovol pool: superblock magic is missing"));
+        return Err(Error::not_a_pool("not a ferrovol pool: superblock magic is missing"));
     }
     if !(MIN_READ_VERSION..=FORMAT_VERSION).contains(&sb.version.get()) {
         return Err(Error::corrupt(format!(
@@ -127,7 +127,11 @@ pub(crate) fn read_superblock(
             return Ok((sb, g.expect("valid"), None, false));
         }
         (Err(a), Err(b)) => {
-            return Err(Error::corrupt(format!("slot 0: {}; slot 1: {}", a.message(), b.message())));
+            let message = format!("slot 0: {}; slot 1: {}", a.message(), b.message());
+            if a.is_not_a_pool() && b.is_not_a_pool() {
+                return Err(Error::not_a_pool(message));
+            }
+            return Err(Error::corrupt(message));
         }
         (Ok(_), Err(_)) => (0, 1),
         (Err(_), Ok(_)) => (1, 0),

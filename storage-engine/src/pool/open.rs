@@ -75,10 +75,7 @@ impl Pool {
     /// Errors: as [`Pool::open`] and [`Pool::create`].
     pub fn open_or_format_device(path: &Path, opts: &PoolOptions) -> Result<Pool> {
         match Pool::open_inner(path, &opts.io, opts.accept(), opts.preallocate, None) {
-            Err(e)
-                if e.kind() == ErrorKind::Corrupt
-                    && e.message().matches("superblock magic is missing").count() == 2 =>
-            {
+            Err(e) if e.is_not_a_pool() => {
                 tracing::warn!(path = %path.display(), "no ferrovol pool on the device; formatting it");
                 Pool::create(path, opts)
             }

@@ -1,0 +1,70 @@
+//! A pool on a block device (a loop device over a file of its own; needs root, as the
+//! test command runs): `open_or_format_device` formats a device that holds no pool,
+//! opens one that does with its data, and refuses, formatting nothing, a device whose
+//! pool is damaged (both superblock slots fail, but carry the pool's magic).
+
+mod common;
+
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+use std::process::Command;
+
+use common::*;
+use storage_engine::{ErrorKind, Pool, PoolOptions};
+
+/// A loop device over a sparse file; detached on drop.
+struct Loop {
+    _dir: tempfile::TempDir,
+    dev: PathBuf,
+}
+
+impl Loop {
+    fn new(bytes: u64) -> Loop {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("backing.img");
+        std::fs::File::create(&file).unwrap().set_len(bytes).unwrap();
+        let out = Command::new("losetup").args(["--find", "--show"]).arg(&file).output().unwrap();
+        assert!(out.status.success(), "losetup: {}", String::from_utf8_lossy(&out.stderr));
+        let dev = PathBuf::from(String::from_utf8(out.stdout).unwrap().trim());
+        Loop { _dir: dir, dev }
+    }
+}
+
+impl Drop for Loop {
+    fn drop(&mut self) {
+        let _ = Command::new("losetup").arg("-d").arg(&self.dev).status();
+    }
+}
+
+#[test]
+fn a_device_without_a_pool_is_formatted_and_a_damaged_pool_is_refused() {
+    let dev = Loop::new(64 * MIB);
+    let rt = rt();
+    let opts = PoolOptions { unit_size: 16 * 1024, ..Default::default() };
+    let pool = Pool::open_or_format_device(&dev.dev, &opts).unwrap();
+    assert_eq!(pool.status().capacity / MIB, 59, "the whole device, less superblocks and log");
+    rt.block_on(pool.create_volume("v", 8 * MIB)).unwrap();
+    let v = pool.volume("v").unwrap();
+    rt.block_on(write(&v, 0, &[0x42; 4096], false)).unwrap();
+    drop(v);
+    pool.close().unwrap();
+    // Opened again, not formatted: the data is there.
+    let pool = Pool::open_or_format_device(&dev.dev, &opts).unwrap();
+    assert_eq!(rt.block_on(read(&pool.volume("v").unwrap(), 0, 4096)), vec![0x42; 4096]);
+    pool.close().unwrap();
+    // Both slots damaged (a byte of each, the magic intact): refused, never formatted.
+    let f = std::fs::OpenOptions::new().read(true).write(true).open(&dev.dev).unwrap();
+    for slot in [0u64, 4096] {
+        let mut b = [0u8; 1];
+        f.read_exact_at(&mut b, slot + 40).unwrap();
+        f.write_all_at(&[b[0] ^ 0xff], slot + 40).unwrap();
+    }
+    f.sync_all().unwrap();
+    drop(f);
+    let e = Pool::open_or_format_device(&dev.dev, &opts).err().expect("a damaged pool is refused");
+    assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+    assert!(!e.is_not_a_pool(), "{e}");
+    let mut magic = [0u8; 8];
+    std::fs::File::open(&dev.dev).unwrap().read_exact_at(&mut magic, 0).unwrap();
+    assert_eq!(&magic, b"FERROVOL", "the device was formatted over");
+}
