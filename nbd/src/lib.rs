@@ -14,14 +14,15 @@
 //! with its accept loops for TCP and Unix sockets and `serve_connection` for one
 //! already-accepted stream; the free functions [`serve_connection`], [`serve_tcp`] and
 //! [`serve_unix`] run a server of their own. The wire format is in [`proto`], public so
-//! that clients and tests can speak it too; [`testing`] holds an in-memory export and
-//! the fuzz targets' entry points.
+//! that clients and tests can speak it too; `testing` (feature `test-utils`) holds an
+//! in-memory export and the fuzz targets' entry points.
 
 pub mod error;
 pub mod export;
 mod handshake;
 pub mod proto;
 pub mod server;
+#[cfg(any(test, feature = "test-utils"))]
 pub mod testing;
 mod transmission;
 

@@ -4,12 +4,14 @@
 //! Lives here: a storage host's start-up and shutdown ([`host`]), NBD exports over engine
 //! volumes ([`exports`]), the server side of the management API ([`mgmt`]), the two
 //! error mappings ([`errors`]), Prometheus metrics ([`metrics`]), and the fuzz target
-//! body of the management API ([`fuzzing`]). Not here: the command line (the `ferrovol`
+//! body of the management API (`fuzzing`, feature `test-utils`). Not here: the command
+//! line (the `ferrovol`
 //! binary, src/bin/ferrovol), the engine (`storage-engine`), the NBD protocol (`nbd`),
 //! the management protocol and its client (`mgmt-api`).
 
 pub mod errors;
 pub mod exports;
+#[cfg(any(test, feature = "test-utils"))]
 pub mod fuzzing;
 pub mod host;
 pub mod metrics;

@@ -23,6 +23,7 @@ pub mod meta;
 mod names;
 mod pool;
 mod store;
+#[cfg(any(test, feature = "test-utils"))]
 pub mod testing;
 mod volume;
 

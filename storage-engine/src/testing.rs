@@ -1,9 +1,10 @@
 //! Test utilities: a power-loss simulator for the pool's storage.
 //!
-//! Lives here: [`Rng`], a seedable generator for randomized tests; [`Faults`], which
-//! makes chosen pool writes or flushes fail; [`IoLog`], which an [`crate::IoRing`](crate::io::IoRing) set up with
-//! [`IoOptions::log`](crate::IoOptions) fills with every write and `fdatasync` that
-//! reached the pool file, in the order the kernel completed them; and
+//! Lives here: [`Rng`], a seedable generator for randomized tests; two observers of the
+//! pool's io_uring (`IoObserver`, set with [`IoOptions::observer`](crate::IoOptions)):
+//! [`Faults`], which makes chosen pool writes or flushes fail, and [`IoLog`], which
+//! records every write and `fdatasync` that reached the pool file, in the order the
+//! kernel completed them ([`Both`] joins the two); and
 //! [`power_cut_writes`], which picks from such a log the writes that a power cut at a
 //! chosen instant would leave on the medium. Not here: the workloads and checks that use
 //! them (the engine's `tests/power_loss.rs`).
@@ -75,11 +76,11 @@ impl IoLog {
         self.inner.lock().0.clone()
     }
 
-    pub(crate) fn write_done(&self, offset: u64, data: &[u8], dsync: bool) {
+    fn write_done(&self, offset: u64, data: &[u8], dsync: bool) {
         self.inner.lock().0.push(IoEvent::Write { offset, data: data.to_vec(), dsync });
     }
 
-    pub(crate) fn flush_started(&self) -> u64 {
+    fn flush_started(&self) -> u64 {
         let mut g = self.inner.lock();
         g.1 += 1;
         let id = g.1;
@@ -87,7 +88,7 @@ impl IoLog {
         id
     }
 
-    pub(crate) fn flush_done(&self, id: u64) {
+    fn flush_done(&self, id: u64) {
         self.inner.lock().0.push(IoEvent::FlushDone { id });
     }
 }
@@ -110,8 +111,7 @@ pub struct Faults {
     held: Mutex<Option<Vec<FlushReport>>>,
 }
 
-/// Tells one `fdatasync`'s caller that it completed (and how).
-pub(crate) type FlushReport = Box<dyn FnOnce() + Send>;
+use crate::io::{Dir, FlushReport, IoObserver};
 
 impl std::fmt::Debug for Faults {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -168,7 +168,7 @@ impl Faults {
 
     /// Keeps `report` (the report of a completed `fdatasync`) until
     /// [`Faults::release_flushes`] if flushes are held; otherwise hands it back.
-    pub(crate) fn hold_flush(&self, report: FlushReport) -> Option<FlushReport> {
+    fn hold_flush(&self, report: FlushReport) -> Option<FlushReport> {
         match &mut *self.held.lock() {
             Some(held) => {
                 held.push(report);
@@ -178,8 +178,8 @@ impl Faults {
         }
     }
 
-    pub(crate) fn fail_write(&self, dir: crate::io::Dir) -> bool {
-        if dir == crate::io::Dir::Read {
+    fn fail_write(&self, dir: Dir) -> bool {
+        if dir == Dir::Read {
             return false;
         }
         match &mut *self.writes_left.lock() {
@@ -192,9 +192,71 @@ impl Faults {
         }
     }
 
-    pub(crate) fn fail_flush(&self) -> bool {
+    fn fail_flush(&self) -> bool {
         self.flushes.load(std::sync::atomic::Ordering::SeqCst)
             || self.next_flush.swap(false, std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl IoObserver for IoLog {
+    fn flush_submitted(&self) -> u64 {
+        self.flush_started()
+    }
+
+    fn flush_done(&self, id: u64) {
+        IoLog::flush_done(self, id);
+    }
+
+    fn written(&self, offset: u64, data: &[u8], dsync: bool) {
+        self.write_done(offset, data, dsync);
+    }
+}
+
+impl IoObserver for Faults {
+    fn fail(&self, dir: Dir, flush: bool) -> bool {
+        if flush {
+            self.fail_flush()
+        } else {
+            self.fail_write(dir)
+        }
+    }
+
+    fn report_flush(&self, report: FlushReport) -> Option<FlushReport> {
+        self.hold_flush(report)
+    }
+}
+
+/// Two observers of one ring: `A`'s decisions first (an injected fault is what `B`
+/// then sees), both told of every event. For a log of the I/O with faults injected.
+pub struct Both<A, B>(pub std::sync::Arc<A>, pub std::sync::Arc<B>);
+
+impl<A: IoObserver, B: IoObserver> IoObserver for Both<A, B> {
+    fn flush_submitted(&self) -> u64 {
+        let id = self.0.flush_submitted();
+        let other = self.1.flush_submitted();
+        if id != 0 {
+            id
+        } else {
+            other
+        }
+    }
+
+    fn fail(&self, dir: Dir, flush: bool) -> bool {
+        self.0.fail(dir, flush) || self.1.fail(dir, flush)
+    }
+
+    fn flush_done(&self, id: u64) {
+        self.0.flush_done(id);
+        self.1.flush_done(id);
+    }
+
+    fn written(&self, offset: u64, data: &[u8], dsync: bool) {
+        self.0.written(offset, data, dsync);
+        self.1.written(offset, data, dsync);
+    }
+
+    fn report_flush(&self, report: FlushReport) -> Option<FlushReport> {
+        self.0.report_flush(report).and_then(|r| self.1.report_flush(r))
     }
 }
 

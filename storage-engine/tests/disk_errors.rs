@@ -15,7 +15,7 @@ use storage_engine::{ErrorKind, IoOptions, Pool};
 fn open_with_faults(dir: &std::path::Path) -> (Pool, Arc<Faults>) {
     create(dir, 32 * MIB).close().unwrap();
     let faults = Arc::new(Faults::new());
-    let io = IoOptions { faults: Some(faults.clone()), ..Default::default() };
+    let io = IoOptions { observer: Some(faults.clone()), ..Default::default() };
     (Pool::open_with(&pool_path(dir), &io).unwrap(), faults)
 }
 
@@ -23,7 +23,7 @@ fn open_with_faults(dir: &std::path::Path) -> (Pool, Arc<Faults>) {
 fn open_with_log(dir: &std::path::Path, rt: &tokio::runtime::Runtime) -> (Pool, Arc<storage_engine::testing::IoLog>) {
     create(dir, 32 * MIB).close().unwrap();
     let log = Arc::new(storage_engine::testing::IoLog::new());
-    let io = IoOptions { log: Some(log.clone()), ..Default::default() };
+    let io = IoOptions { observer: Some(log.clone()), ..Default::default() };
     let pool = Pool::open_with(&pool_path(dir), &io).unwrap();
     rt.block_on(pool.create_volume("v", 8 * MIB)).unwrap();
     (pool, log)
@@ -108,7 +108,10 @@ fn concurrent_flushes_over_durable_mappings_share_their_fdatasyncs() {
     create(dir.path(), 32 * MIB).close().unwrap();
     let log = Arc::new(storage_engine::testing::IoLog::new());
     let faults = Arc::new(Faults::new());
-    let io = IoOptions { log: Some(log.clone()), faults: Some(faults.clone()), ..Default::default() };
+    let io = IoOptions {
+        observer: Some(Arc::new(storage_engine::testing::Both(faults.clone(), log.clone()))),
+        ..Default::default()
+    };
     let pool = Pool::open_with(&pool_path(dir.path()), &io).unwrap();
     rt.block_on(pool.create_volume("v", 8 * MIB)).unwrap();
     let v = pool.volume("v").unwrap();

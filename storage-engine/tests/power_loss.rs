@@ -170,7 +170,7 @@ fn workload(dir: &Path, rng: &mut Rng) -> (Vec<u8>, Vec<storage_engine::testing:
     Pool::create(&path, &opts).unwrap().close().unwrap();
     let base = std::fs::read(&path).unwrap();
     let log = Arc::new(IoLog::new());
-    let io = IoOptions { log: Some(log.clone()), ..Default::default() };
+    let io = IoOptions { observer: Some(log.clone()), ..Default::default() };
     let mut pool = Some(Pool::open_with(&path, &io).unwrap());
 
     let mut history: Vec<Done> = Vec::new();

@@ -449,7 +449,7 @@ fn workload(dir: &Path, plane: Plane, rng: &mut Rng) -> (Vec<u8>, Vec<IoEvent>, 
         (Some(rt), _) => Reaper::Runtime(rt.handle().clone()),
         _ => Reaper::PerRuntime(handles.clone()),
     };
-    let io = IoOptions { log: Some(log.clone()), reaper, ..Default::default() };
+    let io = IoOptions { observer: Some(log.clone()), reaper };
     let pool = Pool::open_with(&path, &io).unwrap();
     let start = log.len();
     let mut initial = Vec::new();

@@ -1,27 +1,12 @@
-//! Storage I/O on io_uring, and the aligned buffers it reads into and writes from.
-//!
-//! Lives here: [`AlignedBuf`] (a 4 KiB-aligned heap buffer with a byte *view*), and
-//! [`IoRing`], an io_uring (or one per data-plane runtime) that executes reads, writes
-//! and `fdatasync` on the pool file, submitted from the caller's thread and reaped on a
-//! tokio runtime (or a thread of its own). This is the only module of the engine with `unsafe`.
-//! Not here: what the I/O means (mappings, logs, checkpoints live in the other modules).
-//!
-//! # Buffer ownership
-//! A buffer is *moved* into [`IoRing::rw`] and stays owned by the ring's in-flight table
-//! until every segment's completion has arrived from the kernel; only then is it handed
-//! back through the returned channel. Dropping the future that waits for the result
-//! does not free the buffer while the kernel may still write into it: the table keeps
-//! it until the completion and then drops it, and dropping the `IoRing` waits for every
-//! entry still in the kernel. So the kernel never sees a freed buffer.
+//! The io_uring of a pool: [`IoRing`], its lanes (one per data-plane runtime) and their
+//! reapers, and [`IoObserver`], through which tests watch and steer its completions.
+//! See the module docs of `io` for who owns a buffer while its I/O is in flight.
+//! Not here: buffers (buf.rs), file helpers (file.rs).
 
-#![allow(unsafe_code)] // the one module of the engine with unsafe: each block says why it is sound
-
-use std::alloc::{self, Layout};
 use std::collections::VecDeque;
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::ptr::NonNull;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
@@ -29,235 +14,7 @@ use io_uring::{opcode, types, IoUring};
 use parking_lot::Mutex;
 use tokio::sync::oneshot;
 
-use crate::testing::{Faults, IoLog};
-
-/// Alignment of every [`AlignedBuf`], in bytes: enough for O_DIRECT on 4Kn devices.
-pub const ALIGN: usize = 4096;
-
-/// An initialised buffer aligned to [`ALIGN`] bytes (zeroed, or recycled with an
-/// earlier request's bytes: `AlignedBuf::recycled`), with a *view*: the byte
-/// range `[start, start + len)` that `as_ref`/`as_mut` expose. The engine reads and
-/// writes whole 4 KiB blocks through the full capacity and hands out the view.
-pub struct AlignedBuf {
-    ptr: NonNull<u8>,
-    cap: usize,
-    start: usize,
-    len: usize,
-}
-
-// SAFETY: AlignedBuf owns its allocation exclusively (like a Vec<u8>); no interior
-// mutability, so moving it across threads or sharing `&AlignedBuf` is sound.
-unsafe impl Send for AlignedBuf {}
-// SAFETY: see above; `&AlignedBuf` only gives `&[u8]`.
-unsafe impl Sync for AlignedBuf {}
-
-impl AlignedBuf {
-    /// A zeroed buffer of at least `cap` bytes (a multiple of [`ALIGN`], at least one
-    /// block; see [`AlignedBuf::capacity`]); the view is the first `cap` bytes.
-    pub fn zeroed(cap: usize) -> AlignedBuf {
-        match BufCache::take(cap) {
-            Some(mut b) => {
-                b.full_mut().fill(0);
-                b
-            }
-            None => AlignedBuf::fresh(cap),
-        }
-    }
-
-    /// A buffer like [`AlignedBuf::zeroed`] whose bytes are *unspecified*: a recycled
-    /// buffer keeps the bytes of the request that used it before, which may be another
-    /// volume's data. The caller overwrites or zeroes every byte it exposes or writes
-    /// to the pool; it saves zeroing what the next step fills anyway (a read's mapped
-    /// blocks, a write's payload).
-    pub(crate) fn recycled(cap: usize) -> AlignedBuf {
-        let mut b = BufCache::take(cap).unwrap_or_else(|| AlignedBuf::fresh(cap));
-        // Test builds make the bytes visibly not zero, so that a caller relying on
-        // zeroes it never wrote fails its tests instead of leaking bytes in production.
-        // Not beyond the cached sizes: those buffers are always fresh mappings (zero),
-        // whose pages must stay untouched until used.
-        if cfg!(debug_assertions) && b.cap <= BufCache::LARGEST {
-            b.full_mut().fill(0xa5);
-        }
-        b
-    }
-
-    /// A newly allocated zeroed buffer, with the capacity [`BufCache`] gives `cap`.
-    ///
-    /// One larger than [`BufCache::LARGEST`] (never cached) is an anonymous mapping of
-    /// its own: the kernel backs its zero pages only as they are written. The
-    /// allocator's `alloc_zeroed` writes every byte of an over-aligned block, so a
-    /// 32 MiB write whose payload has not arrived yet held 32 MiB resident: a client
-    /// sending WRITE headers and stalling made the server hold 33 MiB per connection.
-    fn fresh(cap: usize) -> AlignedBuf {
-        let rounded = BufCache::capacity_for(cap);
-        if rounded > BufCache::LARGEST {
-            // SAFETY: a new private anonymous mapping: no file, no address hint; the
-            // result is checked against MAP_FAILED before use.
-            let raw = unsafe {
-                libc::mmap(
-                    std::ptr::null_mut(),
-                    rounded,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                    -1,
-                    0,
-                )
-            };
-            if raw != libc::MAP_FAILED {
-                let ptr = NonNull::new(raw.cast::<u8>()).expect("mmap returns a non-null address");
-                return AlignedBuf { ptr, cap: rounded, start: 0, len: cap };
-            }
-            let layout = Layout::from_size_align(rounded, ALIGN).expect("buffer size overflows");
-            alloc::handle_alloc_error(layout);
-        }
-        let layout = Layout::from_size_align(rounded, ALIGN).expect("buffer size overflows");
-        // SAFETY: the layout has a non-zero size (rounded >= ALIGN).
-        let raw = unsafe { alloc::alloc_zeroed(layout) };
-        let ptr = NonNull::new(raw).unwrap_or_else(|| alloc::handle_alloc_error(layout));
-        AlignedBuf { ptr, cap: rounded, start: 0, len: cap }
-    }
-
-    /// Capacity in bytes: at least the size asked for, a multiple of [`ALIGN`], and a
-    /// power of two up to 2 MiB (so that freed buffers can be reused by size class).
-    pub fn capacity(&self) -> usize {
-        self.cap
-    }
-
-    /// Sets the view to `[start, start + len)`. Panics if it exceeds the capacity
-    /// (a bug in the engine, never caused by input).
-    pub fn set_view(&mut self, start: usize, len: usize) {
-        assert!(start.checked_add(len).is_some_and(|end| end <= self.cap), "view out of buffer");
-        self.start = start;
-        self.len = len;
-    }
-
-    /// Start of the view, in bytes from the beginning of the buffer.
-    pub fn view_start(&self) -> usize {
-        self.start
-    }
-
-    /// The whole buffer, ignoring the view.
-    pub fn full(&self) -> &[u8] {
-        // SAFETY: ptr is valid for cap initialised bytes (zeroed at allocation), owned by self.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.cap) }
-    }
-
-    /// The whole buffer, mutably, ignoring the view.
-    pub fn full_mut(&mut self) -> &mut [u8] {
-        // SAFETY: ptr is valid for cap initialised bytes; &mut self is exclusive.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.cap) }
-    }
-}
-
-impl Drop for AlignedBuf {
-    fn drop(&mut self) {
-        if BufCache::give(self.ptr, self.cap) {
-            return;
-        }
-        if self.cap > BufCache::LARGEST {
-            // SAFETY: buffers of this capacity are mappings made in `fresh` with exactly
-            // this length, never cached (give returned false), unmapped once here.
-            unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.cap) };
-            return;
-        }
-        let layout = Layout::from_size_align(self.cap, ALIGN).expect("layout was valid at allocation");
-        // SAFETY: allocated in `fresh` with exactly this layout; dropped once, and not
-        // kept by the cache (give returned false).
-        unsafe { alloc::dealloc(self.ptr.as_ptr(), layout) }
-    }
-}
-
-/// Freed buffers kept for reuse, so that a request costs no allocation, no page faults
-/// and (for [`AlignedBuf::recycled`]) no zeroing: a fresh 1 MiB buffer is 256 page
-/// faults, which were a third of the server's CPU time in 1 MiB sequential writes.
-///
-/// Buffers up to [`BufCache::LARGEST`] bytes get power-of-two capacities (4 KiB,
-/// 8 KiB, …, 2 MiB), one free list per capacity; at most [`BufCache::LIMIT`] bytes
-/// are kept in all. Larger buffers are rounded to [`ALIGN`] and freed at once.
-struct BufCache {
-    /// Free buffers by class (`ALIGN << class` bytes); addresses of allocations made by
-    /// [`AlignedBuf::fresh`] with that capacity, owned by the cache.
-    free: [Vec<usize>; BufCache::CLASSES],
-    bytes: usize,
-}
-
-static BUF_CACHE: std::sync::Mutex<BufCache> =
-    std::sync::Mutex::new(BufCache { free: [const { Vec::new() }; BufCache::CLASSES], bytes: 0 });
-
-impl BufCache {
-    const CLASSES: usize = 10;
-    /// Largest cached capacity, in bytes.
-    const LARGEST: usize = ALIGN << (BufCache::CLASSES - 1);
-    /// Most bytes kept in the cache.
-    const LIMIT: usize = 16 << 20;
-
-    /// The capacity a buffer of `cap` bytes gets.
-    fn capacity_for(cap: usize) -> usize {
-        let rounded = cap.max(1).div_ceil(ALIGN) * ALIGN;
-        if rounded <= BufCache::LARGEST {
-            rounded.next_power_of_two()
-        } else {
-            rounded
-        }
-    }
-
-    fn class(cap: usize) -> Option<usize> {
-        (cap.is_power_of_two() && (ALIGN..=BufCache::LARGEST).contains(&cap))
-            .then(|| (cap / ALIGN).trailing_zeros() as usize)
-    }
-
-    /// A cached buffer for `cap` bytes, its view the first `cap` bytes.
-    fn take(cap: usize) -> Option<AlignedBuf> {
-        let rounded = BufCache::capacity_for(cap);
-        let class = BufCache::class(rounded)?;
-        let addr = {
-            let mut c = BUF_CACHE.lock().unwrap_or_else(|e| e.into_inner());
-            let addr = c.free[class].pop()?;
-            c.bytes -= rounded;
-            addr
-        };
-        let ptr = NonNull::new(addr as *mut u8).expect("cached buffers are non-null");
-        Some(AlignedBuf { ptr, cap: rounded, start: 0, len: cap })
-    }
-
-    /// Keeps the buffer at `ptr` of capacity `cap` if there is room; true if kept (the
-    /// cache then owns it).
-    fn give(ptr: NonNull<u8>, cap: usize) -> bool {
-        let Some(class) = BufCache::class(cap) else {
-            return false;
-        };
-        let mut c = BUF_CACHE.lock().unwrap_or_else(|e| e.into_inner());
-        if c.bytes + cap > BufCache::LIMIT {
-            return false;
-        }
-        c.bytes += cap;
-        c.free[class].push(ptr.as_ptr() as usize);
-        true
-    }
-}
-
-impl AsRef<[u8]> for AlignedBuf {
-    fn as_ref(&self) -> &[u8] {
-        &self.full()[self.start..self.start + self.len]
-    }
-}
-
-impl AsMut<[u8]> for AlignedBuf {
-    fn as_mut(&mut self) -> &mut [u8] {
-        let (s, l) = (self.start, self.len);
-        &mut self.full_mut()[s..s + l]
-    }
-}
-
-impl std::fmt::Debug for AlignedBuf {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AlignedBuf")
-            .field("cap", &self.cap)
-            .field("start", &self.start)
-            .field("len", &self.len)
-            .finish()
-    }
-}
+use super::AlignedBuf;
 
 /// One contiguous piece of a read or write: `len` bytes at byte `file_offset` of the
 /// pool, to or from byte `buf_offset` of the buffer. With O_DIRECT all three are
@@ -309,16 +66,53 @@ pub enum Reaper {
 }
 
 /// How an [`IoRing`] is set up.
-#[derive(Debug, Clone, Default)]
+#[derive(Clone, Default)]
 pub struct IoOptions {
     /// Where completions are reaped.
     pub reaper: Reaper,
-    /// Records every completed write and flush, for the power-loss simulator
-    /// ([`crate::testing`]). `None` (the default) records nothing.
-    pub log: Option<Arc<IoLog>>,
-    /// Makes chosen writes or flushes fail with `EIO`, for tests of error handling
-    /// ([`crate::testing::Faults`]). `None` (the default) injects nothing.
-    pub faults: Option<Arc<Faults>>,
+    /// Watches every completed write and `fdatasync`, and may make them fail or hold
+    /// their reports back: for tests (`testing::IoLog`, `testing::Faults`). `None` (the
+    /// default) watches nothing.
+    pub observer: Option<Arc<dyn IoObserver>>,
+}
+
+impl std::fmt::Debug for IoOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IoOptions").field("reaper", &self.reaper).field("observer", &self.observer.is_some()).finish()
+    }
+}
+
+/// Tells one `fdatasync`'s caller that it completed (and how).
+pub type FlushReport = Box<dyn FnOnce() + Send>;
+
+/// What an [`IoRing`] reports to an observer of its I/O, and what it lets one change:
+/// for tests (the power-loss simulator's log and injected faults, in `testing`). Each
+/// method has a default that does nothing. All but [`IoObserver::report_flush`] are
+/// called with the ring's lock held: keep them short, and call no ring from them.
+pub trait IoObserver: Send + Sync {
+    /// An `fdatasync` is submitted; the number returned comes back in
+    /// [`IoObserver::flush_done`].
+    fn flush_submitted(&self) -> u64 {
+        0
+    }
+
+    /// A segment of a request in direction `dir` (`flush`: an `fdatasync`) completed
+    /// successfully in the kernel; returns true to make it fail with `EIO` instead.
+    fn fail(&self, _dir: Dir, _flush: bool) -> bool {
+        false
+    }
+
+    /// The `fdatasync` numbered `id` completed successfully.
+    fn flush_done(&self, _id: u64) {}
+
+    /// `data` reached byte `offset` of the pool file (with `RWF_DSYNC` if `dsync`).
+    fn written(&self, _offset: u64, _data: &[u8], _dsync: bool) {}
+
+    /// A completed `fdatasync` is about to be reported to its caller by `report`: an
+    /// observer may keep it and run it later (`None`), or hand it back to run now.
+    fn report_flush(&self, report: FlushReport) -> Option<FlushReport> {
+        Some(report)
+    }
 }
 
 /// An io_uring on one file, shared by every thread of the process; with
@@ -420,8 +214,7 @@ impl Lane {
             efd,
             ring,
             state: Mutex::new(State {
-                log: opts.log.clone(),
-                faults: opts.faults.clone(),
+                observer: opts.observer.clone(),
                 file: Some(file),
                 slots: Vec::new(),
                 free_slots: Vec::new(),
@@ -525,7 +318,7 @@ struct InFlight {
     segs: Vec<Segment>,
     outstanding: usize,
     error: Option<io::Error>,
-    /// For an fdatasync with an [`IoLog`]: its number there.
+    /// For an fdatasync: its number for the observer.
     flush_id: u64,
     done: Option<RwDone>,
 }
@@ -559,8 +352,7 @@ struct Shared {
 }
 
 struct State {
-    log: Option<Arc<IoLog>>,
-    faults: Option<Arc<Faults>>,
+    observer: Option<Arc<dyn IoObserver>>,
     /// `None` once the ring is closing and idle.
     file: Option<Arc<File>>,
     slots: Vec<Option<InFlight>>,
@@ -578,8 +370,8 @@ impl Shared {
     /// Registers `f`, queues its entries and submits what fits.
     fn start(&self, mut f: InFlight, segs: impl Iterator<Item = u32>) {
         let mut st = self.state.lock();
-        if let (Some(log), Some(RwDone::Fsync(_))) = (&st.log, &f.done) {
-            f.flush_id = log.flush_started();
+        if let (Some(observer), Some(RwDone::Fsync(_))) = (&st.observer, &f.done) {
+            f.flush_id = observer.flush_submitted();
         }
         let slot = match st.free_slots.pop() {
             Some(i) => {
@@ -619,7 +411,7 @@ impl Shared {
     /// finished requests (outside the lock). True when the ring is closing and idle.
     fn reap(&self) -> bool {
         let mut finished = Vec::new();
-        let (idle, enter, faults) = {
+        let (idle, enter, observer) = {
             let mut st = self.state.lock();
             // SAFETY: the completion queue is only accessed under the state lock.
             let cqes: Vec<(u64, i32)> =
@@ -631,15 +423,15 @@ impl Shared {
                 }
             }
             let enter = st.push_queued(&self.ring);
-            (st.closing && st.in_kernel == 0 && st.queued.is_empty(), enter, st.faults.clone())
+            (st.closing && st.in_kernel == 0 && st.queued.is_empty(), enter, st.observer.clone())
         };
         if enter {
             self.enter();
         }
         for (done, buf, result) in finished {
-            match (&faults, &done) {
-                (Some(faults), RwDone::Fsync(_)) => {
-                    if let Some(report) = faults.hold_flush(Box::new(move || done.send(buf, result))) {
+            match (&observer, &done) {
+                (Some(observer), RwDone::Fsync(_)) => {
+                    if let Some(report) = observer.report_flush(Box::new(move || done.send(buf, result))) {
                         report();
                     }
                 }
@@ -707,23 +499,22 @@ impl State {
         let seg = (ud & 0xffff_ffff) as u32;
         let f = self.slots.get_mut(slot)?.as_mut()?;
         let mut res = res;
-        if let (Some(faults), true) = (&self.faults, res >= 0) {
-            let failed = if seg == FSYNC_SEG { faults.fail_flush() } else { faults.fail_write(f.dir) };
-            if failed {
+        if let (Some(observer), true) = (&self.observer, res >= 0) {
+            if observer.fail(f.dir, seg == FSYNC_SEG) {
                 res = -libc::EIO;
             }
         }
         if res < 0 {
             f.error.get_or_insert(io::Error::from_raw_os_error(-res));
         } else if seg == FSYNC_SEG {
-            if let Some(log) = &self.log {
-                log.flush_done(f.flush_id);
+            if let Some(observer) = &self.observer {
+                observer.flush_done(f.flush_id);
             }
         } else {
             let n = res as usize;
             let s = &mut f.segs[seg as usize];
-            if let (Some(log), Dir::Write { dsync }, Some(buf)) = (&self.log, f.dir, &f.buf) {
-                log.write_done(s.file_offset, &buf.full()[s.buf_offset..s.buf_offset + n.min(s.len)], dsync);
+            if let (Some(observer), Dir::Write { dsync }, Some(buf)) = (&self.observer, f.dir, &f.buf) {
+                observer.written(s.file_offset, &buf.full()[s.buf_offset..s.buf_offset + n.min(s.len)], dsync);
             }
             if n == 0 && s.len > 0 {
                 f.error.get_or_insert(io::Error::new(io::ErrorKind::UnexpectedEof, "pool ends before the segment"));
@@ -827,105 +618,10 @@ fn kick(fd: RawFd) {
     unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
 }
 
-/// Opens `path` read-write with `O_DIRECT` when the file system allows it, else buffered.
-/// Returns the file and whether O_DIRECT is in use.
-pub fn open_pool_file(path: &std::path::Path, create: bool) -> io::Result<(File, bool)> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let mut o = std::fs::OpenOptions::new();
-    o.read(true).write(true).create(create);
-    match o.clone().custom_flags(libc::O_DIRECT).open(path) {
-        Ok(f) => Ok((f, true)),
-        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok((o.open(path)?, false)),
-        Err(e) => Err(e),
-    }
-}
-
-/// Takes an advisory `flock` on the pool file, exclusive for a server and shared for
-/// the checker, without waiting. Held until the file is closed.
-///
-/// Errors: `WouldBlock` when another process holds a conflicting lock.
-pub fn lock_file(file: &File, exclusive: bool) -> io::Result<()> {
-    let op = if exclusive { libc::LOCK_EX } else { libc::LOCK_SH } | libc::LOCK_NB;
-    // SAFETY: flock on an fd that `file` keeps open; no memory is passed.
-    if unsafe { libc::flock(file.as_raw_fd(), op) } == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
-}
-
-/// Size in bytes of a regular file or block device.
-pub fn device_size(file: &File) -> io::Result<u64> {
-    use std::io::{Seek, SeekFrom};
-    let mut f = file;
-    f.seek(SeekFrom::End(0))
-}
-
-/// The ranges of `[start, end)` that hold data in `file` (`lseek` with `SEEK_DATA` and
-/// `SEEK_HOLE`), in order, as `(offset, length)`; everything else in the range is a
-/// hole: no blocks of the host file system back it, and writing there needs room on
-/// it. Stops after `max_ranges` ranges. A file system that does not tell holes apart
-/// reports the whole range as data. (Some report blocks allocated but never written,
-/// by `fallocate`, as holes: taking them for holes only costs a needless write.)
-///
-/// Errors: the `lseek` calls' (other than `ENXIO`, which means no data after an offset).
-pub fn data_ranges(file: &File, start: u64, end: u64, max_ranges: usize) -> io::Result<Vec<(u64, u64)>> {
-    let fd = file.as_raw_fd();
-    let seek = |off: u64, whence: libc::c_int| -> io::Result<Option<u64>> {
-        // SAFETY: lseek on an fd that `file` keeps open; no memory is passed.
-        let r = unsafe { libc::lseek(fd, off as libc::off_t, whence) };
-        if r < 0 {
-            let e = io::Error::last_os_error();
-            return if e.raw_os_error() == Some(libc::ENXIO) { Ok(None) } else { Err(e) };
-        }
-        Ok(Some(r as u64))
-    };
-    let mut out = Vec::new();
-    let mut pos = start;
-    while pos < end && out.len() < max_ranges {
-        let Some(data) = seek(pos, libc::SEEK_DATA)? else { break };
-        if data >= end {
-            break;
-        }
-        let hole = seek(data, libc::SEEK_HOLE)?.unwrap_or(end).min(end);
-        out.push((data, hole - data));
-        pos = hole;
-    }
-    Ok(out)
-}
-
-/// Bytes the host file system holding `file` still has for it (`fstatvfs`: blocks
-/// available to unprivileged users times the block size).
-///
-/// Errors: `fstatvfs`'s.
-pub fn available_bytes(file: &File) -> io::Result<u64> {
-    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
-    // SAFETY: fstatvfs fills the struct it is given on success, on an fd kept open.
-    if unsafe { libc::fstatvfs(file.as_raw_fd(), st.as_mut_ptr()) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: initialised by the successful call above.
-    let st = unsafe { st.assume_init() };
-    Ok(st.f_bavail * st.f_frsize)
-}
-
-/// Allocates blocks for `len` bytes at `offset` of `file` (`fallocate`, mode 0: the
-/// size does not change, the content reads as before).
-///
-/// Errors: `fallocate`'s (`ENOSPC` when the host file system has no room,
-/// `EOPNOTSUPP` where it cannot).
-pub fn allocate(file: &File, offset: u64, len: u64) -> io::Result<()> {
-    // SAFETY: fallocate on an fd that `file` keeps open; no memory is passed.
-    if unsafe { libc::fallocate(file.as_raw_fd(), 0, offset as libc::off_t, len as libc::off_t) } == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::io::open_pool_file;
 
     #[test]
     fn each_runtime_thread_submits_to_the_lane_it_reaps() {
