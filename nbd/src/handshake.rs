@@ -14,10 +14,12 @@ use std::sync::Arc;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
+use crate::config::ServerConfig;
 use crate::error::Error;
 use crate::export::{BlockSizes, Export, ExportFlags, ExportRegistry};
 use crate::proto::*;
-use crate::server::{read_full_or_eof, ExportSlot, Live, ServerConfig};
+use crate::slots::{ExportSlot, Live};
+use crate::stream::read_full_or_eof;
 
 /// The metadata context id given to `base:allocation` by `NBD_OPT_SET_META_CONTEXT`.
 pub(crate) const BASE_ALLOCATION_ID: u32 = 1;

@@ -17,11 +17,16 @@
 //! that clients and tests can speak it too; `testing` (feature `test-utils`) holds an
 //! in-memory export and the fuzz targets' entry points.
 
+mod budget;
+mod config;
 pub mod error;
 pub mod export;
 mod handshake;
 pub mod proto;
+mod reply;
 pub mod server;
+mod slots;
+mod stream;
 #[cfg(any(test, feature = "test-utils"))]
 pub mod testing;
 mod transmission;

@@ -9,98 +9,21 @@
 //! Not here: the option haggling itself (`handshake`), request handling (`transmission`),
 //! wire encoding (`proto`).
 
-use std::collections::HashMap;
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, UnixListener};
 use tracing::Instrument;
 
+pub use crate::config::{ServerConfig, UNMETERED_BYTES_PER_CONNECTION};
 use crate::error::Error;
 use crate::export::ExportRegistry;
-use crate::{handshake, transmission};
-
-/// Tunables of the protocol server. Every field is public; start from
-/// [`ServerConfig::default`] and override what you need.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ServerConfig {
-    /// How long a client in the handshake may go without sending or reading a byte;
-    /// past it the connection is closed with [`Error::HandshakeTimeout`]. Default 30 s.
-    /// A timeout on progress: a client listing hundreds of exports one option at a time
-    /// (`nbdinfo --list`, whose libnbd waits about 200 ms per export over TCP, against
-    /// any server) is not cut off. The whole handshake may take ten times this at most.
-    pub handshake_timeout: Duration,
-    /// Largest option data accepted during option haggling, in bytes; a longer option is
-    /// a hard disconnect (no buffer of the claimed size is allocated). Default 64 KiB.
-    pub max_option_length: u32,
-    /// Cap on the maximum block size advertised in `NBD_INFO_BLOCK_SIZE` and enforced on
-    /// READ, WRITE and CACHE, in bytes: the export's own maximum is lowered to this (and
-    /// never exceeds 1 GiB). Default 32 MiB, the spec's interoperable maximum.
-    pub max_payload: u32,
-    /// Requests of one connection being processed or waiting for their reply to be
-    /// written; when reached, the server stops reading requests (backpressure).
-    /// Default 128.
-    pub max_in_flight_requests: usize,
-    /// READ and WRITE payload bytes of one connection buffered at once (in flight or
-    /// waiting to be written); when reached, the server stops reading requests. A single
-    /// request larger than this still proceeds, alone. Default 128 MiB.
-    pub max_in_flight_bytes: usize,
-    /// Bytes requests hold in memory over every connection of one [`Server`]: READ data
-    /// and BLOCK_STATUS replies until written (charged when the request is read), WRITE
-    /// payloads until the write is answered (charged to the connection's allowance 256
-    /// KiB at a time as they arrive while it has room, then the rest to this budget in
-    /// one piece, so a header whose payload never comes holds one piece of the
-    /// allowance, and no WRITE holds part of this budget while waiting for more). A
-    /// request that would pass it waits. So that no client can stop another through
-    /// it, each connection also has an allowance of [`UNMETERED_BYTES_PER_CONNECTION`]
-    /// outside it, used first: memory is bounded by this plus 2 MiB per connection.
-    /// Default 1 GiB.
-    pub max_total_in_flight_bytes: usize,
-    /// The longest a connection may go without moving 256 KiB of a reply it is being
-    /// sent, or of a WRITE payload it is sending (less when less is left); a connection
-    /// that takes longer is closed ([`Error::Stalled`]), freeing what it held. A client
-    /// that stops reading replies, or sends a payload a byte at a time, holds the server's
-    /// memory for at most about this long; a slow client that keeps reading or sending
-    /// is not closed (the socket's buffers set how much must drain before the server can
-    /// write again: about a third of them). Default 60 s.
-    pub stall_timeout: Duration,
-    /// Connections open at once over all listeners of one [`Server`]; a client accepted
-    /// beyond it is closed at once. Default 1024.
-    pub max_connections: usize,
-    /// Connections in the transmission phase on one export; `NBD_OPT_GO` beyond it gets
-    /// `NBD_REP_ERR_POLICY` (the client may try again later), `NBD_OPT_EXPORT_NAME` a
-    /// hard disconnect. Default 128.
-    pub max_connections_per_export: usize,
-    /// Closes a connection in the transmission phase when no request arrived for this
-    /// long while none was in flight. `None` (the default) never closes: the kernel's
-    /// client keeps idle connections open for as long as a device is attached.
-    pub idle_timeout: Option<Duration>,
-    /// After [`Server::shut_down`], how long a connection keeps reading requests
-    /// (answering each new one with `NBD_ESHUTDOWN`, finishing those in flight) before
-    /// the server closes it. Default 2 s.
-    pub shutdown_grace: Duration,
-}
-
-impl Default for ServerConfig {
-    fn default() -> Self {
-        Self {
-            handshake_timeout: Duration::from_secs(30),
-            max_option_length: 64 * 1024,
-            max_payload: 32 * 1024 * 1024,
-            max_in_flight_requests: 128,
-            max_in_flight_bytes: 128 * 1024 * 1024,
-            max_total_in_flight_bytes: 1024 * 1024 * 1024,
-            stall_timeout: Duration::from_secs(60),
-            max_connections: 1024,
-            max_connections_per_export: 128,
-            idle_timeout: None,
-            shutdown_grace: Duration::from_secs(2),
-        }
-    }
-}
+use crate::slots::{ConnectionSlot, Live, Placement, PlacementSlot};
+use crate::stream::{Progress, Rehome, HANDSHAKE_TIMEOUTS_IN_ALL};
+use crate::{budget, handshake, transmission};
 
 /// An NBD server: the exports it offers, its limits, and the connections it has open
 /// (which `max_connections` and `max_connections_per_export` count, over every listener
@@ -115,120 +38,9 @@ pub struct Server<R> {
     /// runtime.
     runtimes: Vec<Placement>,
     /// The server-wide memory budget ([`ServerConfig::max_total_in_flight_bytes`]).
-    total_in_flight: Arc<transmission::TotalBudget>,
+    total_in_flight: Arc<budget::TotalBudget>,
     /// Connections closed so far because they stalled ([`Error::Stalled`]).
     stalled: AtomicU64,
-}
-
-/// Bytes of memory each connection's requests may hold outside
-/// [`ServerConfig::max_total_in_flight_bytes`]: 2 MiB, above the 1280 KiB the
-/// Linux kernel's client sends at most in one request by default (its queue's
-/// `max_sectors_kb`, seen on Debian's 6.12 kernel).
-pub const UNMETERED_BYTES_PER_CONNECTION: usize = 2 << 20;
-
-/// A runtime connections may be placed on, and how many of them it serves now.
-struct Placement {
-    handle: tokio::runtime::Handle,
-    connections: Arc<AtomicUsize>,
-}
-
-/// One connection counted on a [`Placement`]; uncounted on drop.
-struct PlacementSlot(Arc<AtomicUsize>);
-
-impl Drop for PlacementSlot {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-/// A stream an accept loop can hand to another runtime: taken off the accepting
-/// runtime's reactor as a std stream, and registered with the target's.
-pub(crate) trait Rehome: Sized {
-    /// The std stream (non-blocking).
-    type Std: Send + 'static;
-    fn into_std(self) -> std::io::Result<Self::Std>;
-    /// Must run inside the target runtime.
-    fn from_std(s: Self::Std) -> std::io::Result<Self>;
-}
-
-impl Rehome for tokio::net::TcpStream {
-    type Std = std::net::TcpStream;
-    fn into_std(self) -> std::io::Result<Self::Std> {
-        tokio::net::TcpStream::into_std(self)
-    }
-    fn from_std(s: Self::Std) -> std::io::Result<Self> {
-        tokio::net::TcpStream::from_std(s)
-    }
-}
-
-impl Rehome for tokio::net::UnixStream {
-    type Std = std::os::unix::net::UnixStream;
-    fn into_std(self) -> std::io::Result<Self::Std> {
-        tokio::net::UnixStream::into_std(self)
-    }
-    fn from_std(s: Self::Std) -> std::io::Result<Self> {
-        tokio::net::UnixStream::from_std(s)
-    }
-}
-
-/// Open connections, in all and per export.
-#[derive(Default)]
-pub(crate) struct Live {
-    total: AtomicUsize,
-    per_export: Mutex<HashMap<String, usize>>,
-}
-
-/// One connection counted in [`Live`]'s total; uncounted on drop.
-struct ConnectionSlot(Arc<Live>);
-
-impl Drop for ConnectionSlot {
-    fn drop(&mut self) {
-        self.0.total.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-/// One connection counted against an export; uncounted on drop.
-pub(crate) struct ExportSlot {
-    live: Arc<Live>,
-    name: String,
-}
-
-impl Drop for ExportSlot {
-    fn drop(&mut self) {
-        let mut m = self.live.per_export.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(n) = m.get_mut(&self.name) {
-            *n -= 1;
-            if *n == 0 {
-                m.remove(&self.name);
-            }
-        }
-    }
-}
-
-impl Live {
-    fn enter(self: &Arc<Self>, max: usize) -> Option<ConnectionSlot> {
-        let mut cur = self.total.load(Ordering::Acquire);
-        loop {
-            if cur >= max {
-                return None;
-            }
-            match self.total.compare_exchange_weak(cur, cur + 1, Ordering::AcqRel, Ordering::Acquire) {
-                Ok(_) => return Some(ConnectionSlot(Arc::clone(self))),
-                Err(now) => cur = now,
-            }
-        }
-    }
-
-    /// Counts one more connection on export `name`, unless it already has `max`.
-    pub(crate) fn enter_export(self: &Arc<Self>, name: &str, max: usize) -> Option<ExportSlot> {
-        let mut m = self.per_export.lock().unwrap_or_else(|p| p.into_inner());
-        let n = m.entry(name.to_owned()).or_insert(0);
-        if *n >= max {
-            return None;
-        }
-        *n += 1;
-        Some(ExportSlot { live: Arc::clone(self), name: name.to_owned() })
-    }
 }
 
 impl<R: ExportRegistry> Server<R> {
@@ -245,7 +57,7 @@ impl<R: ExportRegistry> Server<R> {
     /// empty list: connections run on the accept loop's runtime.
     pub fn new_on(registry: Arc<R>, config: ServerConfig, runtimes: Vec<tokio::runtime::Handle>) -> Arc<Self> {
         let runtimes = runtimes.into_iter().map(|handle| Placement { handle, connections: Arc::default() }).collect();
-        let total_in_flight = Arc::new(transmission::TotalBudget::new(config.max_total_in_flight_bytes));
+        let total_in_flight = Arc::new(budget::TotalBudget::new(config.max_total_in_flight_bytes));
         Arc::new(Server {
             registry,
             config,
@@ -479,113 +291,4 @@ where
 async fn accept_failed(e: std::io::Error) {
     tracing::info!(error = %e, "accept failed");
     tokio::time::sleep(Duration::from_millis(100)).await;
-}
-
-/// Fills `buf` from `reader`. Returns `Ok(false)` if the stream ended before the first
-/// byte (a clean close between messages) and an `UnexpectedEof` error if it ended part
-/// way through.
-pub(crate) async fn read_full_or_eof<R: AsyncRead + Unpin>(reader: &mut R, buf: &mut [u8]) -> std::io::Result<bool> {
-    let mut filled = 0;
-    while filled < buf.len() {
-        let n = reader.read(&mut buf[filled..]).await?;
-        if n == 0 {
-            if filled == 0 {
-                return Ok(false);
-            }
-            return Err(std::io::ErrorKind::UnexpectedEof.into());
-        }
-        filled += n;
-    }
-    Ok(true)
-}
-
-/// The longest a whole handshake may take, in handshake timeouts (5 minutes by default:
-/// `nbdinfo --list` of 1,500 exports), so that a client trickling bytes cannot hold a
-/// connection slot for ever.
-const HANDSHAKE_TIMEOUTS_IN_ALL: u32 = 10;
-
-/// When a connection in the handshake last moved a byte, for a timeout on progress.
-struct Progress {
-    start: tokio::time::Instant,
-    /// Nanoseconds from `start` to the last byte read or written.
-    last: AtomicU64,
-}
-
-impl Progress {
-    fn new() -> Progress {
-        Progress { start: tokio::time::Instant::now(), last: AtomicU64::new(0) }
-    }
-
-    fn touch(&self) {
-        self.last.store(self.start.elapsed().as_nanos() as u64, Ordering::Relaxed);
-    }
-
-    /// `stream`, noting here each read or write that moves bytes.
-    fn track<'a, S>(&'a self, stream: &'a mut S) -> Tracked<'a, S> {
-        Tracked { inner: stream, progress: self }
-    }
-
-    /// Resolves once `timeout` has passed without progress.
-    async fn stalled(&self, timeout: Duration) {
-        loop {
-            let last = self.start + Duration::from_nanos(self.last.load(Ordering::Relaxed));
-            if last.elapsed() >= timeout {
-                return;
-            }
-            match last.checked_add(timeout) {
-                Some(deadline) => tokio::time::sleep_until(deadline).await,
-                // Past what an Instant can hold: never.
-                None => std::future::pending().await,
-            }
-        }
-    }
-}
-
-/// A stream that reports its progress to a [`Progress`].
-struct Tracked<'a, S> {
-    inner: &'a mut S,
-    progress: &'a Progress,
-}
-
-impl<S: AsyncRead + Unpin> AsyncRead for Tracked<'_, S> {
-    fn poll_read(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        buf: &mut tokio::io::ReadBuf<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        let before = buf.filled().len();
-        let r = std::pin::Pin::new(&mut *self.inner).poll_read(cx, buf);
-        if buf.filled().len() > before {
-            self.progress.touch();
-        }
-        r
-    }
-}
-
-impl<S: AsyncWrite + Unpin> AsyncWrite for Tracked<'_, S> {
-    fn poll_write(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        buf: &[u8],
-    ) -> std::task::Poll<std::io::Result<usize>> {
-        let r = std::pin::Pin::new(&mut *self.inner).poll_write(cx, buf);
-        if matches!(r, std::task::Poll::Ready(Ok(n)) if n > 0) {
-            self.progress.touch();
-        }
-        r
-    }
-
-    fn poll_flush(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut *self.inner).poll_flush(cx)
-    }
-
-    fn poll_shutdown(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut *self.inner).poll_shutdown(cx)
-    }
 }

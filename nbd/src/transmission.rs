@@ -4,13 +4,10 @@
 //! Lives here: the request reader (parses headers, validates each request against the
 //! negotiated state and the export size read at that moment, receives or discards WRITE
 //! payloads, and runs each accepted request as a future polled inside the connection's
-//! task), the reply writer (the only owner of the socket's write half, writing replies
-//! in completion order), the backpressure (a request-count and a byte budget per
-//! connection, a memory budget over the server with an allowance outside it per
-//! connection), the stall timeout on replies and WRITE payloads, and the building of simple
-//! and structured replies (`NBD_REPLY_TYPE_OFFSET_DATA`, `NBD_REPLY_TYPE_OFFSET_HOLE`,
-//! `NBD_REPLY_TYPE_BLOCK_STATUS`, `NBD_REPLY_TYPE_ERROR`).
-//! Not here: option haggling (`handshake`), byte layouts (`proto`).
+//! task), the execution of requests against the export, and the stall timeout on
+//! replies and WRITE payloads. Not here: option haggling (`handshake`), byte layouts
+//! (`proto`), replies and their writer (`reply`), the budgets requests wait for
+//! (`budget`).
 //!
 //! Ordering: replies go out as requests complete, in any order (proto.md, "Ordering of
 //! messages and writes"). `NBD_CMD_FLUSH` calls [`Export::flush`] when it is processed;
@@ -19,7 +16,6 @@
 //! for every in-flight request, writes their replies and closes.
 
 use std::future::Future;
-use std::ops::Range;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -27,27 +23,30 @@ use std::time::Duration;
 
 use futures_util::future::FutureExt;
 use futures_util::stream::{FuturesUnordered, StreamExt};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
-use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, BufReader};
+use tokio::sync::{mpsc, watch, Semaphore};
 
+use crate::budget::{budget_unless_interrupted, Budget, TotalBudget, Waited, SHUTTING_DOWN};
+use crate::config::ServerConfig;
 use crate::error::Error;
-use crate::export::{Errno, Export, Extent, ReadData};
+use crate::export::{Errno, Export};
 use crate::handshake::{Negotiated, Params};
 use crate::proto::*;
-use crate::server::{read_full_or_eof, ServerConfig, UNMETERED_BYTES_PER_CONNECTION};
+use crate::reply::*;
+use crate::stream::read_full_or_eof;
 
 /// Most descriptors sent in one `NBD_REPLY_TYPE_BLOCK_STATUS` chunk; the spec lets a
 /// server describe less than the requested length.
-const MAX_BLOCK_STATUS_DESCRIPTORS: usize = 1 << 16;
+pub(crate) const MAX_BLOCK_STATUS_DESCRIPTORS: usize = 1 << 16;
 
 /// Granularity of the payload-byte budget, in bytes.
-const BYTE_UNIT: usize = 4096;
+pub(crate) const BYTE_UNIT: usize = 4096;
 
 /// Bytes of a reply or WRITE payload that must move within
 /// [`ServerConfig::stall_timeout`]; a WRITE payload is also charged to the
 /// connection's unmetered allowance in pieces of this size as it arrives, so that a
 /// header whose payload never comes holds no more than this.
-const STALL_CHUNK: usize = 256 * 1024;
+pub(crate) const STALL_CHUNK: usize = 256 * 1024;
 
 /// A request that passed validation, ready to run against the export. Offsets and
 /// lengths are in bytes and within the export.
@@ -191,179 +190,6 @@ pub(crate) fn check(req: &Request, params: &Params, size: u64) -> Result<Op, Rej
     })
 }
 
-// ---------------------------------------------------------------------------------------
-// Replies
-// ---------------------------------------------------------------------------------------
-
-/// A piece of an encoded reply: literal bytes, or a range of the READ buffer.
-enum Piece {
-    Bytes(Vec<u8>),
-    Data(Range<usize>),
-}
-
-/// One complete reply (a simple reply, or every chunk of a structured reply), written
-/// as a unit by the writer.
-struct Reply<B> {
-    pieces: Vec<Piece>,
-    buf: Option<B>,
-}
-
-impl<B> Reply<B> {
-    fn bytes(b: Vec<u8>) -> Self {
-        Self { pieces: vec![Piece::Bytes(b)], buf: None }
-    }
-}
-
-/// Budget held by a request until its reply has been handed to the socket.
-struct Permits {
-    _count: OwnedSemaphorePermit,
-    _bytes: Option<OwnedSemaphorePermit>,
-    /// The request's memory charged outside the connection's own budget, to the
-    /// connection's unmetered allowance and to the server's budget: in one piece (a
-    /// READ, a BLOCK_STATUS), or for a WRITE payload one per [`STALL_CHUNK`] from the
-    /// allowance as it arrives and the rest from the server's budget in one piece,
-    /// merged into one permit per semaphore.
-    unmetered: Option<OwnedSemaphorePermit>,
-    total: Option<OwnedSemaphorePermit>,
-}
-
-struct Outgoing<B> {
-    reply: Reply<B>,
-    _permits: Permits,
-}
-
-fn success<B>(handle: u64) -> Reply<B> {
-    Reply::bytes(SimpleReply { error: 0, handle }.encode().to_vec())
-}
-
-/// An error reply: an `NBD_REPLY_TYPE_ERROR` chunk with a message when structured replies
-/// were negotiated (required for READ, preferred for the rest), a simple reply otherwise.
-fn error_reply<B>(structured: bool, handle: u64, errno: Errno, message: &str) -> Reply<B> {
-    if structured {
-        Reply::bytes(encode_error_chunk(handle, errno, message, true))
-    } else {
-        Reply::bytes(SimpleReply { error: errno.wire_value(), handle }.encode().to_vec())
-    }
-}
-
-fn done<B>(structured: bool, handle: u64, result: Result<(), Errno>, what: &str) -> Reply<B> {
-    match result {
-        Ok(()) => success(handle),
-        Err(errno) => error_reply(structured, handle, errno, what),
-    }
-}
-
-/// A run of a READ reply: `len` bytes at `start` (relative to the request offset), either
-/// data or a hole that reads as zeros.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Run {
-    start: u32,
-    len: u32,
-    hole: bool,
-}
-
-/// Splits a read of `len` bytes into data and hole runs from the export's extents.
-/// Returns `None` (send everything as data) when the extents are empty or do not cover
-/// exactly `len` bytes.
-fn content_runs(extents: &[Extent], len: u32) -> Option<Vec<Run>> {
-    if extents.is_empty() {
-        return None;
-    }
-    let mut runs: Vec<Run> = Vec::new();
-    let mut covered: u64 = 0;
-    for e in extents.iter().filter(|e| e.length > 0) {
-        let next = covered.checked_add(e.length)?;
-        if next > u64::from(len) {
-            return None;
-        }
-        // Both fit in u32: covered < next <= len.
-        let (start, run_len) = (covered as u32, e.length as u32);
-        let hole = e.hole && e.zero;
-        match runs.last_mut() {
-            Some(last) if last.hole == hole => last.len += run_len,
-            _ => runs.push(Run { start, len: run_len, hole }),
-        }
-        covered = next;
-    }
-    (covered == u64::from(len)).then_some(runs)
-}
-
-/// The reply to a successful READ. Simple: header then data. Structured: one
-/// `NBD_REPLY_TYPE_OFFSET_DATA` chunk per data run and one `NBD_REPLY_TYPE_OFFSET_HOLE`
-/// chunk per hole run (a single data chunk with `df`), the last chunk flagged DONE.
-fn read_reply<B: AsRef<[u8]>>(
-    structured: bool,
-    handle: u64,
-    offset: u64,
-    len: u32,
-    df: bool,
-    data: ReadData<B>,
-) -> Reply<B> {
-    if data.data.as_ref().len() != len as usize {
-        tracing::warn!(
-            expected = len,
-            got = data.data.as_ref().len(),
-            "export returned a read buffer of the wrong length"
-        );
-        return error_reply(structured, handle, Errno::Eio, "internal error: short read buffer");
-    }
-    if !structured {
-        return Reply {
-            pieces: vec![
-                Piece::Bytes(SimpleReply { error: 0, handle }.encode().to_vec()),
-                Piece::Data(0..len as usize),
-            ],
-            buf: Some(data.data),
-        };
-    }
-    let runs = if df { None } else { content_runs(&data.extents, len) }
-        .unwrap_or_else(|| vec![Run { start: 0, len, hole: false }]);
-    let mut pieces = Vec::with_capacity(runs.len() * 2);
-    let last = runs.len().saturating_sub(1);
-    for (i, run) in runs.iter().enumerate() {
-        let at = offset + u64::from(run.start);
-        if run.hole {
-            pieces.push(Piece::Bytes(encode_offset_hole(handle, at, run.len, i == last).to_vec()));
-        } else {
-            pieces.push(Piece::Bytes(encode_offset_data_header(handle, at, run.len, i == last).to_vec()));
-            let start = run.start as usize;
-            pieces.push(Piece::Data(start..start + run.len as usize));
-        }
-    }
-    Reply { pieces, buf: Some(data.data) }
-}
-
-/// Block status descriptors for a request of `len` bytes: zero-length extents dropped,
-/// neighbours with equal status merged, clipped to `len`, one descriptor with `req_one`.
-/// Falls back to a single descriptor of status 0 (always truthful) when the export
-/// described nothing.
-fn block_descriptors(extents: &[Extent], len: u32, req_one: bool) -> Vec<BlockDescriptor> {
-    let mut out: Vec<BlockDescriptor> = Vec::new();
-    let mut covered: u64 = 0;
-    for e in extents.iter().filter(|e| e.length > 0) {
-        let remaining = u64::from(len) - covered;
-        if remaining == 0 {
-            break;
-        }
-        let l = e.length.min(remaining) as u32;
-        let status = allocation_status(e);
-        match out.last_mut() {
-            Some(last) if last.status == status => last.length += l,
-            _ => {
-                if out.len() == MAX_BLOCK_STATUS_DESCRIPTORS || (req_one && !out.is_empty()) {
-                    break;
-                }
-                out.push(BlockDescriptor { length: l, status });
-            }
-        }
-        covered += u64::from(l);
-    }
-    if out.is_empty() {
-        out.push(BlockDescriptor { length: len, status: 0 });
-    }
-    out
-}
-
 /// Runs one validated READ and builds its reply. Apart from [`execute`] so that the boxed
 /// future of a read, the most frequent request, holds only the read's state: a request's
 /// future is moved into its own allocation, and `execute`'s holds the largest of every
@@ -442,55 +268,9 @@ where
     read_result
 }
 
-/// The single owner of the write half: writes each reply whole, batching whatever is
-/// ready before flushing; shuts the write side down when every sender is gone. Writing
-/// [`STALL_CHUNK`] of a reply, or flushing a batch, that takes longer than `stall` ends
-/// the connection with [`Error::Stalled`].
-async fn write_replies<W, B>(writer: W, mut rx: mpsc::Receiver<Outgoing<B>>, stall: Duration) -> Result<(), Error>
-where
-    W: AsyncWrite + Unpin,
-    B: AsRef<[u8]>,
-{
-    let mut w = BufWriter::with_capacity(64 * 1024, writer);
-    while let Some(first) = rx.recv().await {
-        write_reply(&mut w, first, stall).await?;
-        while let Ok(next) = rx.try_recv() {
-            write_reply(&mut w, next, stall).await?;
-        }
-        within(stall, "writing a reply", w.flush()).await?;
-    }
-    if let Err(e) = w.shutdown().await {
-        tracing::debug!(error = %e, "shutting down the write side failed");
-    }
-    Ok(())
-}
-
-/// Writes one reply into `w`, each [`STALL_CHUNK`] of it within `stall`.
-async fn write_reply<W, B>(w: &mut W, out: Outgoing<B>, stall: Duration) -> Result<(), Error>
-where
-    W: AsyncWrite + Unpin,
-    B: AsRef<[u8]>,
-{
-    let reply = out.reply;
-    for piece in &reply.pieces {
-        let bytes = match piece {
-            Piece::Bytes(b) => &b[..],
-            Piece::Data(range) => match reply.buf.as_ref().and_then(|b| b.as_ref().get(range.clone())) {
-                Some(d) => d,
-                // Ranges are built from the checked buffer length; never reached.
-                None => return Err(std::io::Error::other("reply data out of range").into()),
-            },
-        };
-        for chunk in bytes.chunks(STALL_CHUNK) {
-            within(stall, "writing a reply", w.write_all(chunk)).await?;
-        }
-    }
-    Ok(())
-}
-
 /// Runs one socket transfer, ending the connection with [`Error::Stalled`] (`what`) if it
 /// takes longer than `stall`.
-async fn within<T>(
+pub(crate) async fn within<T>(
     stall: Duration,
     what: &'static str,
     transfer: impl Future<Output = std::io::Result<T>>,
@@ -530,164 +310,6 @@ async fn idle_expired(budget: &Budget, idle: Option<Duration>) {
         if budget.count.available_permits() == budget.count_total {
             return;
         }
-    }
-}
-
-/// The memory budget shared by every connection of one server
-/// ([`ServerConfig::max_total_in_flight_bytes`]), in units of [`BYTE_UNIT`].
-pub(crate) struct TotalBudget {
-    bytes: Arc<Semaphore>,
-    units: u32,
-}
-
-impl TotalBudget {
-    /// A budget of `bytes` (at least one unit).
-    pub(crate) fn new(bytes: usize) -> Self {
-        let units = (bytes / BYTE_UNIT).clamp(1, u32::MAX as usize);
-        Self { bytes: Arc::new(Semaphore::new(units)), units: units as u32 }
-    }
-}
-
-/// Budgets shared by the requests of one connection, and its share of the server's.
-struct Budget {
-    count: Arc<Semaphore>,
-    count_total: usize,
-    bytes: Arc<Semaphore>,
-    byte_units: u32,
-    /// This connection's allowance outside the server's budget
-    /// ([`UNMETERED_BYTES_PER_CONNECTION`]), in units of [`BYTE_UNIT`].
-    unmetered: Arc<Semaphore>,
-    total: Arc<TotalBudget>,
-}
-
-const UNMETERED_UNITS: u32 = (UNMETERED_BYTES_PER_CONNECTION / BYTE_UNIT) as u32;
-
-impl Budget {
-    fn new(config: &ServerConfig, total: Arc<TotalBudget>) -> Self {
-        let count = config.max_in_flight_requests.clamp(1, Semaphore::MAX_PERMITS);
-        let units = (config.max_in_flight_bytes / BYTE_UNIT).clamp(1, u32::MAX as usize);
-        Self {
-            count: Arc::new(Semaphore::new(count)),
-            count_total: count,
-            bytes: Arc::new(Semaphore::new(units)),
-            byte_units: units as u32,
-            unmetered: Arc::new(Semaphore::new(UNMETERED_UNITS as usize)),
-            total,
-        }
-    }
-
-    /// Waits until one more request holding `bytes` in memory fits in the connection's
-    /// budget (a request larger than the whole budget waits for all of it). The memory
-    /// is then charged with [`Budget::charge`].
-    async fn admit(&self, bytes: usize) -> Option<Permits> {
-        let count = Arc::clone(&self.count).acquire_owned().await.ok()?;
-        let units = bytes.div_ceil(BYTE_UNIT).min(self.byte_units as usize) as u32;
-        let bytes = if units == 0 { None } else { Some(Arc::clone(&self.bytes).acquire_many_owned(units).await.ok()?) };
-        Some(Permits { _count: count, _bytes: bytes, unmetered: None, total: None })
-    }
-
-    /// Charges `bytes` more of a request's memory to `permits`: to the connection's
-    /// unmetered allowance or to the server's budget, whichever has room first (the
-    /// allowance when both do; only the server's when `bytes` exceeds the allowance).
-    /// Clients holding the server's budget can so slow another client to what its
-    /// allowance holds at a time, but not stop it.
-    async fn charge(&self, permits: &mut Permits, bytes: usize) -> Option<()> {
-        let units = self.total_units(bytes);
-        if units > UNMETERED_UNITS {
-            return self.reserve_total(permits, bytes).await;
-        }
-        if self.try_unmetered(permits, units) {
-            return Some(());
-        }
-        tokio::select! {
-            biased;
-            p = Arc::clone(&self.unmetered).acquire_many_owned(units) => add(&mut permits.unmetered, p.ok()?),
-            p = Arc::clone(&self.total.bytes).acquire_many_owned(units) => add(&mut permits.total, p.ok()?),
-        }
-        Some(())
-    }
-
-    /// Units of the server's budget `bytes` take (at most the whole budget).
-    fn total_units(&self, bytes: usize) -> u32 {
-        bytes.div_ceil(BYTE_UNIT).min(self.total.units as usize) as u32
-    }
-
-    /// Charges `units` ([`BYTE_UNIT`]s) to the connection's unmetered allowance if it
-    /// has room for them now; false (nothing charged) if not.
-    fn try_unmetered(&self, permits: &mut Permits, units: u32) -> bool {
-        if units == 0 {
-            return true;
-        }
-        match Arc::clone(&self.unmetered).try_acquire_many_owned(units) {
-            Ok(p) => {
-                add(&mut permits.unmetered, p);
-                true
-            }
-            Err(_) => false,
-        }
-    }
-
-    /// Charges `bytes` to the server's budget in one piece (at most the whole budget),
-    /// waiting until it is free. A request takes from the server's budget once, never
-    /// a part while it waits for more: parts held while waiting for the rest let WRITEs
-    /// deadlock each other.
-    async fn reserve_total(&self, permits: &mut Permits, bytes: usize) -> Option<()> {
-        let units = self.total_units(bytes);
-        if units > 0 {
-            add(&mut permits.total, Arc::clone(&self.total.bytes).acquire_many_owned(units).await.ok()?);
-        }
-        Some(())
-    }
-
-    /// [`Budget::admit`] and [`Budget::charge`] of the whole of `bytes`.
-    async fn acquire(&self, bytes: usize) -> Option<Permits> {
-        let mut permits = self.admit(bytes).await?;
-        self.charge(&mut permits, bytes).await?;
-        Some(permits)
-    }
-}
-
-/// Adds `permit` to `slot` (permits of one semaphore).
-fn add(slot: &mut Option<OwnedSemaphorePermit>, permit: OwnedSemaphorePermit) {
-    match slot {
-        Some(held) => held.merge(permit),
-        None => *slot = Some(permit),
-    }
-}
-
-/// The answer to a request that was not run because the server began shutting down
-/// (NBD proto.md, "Server-side soft disconnect" and `NBD_ESHUTDOWN`).
-const SHUTTING_DOWN: Rejection = Rejection { errno: Errno::Eshutdown, message: "the server is shutting down" };
-
-/// How a wait for budget ended.
-enum Waited<T> {
-    Got(T),
-    /// The writer is gone (or the budget closed, as the connection ends): stop reading.
-    Gone,
-    /// The server began shutting down first: the request is answered `NBD_ESHUTDOWN`
-    /// instead of being run.
-    ShuttingDown,
-}
-
-/// Waits for `budget` (a request's share of the budgets, which other connections may
-/// hold for long) unless the writer goes away or, when `shutting_down` is given, the
-/// server begins shutting down: a request that has not got its memory yet is not run.
-async fn budget_unless_interrupted<T, B>(
-    budget: impl Future<Output = Option<T>>,
-    tx: &mpsc::Sender<Outgoing<B>>,
-    shutting_down: Option<&mut watch::Receiver<bool>>,
-) -> Waited<T> {
-    let shutdown = async {
-        match shutting_down {
-            Some(rx) => drop(rx.wait_for(|s| *s).await),
-            None => std::future::pending().await,
-        }
-    };
-    tokio::select! {
-        biased;
-        got = budget => got.map_or(Waited::Gone, Waited::Got),
-        _ = tx.closed() => Waited::Gone,
-        _ = shutdown => Waited::ShuttingDown,
     }
 }
 
@@ -855,7 +477,7 @@ impl<E: Export, R: AsyncRead + Unpin> RequestReader<'_, E, R> {
             self.close_at.is_none().then_some(&mut self.shutting_down),
         )
         .await;
-        let mut permits = match waited {
+        let permits = match waited {
             Waited::Got(permits) => permits,
             Waited::Gone => return Intake::Stop(Ok(())),
             // Not run yet: the request is answered as one sent after the shutdown began.
@@ -887,43 +509,10 @@ impl<E: Export, R: AsyncRead + Unpin> RequestReader<'_, E, R> {
         let export = Arc::clone(&self.export);
         let tx = self.tx.clone();
         let run: Running = if let Op::Write { offset, len, fua } = op {
-            let mut buf = export.alloc_write_buf(offset, len);
-            if buf.as_mut().len() != len as usize {
-                tracing::warn!(
-                    expected = len,
-                    got = buf.as_mut().len(),
-                    "export returned a write buffer of the wrong length"
-                );
-                if let Err(e) = discard(self.reader, len, stall).await {
-                    return Intake::Stop(Err(e));
-                }
-                let reply = error_reply(structured, handle, Errno::Eio, "internal error: write buffer");
-                return answer(&self.tx, Outgoing { reply, _permits: permits }).await;
+            match self.receive_write(handle, (offset, len, fua), permits).await {
+                Ok(run) => run,
+                Err(intake) => return intake,
             }
-            let watch = self.close_at.is_none().then_some(&mut self.shutting_down);
-            let payload = Payload { budget: &self.budget, tx: &self.tx, shutting_down: watch, stall };
-            match payload.receive(self.reader, buf.as_mut(), &mut permits).await {
-                Ok(()) => {}
-                Err(Interrupted::Gone) => return Intake::Stop(Ok(())),
-                Err(Interrupted::Failed(e)) => return Intake::Stop(Err(e)),
-                // The rest of the payload is read and dropped, and the WRITE not run.
-                Err(Interrupted::ShuttingDown { received }) => {
-                    self.begin_closing();
-                    drop(buf);
-                    (permits._bytes, permits.unmetered, permits.total) = (None, None, None);
-                    if let Err(e) = discard(self.reader, len - received, stall).await {
-                        return Intake::Stop(Err(e));
-                    }
-                    let reply = error_reply(structured, handle, SHUTTING_DOWN.errno, SHUTTING_DOWN.message);
-                    return answer(&self.tx, Outgoing { reply, _permits: permits }).await;
-                }
-            }
-            Box::pin(async move {
-                let result = export.write(offset, buf, fua).await;
-                let reply = done(structured, handle, result, "write failed");
-                // A send error means the writer is gone; the reader stops on its own.
-                let _ = tx.send(Outgoing { reply, _permits: permits }).await;
-            })
         } else if let Op::Read { offset, len, df } = op {
             Box::pin(async move {
                 let reply = execute_read(&*export, structured, handle, offset, len, df).await;
@@ -936,6 +525,59 @@ impl<E: Export, R: AsyncRead + Unpin> RequestReader<'_, E, R> {
             })
         };
         Intake::Run(run)
+    }
+
+    /// A WRITE that passed validation: receives its payload into a buffer of the
+    /// export's (charged as it arrives, see [`Payload`]) and returns the request's run,
+    /// or what the reader does instead (the payload was dropped: an error answered, or
+    /// the connection stops).
+    async fn receive_write(
+        &mut self,
+        handle: u64,
+        (offset, len, fua): (u64, u32, bool),
+        mut permits: Permits,
+    ) -> Result<Running, Intake> {
+        let structured = self.params.structured;
+        let stall = self.config.stall_timeout;
+        let export = Arc::clone(&self.export);
+        let tx = self.tx.clone();
+        let mut buf = export.alloc_write_buf(offset, len);
+        if buf.as_mut().len() != len as usize {
+            tracing::warn!(
+                expected = len,
+                got = buf.as_mut().len(),
+                "export returned a write buffer of the wrong length"
+            );
+            if let Err(e) = discard(self.reader, len, stall).await {
+                return Err(Intake::Stop(Err(e)));
+            }
+            let reply = error_reply(structured, handle, Errno::Eio, "internal error: write buffer");
+            return Err(answer(&self.tx, Outgoing { reply, _permits: permits }).await);
+        }
+        let watch = self.close_at.is_none().then_some(&mut self.shutting_down);
+        let payload = Payload { budget: &self.budget, tx: &self.tx, shutting_down: watch, stall };
+        match payload.receive(self.reader, buf.as_mut(), &mut permits).await {
+            Ok(()) => {}
+            Err(Interrupted::Gone) => return Err(Intake::Stop(Ok(()))),
+            Err(Interrupted::Failed(e)) => return Err(Intake::Stop(Err(e))),
+            // The rest of the payload is read and dropped, and the WRITE not run.
+            Err(Interrupted::ShuttingDown { received }) => {
+                self.begin_closing();
+                drop(buf);
+                (permits._bytes, permits.unmetered, permits.total) = (None, None, None);
+                if let Err(e) = discard(self.reader, len - received, stall).await {
+                    return Err(Intake::Stop(Err(e)));
+                }
+                let reply = error_reply(structured, handle, SHUTTING_DOWN.errno, SHUTTING_DOWN.message);
+                return Err(answer(&self.tx, Outgoing { reply, _permits: permits }).await);
+            }
+        }
+        Ok(Box::pin(async move {
+            let result = export.write(offset, buf, fua).await;
+            let reply = done(structured, handle, result, "write failed");
+            // A send error means the writer is gone; the reader stops on its own.
+            let _ = tx.send(Outgoing { reply, _permits: permits }).await;
+        }))
     }
 }
 
@@ -1025,6 +667,7 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::export::Extent;
     use crate::handshake::Limits;
 
     fn params(tflags: u16, structured: bool, meta: bool) -> Params {
