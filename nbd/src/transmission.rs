@@ -408,6 +408,9 @@ impl<E: Export, R: AsyncRead + Unpin> RequestReader<'_, E, R> {
 
     /// Reads one request (its header, and a WRITE's payload), validates it, and waits
     /// for its share of the connection's budget. A rejected request is answered here.
+    /// (Some 115 lines: one request's way from header to run, as one sequence of early
+    /// returns, each a way the connection may end; the WRITE payload is
+    /// [`Self::receive_write`].)
     async fn next(&mut self) -> Intake {
         let structured = self.params.structured;
         let mut header = [0u8; REQUEST_HEADER_LEN];

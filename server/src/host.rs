@@ -146,37 +146,9 @@ impl Host {
             accept_log_loss: opts.accept_log_loss,
             preallocate: opts.preallocate,
         };
-        // Listen first, so a busy port or socket leaves no new pool file behind. The NBD
-        // listeners belong to the data-plane runtime, the management socket to this one.
-        let nbd_socket = opts.nbd_socket_path();
-        let mgmt_socket = opts.mgmt_socket_path();
-        let tcp = std::net::TcpListener::bind(opts.listen)
-            .and_then(|l| {
-                l.set_nonblocking(true)?;
-                let _rt = dataplane.handle().enter();
-                tokio::net::TcpListener::from_std(l)
-            })
-            .with_context(|| format!("bind NBD on {}", opts.listen))?;
-        // TCP before the unix sockets: a busy port leaves no socket file behind either.
-        let metrics_listener = match opts.metrics_listen {
-            Some(addr) => Some(
-                tokio::net::TcpListener::bind(addr)
-                    .await
-                    .with_context(|| format!("bind the metrics endpoint on {addr}"))?,
-            ),
-            None => None,
-        };
-        let unix = {
-            let _rt = dataplane.handle().enter();
-            bind_unix(&nbd_socket)?
-        };
-        let mgmt_listener = match bind_unix(&mgmt_socket) {
-            Ok(l) => l,
-            Err(e) => {
-                let _ = std::fs::remove_file(&nbd_socket);
-                return Err(e);
-            }
-        };
+        // Listen first, so a busy port or socket leaves no new pool file behind.
+        let Listeners { tcp, metrics: metrics_listener, unix, mgmt: mgmt_listener, nbd_socket, mgmt_socket } =
+            Listeners::bind(&opts, &dataplane).await?;
         let p = pool_path.clone();
         let format = opts.format;
         let pool = dataplane
@@ -301,6 +273,57 @@ impl Host {
         self.dataplane.stop();
         tracing::info!("pool closed cleanly");
         Ok(())
+    }
+}
+
+/// The listeners of a host, bound before its pool is opened.
+struct Listeners {
+    tcp: tokio::net::TcpListener,
+    metrics: Option<tokio::net::TcpListener>,
+    unix: tokio::net::UnixListener,
+    mgmt: tokio::net::UnixListener,
+    nbd_socket: PathBuf,
+    mgmt_socket: PathBuf,
+}
+
+impl Listeners {
+    /// Binds NBD on TCP, then metrics, then the unix sockets (NBD, management): a busy
+    /// port leaves no socket file behind, and a busy socket removes those bound before
+    /// it. The NBD listeners belong to the data plane's first runtime, the others to the
+    /// caller's.
+    ///
+    /// Errors: an address or socket in use, or not bindable.
+    async fn bind(opts: &HostOptions, dataplane: &DataPlane) -> anyhow::Result<Listeners> {
+        let nbd_socket = opts.nbd_socket_path();
+        let mgmt_socket = opts.mgmt_socket_path();
+        let tcp = std::net::TcpListener::bind(opts.listen)
+            .and_then(|l| {
+                l.set_nonblocking(true)?;
+                let _rt = dataplane.handle().enter();
+                tokio::net::TcpListener::from_std(l)
+            })
+            .with_context(|| format!("bind NBD on {}", opts.listen))?;
+        // TCP before the unix sockets: a busy port leaves no socket file behind either.
+        let metrics_listener = match opts.metrics_listen {
+            Some(addr) => Some(
+                tokio::net::TcpListener::bind(addr)
+                    .await
+                    .with_context(|| format!("bind the metrics endpoint on {addr}"))?,
+            ),
+            None => None,
+        };
+        let unix = {
+            let _rt = dataplane.handle().enter();
+            bind_unix(&nbd_socket)?
+        };
+        let mgmt_listener = match bind_unix(&mgmt_socket) {
+            Ok(l) => l,
+            Err(e) => {
+                let _ = std::fs::remove_file(&nbd_socket);
+                return Err(e);
+            }
+        };
+        Ok(Listeners { tcp, metrics: metrics_listener, unix, mgmt: mgmt_listener, nbd_socket, mgmt_socket })
     }
 }
 

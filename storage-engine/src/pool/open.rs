@@ -136,79 +136,28 @@ impl Pool {
             file.set_len(0).map_err(|e| discard(Error::io("truncate a leftover pool file", e)))?;
         }
         let size = if is_dev { io::device_size(&file).map_err(|e| Error::io("size of device", e))? } else { opts.size };
-        let log_size = (size / 64).clamp(4 * MAX_BATCH_BYTES as u64, 64 << 20) / BLOCK_SIZE * BLOCK_SIZE;
+        let (log_size, data_offset, unit_count) = match layout(size, u64::from(unit)) {
+            Ok(l) => l,
+            Err(e) => {
+                remove_creating();
+                return Err(e);
+            }
+        };
         let unit = u64::from(unit);
-        let data_offset = (LOG_OFFSET + log_size).div_ceil(unit) * unit;
-        let unit_count = size.saturating_sub(data_offset) / unit;
-        if unit_count < 64 || unit_count >= u64::from(u32::MAX) {
-            remove_creating();
-            // The bounds in bytes, for this unit size (the log's size grows with the pool's).
-            let offset_for = |log: u64| (LOG_OFFSET + log).div_ceil(unit) * unit;
-            let message = if unit_count < 64 {
-                let min = offset_for(4 * MAX_BATCH_BYTES as u64) + 64 * unit;
-                format!(
-                    "pool size {size} bytes is too small: with {unit}-byte data units a pool needs at least \
-                     {min} bytes (its superblocks, log and 64 data units)"
-                )
-            } else {
-                let max = offset_for(64 << 20) + (u64::from(u32::MAX) - 1) * unit;
-                format!(
-                    "pool size {size} bytes is too large: with {unit}-byte data units a pool holds at most \
-                     2^32-2 units ({max} bytes); choose a larger unit size"
-                )
-            };
-            return Err(Error::new(ErrorKind::InvalidArgument, message));
-        }
         if !is_dev {
             // Checked above: a size past the unit count's bound never reaches the file
             // system (which says only "out of range").
             file.set_len(size).map_err(|e| discard(Error::io("size pool file", e)))?;
         }
-        let mut sb = Superblock {
-            magic: SUPERBLOCK_MAGIC,
-            version: FORMAT_VERSION.into(),
-            header_size: (size_of::<Superblock>() as u32).into(),
-            pool_uuid: *uuid::Uuid::new_v4().as_bytes(),
-            pool_size: size.into(),
-            unit_size: (unit as u32).into(),
-            block_size: (BLOCK_SIZE as u32).into(),
-            log_offset: LOG_OFFSET.into(),
-            log_size: log_size.into(),
-            data_offset: data_offset.into(),
-            unit_count: unit_count.into(),
-            generation: 0.into(),
-            checkpoint_unit: NO_UNIT.into(),
-            checkpoint_chunks: 0.into(),
-            checkpoint_seq: 0.into(),
-            log_head: 0.into(),
-            features: 0.into(),
-            reserved: [0; 120],
-            crc: 0.into(),
-            pad: 0.into(),
-        };
+        let sb = new_superblock(size, unit, log_size, data_offset, unit_count);
         let file = Arc::new(file);
         let ring = IoRing::new(file.clone(), 256, &IoOptions::default())
             .map_err(|e| discard(Error::io("set up io_uring", e)))?;
-        // Zero the log, so that no stale batch of a former pool can look current and
-        // the host file system holds blocks for all of it (a log write never needs room
-        // there), then write both superblock slots (generations 0 and 1).
         let formatted = (|| {
             if opts.preallocate && !is_dev {
                 io::allocate(&file, 0, size).map_err(|e| Error::io("preallocate the pool file", e))?;
             }
-            let zeros = AlignedBuf::zeroed(1 << 20);
-            let mut at = LOG_OFFSET;
-            while at < LOG_OFFSET + log_size {
-                let len = (LOG_OFFSET + log_size - at).min(1 << 20);
-                write_blocks(&ring, at, &zeros.full()[..len as usize])?;
-                at += len;
-            }
-            for g in 0..2u64 {
-                sb.generation = g.into();
-                sb.crc = sb.compute_crc().into();
-                write_blocks(&ring, SUPERBLOCK_OFFSETS[(g % 2) as usize], sb.as_bytes())?;
-            }
-            sync(&ring)
+            format(&ring, sb, log_size)
         })();
         drop(ring);
         formatted.map_err(discard)?;
@@ -357,4 +306,83 @@ impl Pool {
         inner.start_committer()?;
         Ok(Pool { inner })
     }
+}
+
+/// The layout of a new pool of `size` bytes and `unit`-byte data units: the log's size
+/// (1/64 of the pool, from 4 batches to 64 MiB), where the data area begins, and how
+/// many units it holds (docs/on-disk-format.md 3.1).
+///
+/// Errors: [`ErrorKind::InvalidArgument`] naming the bound, when the pool holds fewer
+/// than 64 units or 2^32-1 or more.
+fn layout(size: u64, unit: u64) -> Result<(u64, u64, u64)> {
+    let log_size = (size / 64).clamp(4 * MAX_BATCH_BYTES as u64, 64 << 20) / BLOCK_SIZE * BLOCK_SIZE;
+    let data_offset = (LOG_OFFSET + log_size).div_ceil(unit) * unit;
+    let unit_count = size.saturating_sub(data_offset) / unit;
+    if unit_count < 64 || unit_count >= u64::from(u32::MAX) {
+        // The bounds in bytes, for this unit size (the log's size grows with the pool's).
+        let offset_for = |log: u64| (LOG_OFFSET + log).div_ceil(unit) * unit;
+        let message = if unit_count < 64 {
+            let min = offset_for(4 * MAX_BATCH_BYTES as u64) + 64 * unit;
+            format!(
+                "pool size {size} bytes is too small: with {unit}-byte data units a pool needs at least \
+                 {min} bytes (its superblocks, log and 64 data units)"
+            )
+        } else {
+            let max = offset_for(64 << 20) + (u64::from(u32::MAX) - 1) * unit;
+            format!(
+                "pool size {size} bytes is too large: with {unit}-byte data units a pool holds at most \
+                 2^32-2 units ({max} bytes); choose a larger unit size"
+            )
+        };
+        return Err(Error::new(ErrorKind::InvalidArgument, message));
+    }
+    Ok((log_size, data_offset, unit_count))
+}
+
+/// The superblock of a new pool, generation 0, naming no checkpoint.
+fn new_superblock(size: u64, unit: u64, log_size: u64, data_offset: u64, unit_count: u64) -> Superblock {
+    Superblock {
+        magic: SUPERBLOCK_MAGIC,
+        version: FORMAT_VERSION.into(),
+        header_size: (size_of::<Superblock>() as u32).into(),
+        pool_uuid: *uuid::Uuid::new_v4().as_bytes(),
+        pool_size: size.into(),
+        unit_size: (unit as u32).into(),
+        block_size: (BLOCK_SIZE as u32).into(),
+        log_offset: LOG_OFFSET.into(),
+        log_size: log_size.into(),
+        data_offset: data_offset.into(),
+        unit_count: unit_count.into(),
+        generation: 0.into(),
+        checkpoint_unit: NO_UNIT.into(),
+        checkpoint_chunks: 0.into(),
+        checkpoint_seq: 0.into(),
+        log_head: 0.into(),
+        features: 0.into(),
+        reserved: [0; 120],
+        crc: 0.into(),
+        pad: 0.into(),
+    }
+}
+
+/// Formats a new pool through `ring`: zeros over the log (so that no stale batch of a
+/// former pool can look current, and the host file system holds blocks for all of it,
+/// so that a log write never needs room there), then both superblock slots (generations
+/// 0 and 1 of `sb`), then `fdatasync`.
+///
+/// Errors: [`ErrorKind::Io`].
+fn format(ring: &IoRing, mut sb: Superblock, log_size: u64) -> Result<()> {
+    let zeros = AlignedBuf::zeroed(1 << 20);
+    let mut at = LOG_OFFSET;
+    while at < LOG_OFFSET + log_size {
+        let len = (LOG_OFFSET + log_size - at).min(1 << 20);
+        write_blocks(ring, at, &zeros.full()[..len as usize])?;
+        at += len;
+    }
+    for g in 0..2u64 {
+        sb.generation = g.into();
+        sb.crc = sb.compute_crc().into();
+        write_blocks(ring, SUPERBLOCK_OFFSETS[(g % 2) as usize], sb.as_bytes())?;
+    }
+    sync(ring)
 }

@@ -3,6 +3,7 @@
 //! log and pool creation use. Not here: when to checkpoint (commit.rs), the room for
 //! one (room.rs).
 
+use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 
 use tokio::sync::oneshot;
@@ -13,7 +14,19 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::format::*;
 use crate::io::{self, AlignedBuf, Dir, IoRing, Segment};
 use crate::journal::{self, State, VolumeMeta};
-use crate::meta::Allocator;
+use crate::meta::{Allocator, PendingMark};
+
+/// What K1 of a checkpoint took ([`Store::snapshot_for_checkpoint`]).
+struct Snapshot {
+    /// The metadata to write.
+    state: State,
+    /// How far the pending frees and settles reached.
+    pending: PendingMark,
+    /// Records logged so far: durable once the checkpoint is.
+    upto: u64,
+    /// Units of the spare the checkpoint may take (its bound).
+    reserved: VecDeque<u32>,
+}
 
 impl Store {
     /// Writes a checkpoint (see the module docs) whose sequence number is `seq_jump`
@@ -45,57 +58,117 @@ impl Store {
 
     /// [`Self::checkpoint`] with the log lock held by the caller.
     pub(super) fn checkpoint_locked(&self, log: &mut LogState, seq_jump: u64) -> Result<()> {
-        // 1. A consistent snapshot: all volume maps, the allocator and the journal.
-        let (snapshot, pending, upto, mut reserved) = {
-            let vols = self.volumes.read();
-            let maps: Vec<_> = vols.values().map(|v| (v.clone(), v.map.read())).collect();
-            let mut alloc = self.alloc.lock();
-            // The units this checkpoint takes at most, from the spare (room.rs): they
-            // are backed, and the rule that sizes the spare guarantees them.
-            let bound = journal::checkpoint_units_bound(
-                journal::checkpoint_bytes_bound(&alloc.counts, alloc.used),
-                self.geo.unit_size,
-            );
-            let reserved: std::collections::VecDeque<u32> = (0..bound).map_while(|_| alloc.alloc_meta()).collect();
-            if (reserved.len() as u64) < bound {
-                tracing::error!(
-                    bound,
-                    spare = reserved.len(),
-                    "the spare holds fewer units than a checkpoint may take"
-                );
-            }
-            alloc.checkpoint_units = bound;
-            let mut j = self.journal.lock();
-            j.bytes.clear(); // captured by the snapshot itself
-            let volumes = maps
-                .iter()
-                .map(|(v, m)| {
-                    let meta = VolumeMeta {
-                        name: v.name.clone(),
-                        snapshot: v.snapshot,
-                        size: v.size.load(Ordering::SeqCst),
-                        created: v.created,
-                        map: (**m).clone(),
-                    };
-                    (v.id, meta)
-                })
-                .collect();
-            // Its tables are resident only where units are in use, like the live ones.
-            let mut copy = Allocator::new(alloc.unit_count() as usize);
-            for (u, r) in alloc.nonzero_refcounts() {
-                // Checkpoint units and copy-on-write targets not yet mapped are free in it.
-                if r != crate::meta::META && !alloc.cow_inflight.contains(&u) {
-                    copy.set_loaded(u, r);
-                }
-            }
-            let st = State { volumes, next_volume: self.next_volume(), alloc: copy, unit_size: self.geo.unit_size };
-            (st, alloc.pending_mark(), self.records_logged.load(Ordering::SeqCst), reserved)
-        };
+        // K1: a consistent snapshot of all volume maps, the allocator and the journal.
+        let Snapshot { state, pending, upto, mut reserved } = self.snapshot_for_checkpoint();
         self.writes_since_sync.store(0, Ordering::SeqCst);
-        // 2. Encode and write the chunks one at a time, each into a freshly allocated
-        //    unit (the unit of the next chunk is taken before a chunk is written, since
-        //    its header names it), with at most CHUNKS_IN_FLIGHT writes outstanding:
-        //    memory stays a few chunks whatever the size of the checkpoint.
+        // At least one past the last batch: the log that follows this checkpoint never
+        // continues the sequence of the one before it, so a replay from the previous
+        // checkpoint (a rollback to the older superblock slot) stops where this one was
+        // taken, instead of going on into batches written after it without the records
+        // it absorbed (on-disk-format.md 4.3).
+        let seq = log.cursor.seq + seq_jump.max(1);
+        // K2: the chunks, written and synced with the data they refer to.
+        let (result, units) = self.write_chunks(state, seq, &mut reserved);
+        {
+            // What the bound held beyond what the checkpoint took goes back to the spare.
+            let mut a = self.alloc.lock();
+            for u in reserved.drain(..) {
+                a.retire_meta(u);
+            }
+            a.checkpoint_units = units.len() as u64;
+            if result.is_err() {
+                for &u in &units {
+                    a.retire_meta(u);
+                }
+                a.checkpoint_units = log.checkpoint_units.len() as u64;
+            }
+        }
+        result?;
+        // K3: the sync above made the data and the chunks durable; switch superblocks.
+        let mut sb = log.sb.clone();
+        sb.version = FORMAT_VERSION.into();
+        sb.checkpoint_unit = u64::from(units[0]).into();
+        sb.checkpoint_chunks = (units.len() as u64).into();
+        sb.checkpoint_seq = seq.into();
+        sb.log_head = log.cursor.pos.into();
+        self.switch_superblock(log, sb)?;
+        // K4: the old checkpoint's units go to the spare, the snapshot's frees are free.
+        // Still under the log lock: pending marks stay valid only while takes and
+        // releases of them are serialised.
+        let old = std::mem::replace(&mut log.checkpoint_units, units);
+        log.cursor.head = log.cursor.pos;
+        log.cursor.seq = seq;
+        let mut a = self.alloc.lock();
+        for u in old {
+            a.retire_meta(u);
+        }
+        self.trim_spare(&mut a);
+        a.release_pending(pending, &self.pins);
+        drop(a);
+        self.records_durable.fetch_max(upto, Ordering::SeqCst);
+        Ok(())
+    }
+
+    /// K1 (on-disk-format.md 6.3), under the registry, every volume's map lock, the
+    /// allocator and the journal: the metadata as a plain [`State`] (pages shared with
+    /// the live maps; refcounts of checkpoint units and copy-on-write targets not yet
+    /// mapped as free), the journal cleared (its records are in the snapshot), how far
+    /// the pending lists reach, how many records it covers, and the units it may take
+    /// from the spare.
+    fn snapshot_for_checkpoint(&self) -> Snapshot {
+        let vols = self.volumes.read();
+        let maps: Vec<_> = vols.values().map(|v| (v.clone(), v.map.read())).collect();
+        let mut alloc = self.alloc.lock();
+        // The units this checkpoint takes at most, from the spare (room.rs): they
+        // are backed, and the rule that sizes the spare guarantees them.
+        let bound = journal::checkpoint_units_bound(
+            journal::checkpoint_bytes_bound(&alloc.counts, alloc.used),
+            self.geo.unit_size,
+        );
+        let reserved: VecDeque<u32> = (0..bound).map_while(|_| alloc.alloc_meta()).collect();
+        if (reserved.len() as u64) < bound {
+            tracing::error!(bound, spare = reserved.len(), "the spare holds fewer units than a checkpoint may take");
+        }
+        alloc.checkpoint_units = bound;
+        let mut j = self.journal.lock();
+        j.bytes.clear(); // captured by the snapshot itself
+        let volumes = maps
+            .iter()
+            .map(|(v, m)| {
+                let meta = VolumeMeta {
+                    name: v.name.clone(),
+                    snapshot: v.snapshot,
+                    size: v.size.load(Ordering::SeqCst),
+                    created: v.created,
+                    map: (**m).clone(),
+                };
+                (v.id, meta)
+            })
+            .collect();
+        // Its tables are resident only where units are in use, like the live ones.
+        let mut copy = Allocator::new(alloc.unit_count() as usize);
+        for (u, r) in alloc.nonzero_refcounts() {
+            // Checkpoint units and copy-on-write targets not yet mapped are free in it.
+            if r != crate::meta::META && !alloc.cow_inflight.contains(&u) {
+                copy.set_loaded(u, r);
+            }
+        }
+        let st = State { volumes, next_volume: self.next_volume(), alloc: copy, unit_size: self.geo.unit_size };
+        Snapshot {
+            state: st,
+            pending: alloc.pending_mark(),
+            upto: self.records_logged.load(Ordering::SeqCst),
+            reserved,
+        }
+    }
+
+    /// K2: encodes `state` one chunk payload at a time and writes each chunk, with
+    /// `checkpoint_seq = seq`, into the next of `reserved` (the unit of the next chunk is
+    /// taken before a chunk is written, since its header names it), with at most
+    /// CHUNKS_IN_FLIGHT writes outstanding, so that memory holds a few chunks whatever
+    /// the checkpoint's size; then `fdatasync`s. Returns the outcome and the units the
+    /// chunks took, in order.
+    fn write_chunks(&self, state: State, seq: u64, reserved: &mut VecDeque<u32>) -> (Result<()>, Vec<u32>) {
         const CHUNKS_IN_FLIGHT: usize = 8;
         let payload = self.geo.unit_size as usize - size_of::<ChunkHeader>();
         let mut alloc_meta = || match reserved.pop_front() {
@@ -109,12 +182,6 @@ impl Store {
                     .ok_or_else(|| Error::new(ErrorKind::NoSpace, "no free unit for the checkpoint").op("checkpoint"))
             }
         };
-        // At least one past the last batch: the log that follows this checkpoint never
-        // continues the sequence of the one before it, so a replay from the previous
-        // checkpoint (a rollback to the older superblock slot) stops where this one was
-        // taken, instead of going on into batches written after it without the records
-        // it absorbed (on-disk-format.md 4.3).
-        let seq = log.cursor.seq + seq_jump.max(1);
         let mut units: Vec<u32> = Vec::new();
         let mut inflight = std::collections::VecDeque::new();
         let wait = |rx: oneshot::Receiver<io::RwResult>| match rx.blocking_recv() {
@@ -156,48 +223,10 @@ impl Store {
             ));
             Ok(())
         };
-        let encoded = snapshot.encode_checkpoint(payload, &mut emit);
-        drop(snapshot);
+        let encoded = state.encode_checkpoint(payload, &mut emit);
+        drop(state);
         let result = inflight.into_iter().fold(encoded.map(|_| ()), |r, rx| r.and(wait(rx)));
-        let result = result.and_then(|()| self.sync_data_blocking());
-        {
-            // What the bound held beyond what the checkpoint took goes back to the spare.
-            let mut a = self.alloc.lock();
-            for u in reserved.drain(..) {
-                a.retire_meta(u);
-            }
-            a.checkpoint_units = units.len() as u64;
-            if result.is_err() {
-                for &u in &units {
-                    a.retire_meta(u);
-                }
-                a.checkpoint_units = log.checkpoint_units.len() as u64;
-            }
-        }
-        result?;
-        // 3. The sync above made the data and the chunks durable; switch superblocks.
-        let mut sb = log.sb.clone();
-        sb.version = FORMAT_VERSION.into();
-        sb.checkpoint_unit = u64::from(units[0]).into();
-        sb.checkpoint_chunks = (units.len() as u64).into();
-        sb.checkpoint_seq = seq.into();
-        sb.log_head = log.cursor.pos.into();
-        self.switch_superblock(log, sb)?;
-        // 4. The old checkpoint's units and the snapshot's frees are now free.
-        // Still under the log lock: pending marks stay valid only while takes and
-        // releases of them are serialised.
-        let old = std::mem::replace(&mut log.checkpoint_units, units);
-        log.cursor.head = log.cursor.pos;
-        log.cursor.seq = seq;
-        let mut a = self.alloc.lock();
-        for u in old {
-            a.retire_meta(u);
-        }
-        self.trim_spare(&mut a);
-        a.release_pending(pending, &self.pins);
-        drop(a);
-        self.records_durable.fetch_max(upto, Ordering::SeqCst);
-        Ok(())
+        (result.and_then(|()| self.sync_data_blocking()), units)
     }
 }
 
