@@ -38,6 +38,36 @@ fn data_survives_clean_restart() {
     check_clean(&td.data());
 }
 
+/// A server whose stderr cannot be written (a full file system under its log file; a
+/// log reader that went away) serves, answers management calls with their true outcome,
+/// and stops cleanly on SIGTERM with its final flush and checkpoint: losing the log must
+/// never cost data or a wrong answer.
+#[test]
+fn a_server_whose_log_cannot_be_written_serves_and_stops_cleanly() {
+    require_python_nbd();
+    let td = TestDir::new();
+    let mut s = Server::start_logging_to(&td.data(), "1GiB", &[], std::path::Path::new("/dev/full"));
+    // Each of these logs a line at info level.
+    s.create_volume("a", "64MiB");
+    s.cli_ok(&["snapshot", "create", "a", "s1"]);
+    s.cli_ok(&["volume", "clone", "--from", "a@s1", "c"]);
+    s.cli_ok(&["snapshot", "delete", "a", "s1"]);
+    s.cli_ok(&["volume", "delete", "c"]);
+    // Written, acknowledged, never flushed: the clean stop must make it durable.
+    python_ok(
+        "import nbd, sys\nh = nbd.NBD()\nh.connect_uri(sys.argv[1])\nh.pwrite(b'\\xab' * 1048576, 4096)\nh.shutdown()",
+        &[&s.uri("a")],
+    );
+    s.stop();
+    let report = cli_ok(&td.data(), &["check"]);
+    assert!(report.contains(" 0 log batches replayed"), "the stop wrote no final checkpoint:\n{report}");
+    s.stderr_to = None;
+    s.restart();
+    qemu_io_ok(&s.uri("a"), &["read -P 0 0 4096", "read -P 0xab 4096 1M"]);
+    assert_eq!(s.volumes().as_array().unwrap().len(), 1, "{}", s.volumes());
+    s.stop();
+}
+
 #[test]
 fn flushed_data_survives_kill9() {
     // Data whose flush or FUA write returned survives kill -9, and the crashed pool checks clean.

@@ -161,6 +161,8 @@ pub struct Server {
     pub log: PathBuf,
     pool_size: String,
     extra: Vec<String>,
+    /// Where the server's stderr goes instead of the log file (`/dev/full`, a FIFO).
+    pub stderr_to: Option<PathBuf>,
 }
 
 impl Server {
@@ -179,6 +181,23 @@ impl Server {
             log: PathBuf::new(),
             pool_size: pool_size.to_owned(),
             extra: extra.iter().map(|s| s.to_string()).collect(),
+            stderr_to: None,
+        };
+        s.launch();
+        s
+    }
+
+    /// [`Server::start_with`] with the server's stdout and stderr sent to `stderr_to`
+    /// (readiness is still seen on its sockets).
+    pub fn start_logging_to(dir: &Path, pool_size: &str, extra: &[&str], stderr_to: &Path) -> Server {
+        let mut s = Server {
+            child: None,
+            dir: dir.to_owned(),
+            port: 0,
+            log: PathBuf::new(),
+            pool_size: pool_size.to_owned(),
+            extra: extra.iter().map(|s| s.to_string()).collect(),
+            stderr_to: Some(stderr_to.to_owned()),
         };
         s.launch();
         s
@@ -210,7 +229,10 @@ impl Server {
                 "{}-serve-{n}.log",
                 self.dir.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default()
             ));
-            let logf = std::fs::File::create(&log).unwrap();
+            let logf = match &self.stderr_to {
+                Some(to) => std::fs::OpenOptions::new().write(true).open(to).unwrap(),
+                None => std::fs::File::create(&log).unwrap(),
+            };
             let mut child = Command::new(BIN)
                 .arg("--data-dir")
                 .arg(&self.dir)

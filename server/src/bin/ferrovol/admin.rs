@@ -79,7 +79,7 @@ pub(crate) async fn snapshot_cmd(socket: &Path, cmd: SnapshotCmd) -> anyhow::Res
                     out!("{} {}", r.offset, r.length);
                 }
                 let total: u64 = ranges.iter().map(|r| r.length).sum();
-                eprintln!("{} ranges, {} bytes differ", ranges.len(), total);
+                say!("{} ranges, {} bytes differ", ranges.len(), total);
             }
         }
     }
@@ -187,7 +187,7 @@ pub(crate) async fn check(path: PathBuf, repair: bool) -> anyhow::Result<ExitCod
                     return Ok(ExitCode::FAILURE);
                 }
                 Err(e) => {
-                    eprintln!("ferrovol: {e}");
+                    say!("ferrovol: {e}");
                     return Ok(ExitCode::from(2));
                 }
             };
@@ -216,7 +216,7 @@ pub(crate) async fn check(path: PathBuf, repair: bool) -> anyhow::Result<ExitCod
                     return Ok(ExitCode::FAILURE);
                 }
                 Err(e) => {
-                    eprintln!("ferrovol: {e}");
+                    say!("ferrovol: {e}");
                     return Ok(ExitCode::from(2));
                 }
             };

@@ -15,9 +15,19 @@ macro_rules! out {
             if e.kind() == std::io::ErrorKind::BrokenPipe {
                 std::process::exit(0);
             }
-            eprintln!("ferrovol: writing the output failed: {e}");
+            say!("ferrovol: writing the output failed: {e}");
             std::process::exit(1);
         }
+    }};
+}
+
+/// `eprintln!` that never panics: a message to stderr, dropped when stderr cannot
+/// take it (a full file system under the log file, a log reader that has gone). The
+/// server must go on serving, and stop cleanly, whatever happens to its log.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
     }};
 }
 
@@ -36,13 +46,16 @@ fn main() -> ExitCode {
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("FERROVOL_LOG").unwrap_or_else(|_| "info".into()))
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        // A log line that cannot be written is dropped: reporting that failure on
+        // stderr (the default) panics when stderr is what failed.
+        .log_internal_errors(false)
         .init();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("tokio runtime");
     let r = rt.block_on(run(cli));
     match r {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("ferrovol: {e:#}");
+            say!("ferrovol: {e:#}");
             ExitCode::FAILURE
         }
     }
