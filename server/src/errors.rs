@@ -11,7 +11,7 @@ pub fn nbd_errno(e: &Error) -> nbd::Errno {
         ErrorKind::OutOfRange | ErrorKind::InvalidArgument => nbd::Errno::Einval,
         // The volume was deleted under a connected client.
         ErrorKind::NotFound => nbd::Errno::Eio,
-        ErrorKind::AlreadyExists => nbd::Errno::Einval,
+        ErrorKind::AlreadyExists | ErrorKind::Attached => nbd::Errno::Einval,
         ErrorKind::Io | ErrorKind::Corrupt | ErrorKind::Failed | ErrorKind::InUse => nbd::Errno::Eio,
     }
 }
@@ -27,7 +27,7 @@ pub fn grpc_status(e: &Error) -> tonic::Status {
         ErrorKind::NoSpace => tonic::Status::resource_exhausted(msg),
         ErrorKind::Failed => tonic::Status::failed_precondition(msg),
         ErrorKind::InUse => tonic::Status::unavailable(msg),
-        ErrorKind::ReadOnly => tonic::Status::failed_precondition(msg),
+        ErrorKind::ReadOnly | ErrorKind::Attached => tonic::Status::failed_precondition(msg),
         ErrorKind::Io | ErrorKind::Corrupt => tonic::Status::internal(msg),
     }
 }

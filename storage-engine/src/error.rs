@@ -30,6 +30,9 @@ pub enum ErrorKind {
     InUse,
     /// A write to a read-only snapshot.
     ReadOnly,
+    /// The volume is published to a node (it has an attachment): it cannot be deleted,
+    /// or attached exclusively to another node, until it is unpublished.
+    Attached,
 }
 
 impl ErrorKind {
@@ -45,6 +48,7 @@ impl ErrorKind {
             ErrorKind::Failed => "pool failed or closed and refuses writes",
             ErrorKind::InUse => "pool in use",
             ErrorKind::ReadOnly => "read-only",
+            ErrorKind::Attached => "published to a node",
         }
     }
 }

@@ -13,9 +13,14 @@ pub const SUPERBLOCK_MAGIC: [u8; 8] = *b"FERROVOL";
 /// Format version written by this build. Version 2 added snapshots and clones
 /// (`REC_SHARE`, `VolumeRec::flags`, shared pages); version 3 added
 /// [`BatchHeader::commit_index`], which lets replay tell a torn commit from a damaged
-/// acknowledged one. An older pool opens and is written as version 3 from its first
-/// checkpoint on (every open writes one), so older builds refuse it afterwards.
-pub const FORMAT_VERSION: u32 = 3;
+/// acknowledged one; version 4 added volume properties ([`REC_PROPS`]: labels and
+/// attachments) and [`VOLUME_FLAG_WRITTEN`]. An older pool opens and is written as the
+/// current version from its first checkpoint on (every open writes one), so older
+/// builds refuse it afterwards.
+pub const FORMAT_VERSION: u32 = 4;
+/// First format version whose checkpoints carry [`VOLUME_FLAG_WRITTEN`] (before it, a
+/// volume counts as written when it maps a unit).
+pub const WRITTEN_FLAG_VERSION: u32 = 4;
 /// Largest sequence number and absolute log position a valid pool holds (2^62): both
 /// only grow, by far less than that in any pool's life, and a larger one (damage under
 /// a valid checksum) is refused rather than left to overflow.
@@ -186,6 +191,9 @@ pub const REC_VOLUME_RESIZE: u8 = 5;
 /// Log: a new volume or snapshot sharing every mapping page of another ([`ShareRec`]
 /// followed by the new name): snapshot create and clone.
 pub const REC_SHARE: u8 = 6;
+/// Log and checkpoint: the whole property set of a volume, replacing the one before
+/// ([`PropsRec`], then its labels, then its attachments).
+pub const REC_PROPS: u8 = 7;
 /// Checkpoint: pool-wide counters ([`PoolRec`]).
 pub const REC_POOL: u8 = 16;
 /// Checkpoint: one mapping page of a volume ([`PageRec`] then [`PageEntry`]s).
@@ -235,13 +243,67 @@ pub struct VolumeRec {
     pub created: U32,
     /// Name length in bytes (1..=257: a snapshot is named `VOLUME@SNAPSHOT`).
     pub name_len: U16,
-    /// [`VOLUME_FLAG_SNAPSHOT`] or zero.
+    /// [`VOLUME_FLAG_SNAPSHOT`], [`VOLUME_FLAG_WRITTEN`] (checkpoints only), or zero.
     pub flags: U16,
 }
 const _: () = assert!(size_of::<VolumeRec>() == 24);
 
 /// [`VolumeRec::flags`]: a read-only snapshot rather than a writable volume.
 pub const VOLUME_FLAG_SNAPSHOT: u16 = 1;
+/// [`VolumeRec::flags`], in checkpoints: the volume is not *pristine*: it was made by
+/// sharing (a clone or snapshot of a written one) or has had a unit mapped since it was
+/// created empty. In the log a [`REC_MAP`] record implies it, and a [`REC_SHARE`]
+/// record sets it for a clone (a snapshot takes its source's).
+pub const VOLUME_FLAG_WRITTEN: u16 = 2;
+
+/// Head of a [`REC_PROPS`] body (16 bytes), followed by `labels` labels (each a
+/// [`LabelHead`] then the key's and the value's bytes) and `attachments` attachments
+/// (each an [`AttachmentHead`] then the node id's bytes).
+#[derive(Debug, Clone, FromBytes, IntoBytes, KnownLayout, Immutable)]
+#[repr(C)]
+pub struct PropsRec {
+    /// Volume id.
+    pub volume: U64,
+    /// Number of labels.
+    pub labels: U16,
+    /// Number of attachments.
+    pub attachments: U16,
+    /// Zero.
+    pub pad: U32,
+}
+const _: () = assert!(size_of::<PropsRec>() == 16);
+
+/// One label in a [`REC_PROPS`] body (2 bytes), followed by the key and the value.
+#[derive(Debug, Clone, FromBytes, IntoBytes, KnownLayout, Immutable)]
+#[repr(C)]
+pub struct LabelHead {
+    /// Key length in bytes (1..=63).
+    pub key_len: u8,
+    /// Value length in bytes (0..=255).
+    pub value_len: u8,
+}
+const _: () = assert!(size_of::<LabelHead>() == 2);
+
+/// One attachment in a [`REC_PROPS`] body (24 bytes), followed by `node_len` bytes of
+/// node id.
+#[derive(Debug, Clone, FromBytes, IntoBytes, KnownLayout, Immutable)]
+#[repr(C)]
+pub struct AttachmentHead {
+    /// The attachment key a client presents to open the export.
+    pub key: [u8; 16],
+    /// When the attachment was made, seconds since the Unix epoch.
+    pub created: U32,
+    /// Node id length in bytes (1..=256).
+    pub node_len: U16,
+    /// [`ATTACH_FLAG_READ_ONLY`], [`ATTACH_FLAG_EXCLUSIVE`], or zero.
+    pub flags: U16,
+}
+const _: () = assert!(size_of::<AttachmentHead>() == 24);
+
+/// [`AttachmentHead::flags`]: the node may only read.
+pub const ATTACH_FLAG_READ_ONLY: u16 = 1;
+/// [`AttachmentHead::flags`]: no other node may be attached while this one is.
+pub const ATTACH_FLAG_EXCLUSIVE: u16 = 2;
 
 /// Head of a [`REC_SHARE`] body (32 bytes), followed by `name_len` bytes of name.
 #[derive(Debug, Clone, FromBytes, IntoBytes, KnownLayout, Immutable)]

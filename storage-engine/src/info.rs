@@ -3,6 +3,8 @@
 
 use std::path::PathBuf;
 
+use crate::props::{Attachment, Labels};
+
 /// A volume as listed by the management API.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VolumeInfo {
@@ -23,6 +25,14 @@ pub struct VolumeInfo {
     pub shared: u64,
     /// Creation time, seconds since the Unix epoch.
     pub created: u64,
+    /// Created empty and never written since: no unit was ever mapped, so every block
+    /// reads as zeros and no file system can be on it. A clone is never pristine, nor is
+    /// a snapshot of a volume that was not.
+    pub pristine: bool,
+    /// Its labels, sorted by key.
+    pub labels: Labels,
+    /// The nodes it is published to, in the order they were attached.
+    pub attachments: Vec<Attachment>,
 }
 
 /// Pool-wide space accounting, in bytes.

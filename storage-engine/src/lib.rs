@@ -22,6 +22,7 @@ mod journal;
 pub mod meta;
 mod names;
 mod pool;
+mod props;
 mod store;
 #[cfg(any(test, feature = "test-utils"))]
 pub mod testing;
@@ -33,4 +34,8 @@ pub use info::{PoolStatus, Recovery, VolumeInfo};
 pub use io::{AlignedBuf, IoOptions, Reaper};
 pub use names::{validate_name, MAX_NAME_LEN, MAX_VOLUME_SIZE};
 pub use pool::{Pool, PoolOptions, DEFAULT_POOL_SIZE, DEFAULT_UNIT_SIZE};
+pub use props::{
+    validate_labels, validate_node_id, AttachKey, Attachment, Labels, MAX_ATTACHMENTS, MAX_LABELS, MAX_NODE_ID_LEN,
+    MAX_PROPS_BYTES,
+};
 pub use volume::{Extent, ReadResult, Volume, MAX_IO_BYTES};

@@ -1,6 +1,6 @@
 //! Power-loss simulation: random workloads over several volumes (writes of many sizes,
-//! FUA, flush, trim, write zeroes, snapshot create and delete, clone, grow, close and
-//! reopen) run on a pool whose io_uring records every completed write and flush
+//! FUA, flush, trim, write zeroes, snapshot create and delete, clone, grow, attach and
+//! detach, close and reopen) run on a pool whose io_uring records every completed write and flush
 //! (`storage_engine::testing::IoLog`). Then, at many cut points, the image a power cut
 //! would leave is built (flushed and FUA writes kept, every other write kept, lost or
 //! torn at random) and checked:
@@ -10,7 +10,10 @@
 //! - every 512-byte sector of every volume and snapshot reads back as one of the values
 //!   the durability contract allows: the value at the last flush (or snapshot, clone,
 //!   close) that completed before the cut, a FUA write's value once acknowledged, or
-//!   the value of any write issued after that point.
+//!   the value of any write issued after that point;
+//! - each volume is attached to exactly the nodes it must be (an attach or detach
+//!   that returned before the cut holds, one in progress may or may not), read-only as
+//!   asked; a volume that counts as pristine reads as zeros, and a clone never does.
 //!
 //! `POWER_LOSS_CUTS` sets the cut points per seed (default 500); each run uses the
 //! fixed seed and one random seed, printed on failure. `POWER_LOSS_SEED` replays one.
@@ -46,6 +49,8 @@ enum Op {
     Clone { source: String, name: String },
     DeleteVolume { name: String },
     Grow { name: String, size: u64 },
+    Attach { name: String, node: String, read_only: bool },
+    Detach { name: String, node: String },
     Reopen,
 }
 
@@ -73,12 +78,26 @@ struct Expect {
     latest: Vec<u64>,
     /// The values each sector may hold after the cut.
     allowed: Vec<Vec<u64>>,
+    /// Made by a clone (so never pristine).
+    cloned: bool,
+    /// Nodes it must be attached to after the cut (with the read-only flag), and nodes
+    /// it may be attached to.
+    attached: BTreeMap<String, bool>,
+    maybe_attached: BTreeMap<String, bool>,
 }
 
 impl Expect {
     fn new(exists: Exists, latest: Vec<u64>) -> Expect {
         let size = latest.len() as u64 * SECTOR;
-        Expect { exists, sizes: [size].into(), allowed: latest.iter().map(|&t| vec![t]).collect(), latest }
+        Expect {
+            exists,
+            sizes: [size].into(),
+            allowed: latest.iter().map(|&t| vec![t]).collect(),
+            latest,
+            cloned: false,
+            attached: BTreeMap::new(),
+            maybe_attached: BTreeMap::new(),
+        }
     }
     /// A durability point: everything written so far is on the medium.
     fn settle(&mut self) {
@@ -131,6 +150,7 @@ fn expected(history: &[Done], cut: usize) -> BTreeMap<String, Expect> {
                 // source's data durable first: its content is the source's latest.
                 let mut new = Expect::new(if done { Exists::Yes } else { Exists::Maybe }, src.latest.clone());
                 new.sizes = [src.latest.len() as u64 * SECTOR].into();
+                new.cloned = matches!(d.op, Op::Clone { .. }) || src.cloned;
                 m.insert(name.clone(), new);
             }
             Op::DeleteSnapshot { full: name } | Op::DeleteVolume { name } => {
@@ -149,6 +169,22 @@ fn expected(history: &[Done], cut: usize) -> BTreeMap<String, Expect> {
                     e.sizes = [*size].into();
                 } else {
                     e.sizes.insert(*size);
+                }
+            }
+            Op::Attach { name, node, read_only } => {
+                let e = m.get_mut(name).unwrap();
+                if done {
+                    e.maybe_attached.remove(node);
+                    e.attached.insert(node.clone(), *read_only);
+                } else {
+                    e.maybe_attached.insert(node.clone(), *read_only);
+                }
+            }
+            Op::Detach { name, node } => {
+                let e = m.get_mut(name).unwrap();
+                let ro = e.attached.remove(node).or(e.maybe_attached.remove(node)).unwrap();
+                if !done {
+                    e.maybe_attached.insert(node.clone(), ro);
                 }
             }
             Op::Reopen => {
@@ -176,6 +212,8 @@ fn workload(dir: &Path, rng: &mut Rng) -> (Vec<u8>, Vec<storage_engine::testing:
     let mut history: Vec<Done> = Vec::new();
     // name -> (size, is snapshot)
     let mut live: BTreeMap<String, (u64, bool)> = BTreeMap::new();
+    // volume -> the nodes it is attached to
+    let mut attached: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
     let mut n = 0u64;
     let run = |op: Op, pool: &mut Option<Pool>, history: &mut Vec<Done>| {
         let start = log.len();
@@ -216,6 +254,13 @@ fn workload(dir: &Path, rng: &mut Rng) -> (Vec<u8>, Vec<storage_engine::testing:
             }
             Op::Grow { name, size } => {
                 rt.block_on(p.resize_volume(name, *size)).unwrap();
+            }
+            Op::Attach { name, node, read_only } => {
+                let a = rt.block_on(p.attach(name, node, *read_only, false)).unwrap();
+                assert_eq!((&a.node_id, a.read_only), (node, *read_only));
+            }
+            Op::Detach { name, node } => {
+                assert!(rt.block_on(p.detach(name, node)).unwrap().is_some());
             }
             Op::Reopen => {
                 pool.take().unwrap().close().unwrap();
@@ -275,8 +320,13 @@ fn workload(dir: &Path, rng: &mut Rng) -> (Vec<u8>, Vec<storage_engine::testing:
             Op::Clone { source, name }
         } else if r < 91 && vols.len() > 1 {
             let name = pick(rng, &vols);
-            live.remove(&name);
-            Op::DeleteVolume { name }
+            // An attached volume is detached first (a delete is refused while attached).
+            if let Some(node) = attached.get_mut(&name).and_then(|n| n.pop_first()) {
+                Op::Detach { name, node }
+            } else {
+                live.remove(&name);
+                Op::DeleteVolume { name }
+            }
         } else if r < 95 {
             let name = pick(rng, &vols);
             let size = (live[&name].0 + 64 * 1024 + 4096).min(MAX_VOL_SIZE);
@@ -285,7 +335,23 @@ fn workload(dir: &Path, rng: &mut Rng) -> (Vec<u8>, Vec<storage_engine::testing:
             }
             live.get_mut(&name).unwrap().0 = size;
             Op::Grow { name, size }
-        } else if r < 98 {
+        } else if r < 97 {
+            let name = pick(rng, &vols);
+            let nodes = attached.entry(name.clone()).or_default();
+            match nodes.first().cloned().filter(|_| rng.chance(40)) {
+                Some(node) => {
+                    nodes.remove(&node);
+                    Op::Detach { name, node }
+                }
+                None => {
+                    let node = format!("node-{}", rng.below(4));
+                    if !nodes.insert(node.clone()) {
+                        continue;
+                    }
+                    Op::Attach { name, node, read_only: rng.chance(30) }
+                }
+            }
+        } else if r < 99 {
             Op::Reopen
         } else {
             continue;
@@ -326,7 +392,20 @@ fn check_cut(
         let v = pool.volume(name).unwrap();
         let size = v.size();
         assert!(e.sizes.contains(&size), "{name}: size {size}, allowed {:?}", e.sizes);
+        let info = pool.volume_info(name).unwrap();
+        let found: BTreeMap<String, bool> = info.attachments.iter().map(|a| (a.node_id.clone(), a.read_only)).collect();
+        for (node, ro) in &e.attached {
+            assert_eq!(found.get(node), Some(ro), "{name} must be attached to {node} (read-only {ro}): {found:?}");
+        }
+        for (node, ro) in &found {
+            let allowed = e.attached.get(node).or(e.maybe_attached.get(node));
+            assert_eq!(allowed, Some(ro), "{name} is attached to {node} (read-only {ro}) but must not be");
+        }
+        assert!(!(e.cloned && info.pristine), "{name} is a clone but counts as pristine");
         let data = rt.block_on(read(&v, 0, size));
+        if info.pristine {
+            assert!(data.iter().all(|&b| b == 0), "{name} counts as pristine but holds data");
+        }
         for (s, bytes) in data.chunks(SECTOR as usize).enumerate() {
             let tag = sector_tag(bytes);
             assert!(

@@ -122,6 +122,11 @@ enum Kind {
         name: String,
         size: u64,
     },
+    /// Publish to node `n` (true) or unpublish from it (false).
+    Attach {
+        name: String,
+        on: bool,
+    },
 }
 
 /// An operation and the span of the I/O log it ran over.
@@ -184,6 +189,25 @@ impl<'a> Model<'a> {
             v.sort_by_key(|d| d.start);
         }
         Model { history, ops, made }
+    }
+
+    /// Whether `name` may be attached to node `n` after the cut: the state the last
+    /// attach or detach that returned before it left, and the other as well while one
+    /// was in progress at the cut.
+    fn attached(&self, name: &str, cut: usize) -> BTreeSet<bool> {
+        let mut states = BTreeSet::from([false]);
+        let toggles = self.history.iter().filter_map(|d| match &d.kind {
+            Kind::Attach { name: n, on } if n == name && d.start < cut => Some((d, *on)),
+            _ => None,
+        });
+        for (d, on) in toggles {
+            if d.end <= cut {
+                states = BTreeSet::from([on]);
+            } else {
+                states.insert(on);
+            }
+        }
+        states
     }
 
     fn source(&self, name: &str) -> Option<(&'a str, &'a Done)> {
@@ -309,6 +333,8 @@ struct Shared {
     /// thread to take a volume away before deleting it.
     busy: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     next_op: AtomicU64,
+    /// Volumes attached to node `n` now.
+    attached: Mutex<BTreeSet<String>>,
 }
 
 impl Shared {
@@ -397,6 +423,12 @@ fn management(sh: &Shared, rt: &tokio::runtime::Runtime, rng: &mut Rng, done: &s
             sh.record(Kind::Delete { name }, start);
         } else if r < 80 && !clones.is_empty() {
             let name = clones[rng.index(clones.len())].clone();
+            if sh.attached.lock().unwrap().remove(&name) {
+                // Detached first: a delete is refused while attached.
+                assert!(rt.block_on(sh.pool.detach(&name, "n")).unwrap().is_some());
+                sh.record(Kind::Attach { name, on: false }, start);
+                continue;
+            }
             sh.owners.lock().unwrap().remove(&name);
             let lock = sh.busy.lock().unwrap()[&name].clone();
             let _held = lock.blocking_lock(); // its thread is done with it
@@ -410,7 +442,18 @@ fn management(sh: &Shared, rt: &tokio::runtime::Runtime, rng: &mut Rng, done: &s
                 rt.block_on(sh.pool.resize_volume(&name, size)).unwrap();
                 sh.record(Kind::Grow { name, size }, start);
             }
-        } else if r < 93 {
+        } else if r < 88 + 6 {
+            let name = vols[rng.index(vols.len())].clone();
+            let on = sh.attached.lock().unwrap().insert(name.clone());
+            if on {
+                let a = rt.block_on(sh.pool.attach(&name, "n", false, true)).unwrap();
+                assert_eq!(a.node_id, "n");
+            } else {
+                sh.attached.lock().unwrap().remove(&name);
+                assert!(rt.block_on(sh.pool.detach(&name, "n")).unwrap().is_some());
+            }
+            sh.record(Kind::Attach { name, on }, start);
+        } else if r < 99 {
             // As the committer does when the log fills: what is in memory, leaked
             // references included, goes into a checkpoint the next open checks.
             rt.block_on(sh.pool.checkpoint()).unwrap();
@@ -464,6 +507,7 @@ fn workload(dir: &Path, plane: Plane, rng: &mut Rng) -> (Vec<u8>, Vec<IoEvent>, 
         owners: Mutex::new([("a0", 0), ("a1", 0), ("b0", 1), ("b1", 1)].map(|(n, o)| (n.to_string(), o)).into()),
         busy: Mutex::new(["a0", "a1", "b0", "b1"].map(|n| (n.to_string(), Default::default())).into()),
         next_op: AtomicU64::new(1),
+        attached: Mutex::default(),
     });
     let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let seeds: Vec<u64> = (0..DATA_THREADS).map(|_| rng.next_u64()).collect();
@@ -565,7 +609,16 @@ fn check_cut(image: &Path, base: &[u8], events: &[IoEvent], history: &[Done], cu
         let v = pool.volume(name).unwrap();
         let sizes = model.sizes(name, cut);
         assert!(sizes.contains(&v.size()), "{name}: size {}, allowed {sizes:?}", v.size());
-        for (s, bytes) in read_regions(&rt, &v) {
+        let attached = v.attachments().iter().any(|a| a.node_id == "n");
+        let may = model.attached(name, cut);
+        assert!(may.contains(&attached), "{name}: attached to n {attached}, allowed {may:?}");
+        let clone = matches!(model.made.get(name.as_str()).map(|d| &d.kind), Some(Kind::Clone { .. }));
+        assert!(!(clone && v.is_pristine()), "{name} is a clone but counts as pristine");
+        let regions = read_regions(&rt, &v);
+        if v.is_pristine() {
+            assert!(regions.iter().all(|(_, b)| b.iter().all(|&x| x == 0)), "{name} counts as pristine but holds data");
+        }
+        for (s, bytes) in regions {
             let allowed = model.allowed(name, s, cut, flushed);
             let tag = sector_tag(&bytes);
             assert!(

@@ -135,7 +135,12 @@ fn repair_refuses_a_pool_whose_mappings_are_damaged() {
     // The volume's size made not a multiple of 4096: its record is damaged, and with it
     // what its mappings mean; a leaked reference besides.
     patch_checkpoint(&path, |payload| {
-        let name = payload.windows(3).position(|w| w == b"\x00\x00v").map(|p| p + 2).expect("the volume record");
+        // The record of volume "v": a name length of 1, two bytes of flags, the name.
+        let name = payload
+            .windows(5)
+            .position(|w| w[..2] == [1, 0] && w[4] == b'v')
+            .map(|p| p + 4)
+            .expect("the volume record");
         let size_at = name - 24 + 8;
         payload[size_at..size_at + 8].copy_from_slice(&(16 * MIB + 1).to_le_bytes());
         let (at, _, _) = refcount_entries(payload)[0];
@@ -155,4 +160,27 @@ fn repair_refuses_a_pool_in_use() {
     let e = storage_engine::repair(&pool_path(dir.path())).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InUse, "{e}");
     drop(pool);
+}
+
+/// A checkpoint whose next volume id is not above every volume's id (damage under a
+/// valid checksum) is refused by open, `check` and the repair alike, and left as it is:
+/// opened, it would give a new volume the id of an existing one, whose records would
+/// then be taken for the new one's and its data lost at the next checkpoint.
+#[test]
+fn a_checkpoint_whose_next_volume_id_is_taken_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    pool_with_data(dir.path());
+    let path = pool_path(dir.path());
+    // The pool record comes first: its next id (the volume has id 1, the snapshot 2).
+    patch_checkpoint(&path, |payload| {
+        assert_eq!(payload[0], storage_engine::format::REC_POOL);
+        payload[4..12].copy_from_slice(&2u64.to_le_bytes());
+    });
+    let before = std::fs::read(&path).unwrap();
+    let e = Pool::open(&path).err().expect("the damaged pool opened");
+    assert_eq!(e.kind(), ErrorKind::Corrupt);
+    assert!(e.to_string().contains("next volume id as 2"), "{e}");
+    assert!(storage_engine::check(&path).is_err());
+    assert_eq!(storage_engine::repair(&path).unwrap_err().kind(), ErrorKind::Corrupt);
+    assert!(std::fs::read(&path).unwrap() == before, "a refused open or repair changed the pool");
 }

@@ -6,6 +6,7 @@ use zerocopy::{FromBytes, IntoBytes};
 
 use crate::error::{Error, Result};
 use crate::format::*;
+use crate::props::Props;
 
 /// One metadata change, as logged.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -16,6 +17,8 @@ pub(crate) enum Record {
     Share { source: u64, target: u64, size: u64, created: u32, snapshot: bool, name: String },
     VolumeDelete { volume: u64 },
     VolumeResize { volume: u64, size: u64 },
+    /// A volume's whole property set, replacing the one before.
+    Props { volume: u64, props: Props },
 }
 
 pub(super) fn push_record(out: &mut Vec<u8>, kind: u8, parts: &[&[u8]]) {
@@ -72,6 +75,7 @@ impl Record {
                 let r = VolumeResizeRec { volume: (*volume).into(), size: (*size).into() };
                 push_record(out, REC_VOLUME_RESIZE, &[r.as_bytes()]);
             }
+            Record::Props { volume, props } => push_record(out, REC_PROPS, &[&props.encode(*volume)]),
         }
     }
 
@@ -91,7 +95,10 @@ impl Record {
             }
             REC_VOLUME => {
                 let (r, name) = VolumeRec::read_from_prefix(body).map_err(|_| bad())?;
-                if name.len() != r.name_len.get() as usize || r.flags.get() & !VOLUME_FLAG_SNAPSHOT != 0 {
+                // The written flag appears in checkpoints only (their loader reads it).
+                if name.len() != r.name_len.get() as usize
+                    || r.flags.get() & !(VOLUME_FLAG_SNAPSHOT | VOLUME_FLAG_WRITTEN) != 0
+                {
                     return Err(bad());
                 }
                 let name = String::from_utf8(name.to_vec()).map_err(|_| bad())?;
@@ -118,6 +125,10 @@ impl Record {
             REC_VOLUME_RESIZE => {
                 let r = VolumeResizeRec::read_from_bytes(body).map_err(|_| bad())?;
                 Record::VolumeResize { volume: r.volume.get(), size: r.size.get() }
+            }
+            REC_PROPS => {
+                let (volume, props) = Props::decode(body)?;
+                Record::Props { volume, props }
             }
             _ => return Err(Error::corrupt(format!("unknown log record kind {kind}"))),
         })

@@ -14,6 +14,7 @@ use super::superblock::{read_superblock, Geometry, ReadAt};
 use crate::error::{Error, Result};
 use crate::format::*;
 use crate::meta::{Allocator, Entry, MapPage, MapTable, MetaCounts, META};
+use crate::props::Props;
 
 /// The log's position after loading: where the next batch goes.
 #[derive(Debug, Clone, Copy)]
@@ -102,9 +103,16 @@ enum LaterCommits {
 /// [`load`] after the superblock: the checkpoint `sb` names, then the log.
 fn load_from(read: &mut ReadAt<'_>, sb: Superblock, geo: Geometry, later_commits: LaterCommits) -> Result<Loaded> {
     let (mut state, checkpoint_units) = load_checkpoint(read, &sb, &geo)?;
+    if sb.version.get() < WRITTEN_FLAG_VERSION {
+        // Those checkpoints do not record it: a volume that maps a unit was written (one
+        // written and wholly trimmed since counts as pristine, and reads as zeros).
+        for v in state.volumes.values_mut() {
+            v.written = v.map.pages().next().is_some();
+        }
+    }
     let refcount_mismatches = refcount_mismatches(&state, geo.unit_count)?;
     // Kept up to date through replay by the table changes and the records.
-    state.alloc.counts = MetaCounts::of(state.volumes.values().map(|v| (&v.map, v.name.len())));
+    state.alloc.counts = MetaCounts::of(state.volumes.values().map(|v| (&v.map, v.own_bytes())));
     let (log, batches) = replay_log(read, &mut state, &sb, &geo)?;
     state.alloc.release_all();
     let (log_warning, highest_seq) = batches_beyond(read, &geo, sb.version.get(), &log, later_commits)?;
@@ -206,6 +214,15 @@ fn load_checkpoint(read: &mut ReadAt<'_>, sb: &Superblock, geo: &Geometry) -> Re
             return Err(Error::corrupt("checkpoint totals do not match its contents"));
         }
     }
+    // Ids are never reused: one at or above the next id would be given again to a new
+    // volume, whose records would then be taken for the old one's.
+    if let Some((&id, v)) = c.volumes.last_key_value().filter(|(&id, _)| id >= c.next_volume) {
+        return Err(Error::corrupt(format!(
+            "checkpoint gives the next volume id as {}, but volume '{}' has id {id} already",
+            c.next_volume,
+            crate::error::shown_name(&v.name)
+        )));
+    }
     let state = State { volumes: c.volumes, next_volume: c.next_volume, alloc: c.alloc, unit_size: geo.unit_size };
     Ok((state, checkpoint_units))
 }
@@ -227,12 +244,21 @@ impl CheckpointLoad {
                         unreachable!()
                     };
                     let flags = VolumeRec::read_from_prefix(body).map_err(|_| bad("volume"))?.0.flags.get();
-                    if flags & !VOLUME_FLAG_SNAPSHOT != 0 {
-                        return Err(bad("volume (unknown flags)"));
-                    }
                     let map = MapTable::new();
                     let snapshot = flags & VOLUME_FLAG_SNAPSHOT != 0;
-                    self.volumes.insert(volume, VolumeMeta { name, snapshot, size, created, map });
+                    let written = flags & VOLUME_FLAG_WRITTEN != 0;
+                    let meta = VolumeMeta { name, snapshot, size, created, map, written, props: Props::default() };
+                    if self.volumes.insert(volume, meta).is_some() {
+                        return Err(bad("volume (repeated id)"));
+                    }
+                }
+                REC_PROPS => {
+                    let (volume, props) = Props::decode(body)?;
+                    let vol = self.volumes.get_mut(&volume).ok_or_else(|| bad("properties (unknown volume)"))?;
+                    if !vol.props.is_empty() || props.is_empty() {
+                        return Err(bad("properties (repeated or empty)"));
+                    }
+                    vol.props = props;
                 }
                 REC_PAGE => {
                     let (h, entries) = PageRec::read_from_prefix(body).map_err(|_| bad("page"))?;

@@ -14,6 +14,7 @@ use super::records::{push_record, Record};
 use crate::error::{Error, Result};
 use crate::format::*;
 use crate::meta::{Allocator, Entry, MapPage, MapTable, MetaCounts, META};
+use crate::props::Props;
 
 /// Metadata of one volume as a plain value.
 #[derive(Clone)]
@@ -24,6 +25,17 @@ pub(crate) struct VolumeMeta {
     pub size: u64,
     pub created: u32,
     pub map: MapTable,
+    /// Not pristine ([`VOLUME_FLAG_WRITTEN`]).
+    pub written: bool,
+    pub props: Props,
+}
+
+impl VolumeMeta {
+    /// Bytes of its variable parts in a checkpoint: name and property record
+    /// ([`MetaCounts::volume_bytes`]).
+    pub fn own_bytes(&self) -> u64 {
+        self.name.len() as u64 + self.props.record_bytes()
+    }
 }
 
 /// The whole metadata of a pool: what a checkpoint holds and the log updates.
@@ -66,6 +78,7 @@ impl State {
                         "log maps logical unit {lunit} past the end of volume {volume}"
                     )));
                 }
+                vol.written = true;
                 let old = vol.map.set(lunit, Entry { punit, bitmap }, &mut self.alloc);
                 if old.punit != punit {
                     self.alloc.incref(punit);
@@ -92,8 +105,9 @@ impl State {
                 }
                 let map = MapTable::new();
                 self.alloc.counts.volumes += 1;
-                self.alloc.counts.name_bytes += name.len() as u64;
-                self.volumes.insert(volume, VolumeMeta { name, snapshot: false, size, created, map });
+                self.alloc.counts.volume_bytes += name.len() as u64;
+                let meta = VolumeMeta { name, snapshot: false, size, created, map, written: false, props: Props::default() };
+                self.volumes.insert(volume, meta);
                 self.next_volume = self.next_volume.max(volume + 1);
             }
             Record::Share { source, target, size, created, snapshot, name } => {
@@ -109,10 +123,13 @@ impl State {
                         "log shares volume {source} with a different size or as a snapshot of a snapshot"
                     )));
                 }
+                // A clone is never pristine; a snapshot is what its source was.
+                let written = !snapshot || src.written;
                 let map = src.map.share(&mut self.alloc);
                 self.alloc.counts.volumes += 1;
-                self.alloc.counts.name_bytes += name.len() as u64;
-                self.volumes.insert(target, VolumeMeta { name, snapshot, size, created, map });
+                self.alloc.counts.volume_bytes += name.len() as u64;
+                let meta = VolumeMeta { name, snapshot, size, created, map, written, props: Props::default() };
+                self.volumes.insert(target, meta);
                 self.next_volume = self.next_volume.max(target + 1);
             }
             Record::VolumeDelete { volume } => {
@@ -122,7 +139,7 @@ impl State {
                     .ok_or_else(|| Error::corrupt(format!("log deletes unknown volume {volume}")))?;
                 vol.map.release_all(&mut self.alloc);
                 self.alloc.counts.volumes -= 1;
-                self.alloc.counts.name_bytes -= vol.name.len() as u64;
+                self.alloc.counts.volume_bytes -= vol.own_bytes();
             }
             Record::VolumeResize { volume, size } => {
                 let vol = self
@@ -133,6 +150,15 @@ impl State {
                     return Err(Error::corrupt(format!("log shrinks volume {volume}")));
                 }
                 vol.size = size;
+            }
+            Record::Props { volume, props } => {
+                let vol = self
+                    .volumes
+                    .get_mut(&volume)
+                    .ok_or_else(|| Error::corrupt(format!("log sets properties of unknown volume {volume}")))?;
+                self.alloc.counts.volume_bytes -= vol.props.record_bytes();
+                self.alloc.counts.volume_bytes += props.record_bytes();
+                vol.props = props;
             }
         }
         Ok(())
@@ -155,9 +181,14 @@ impl State {
                 size: v.size.into(),
                 created: v.created.into(),
                 name_len: (v.name.len() as u16).into(),
-                flags: (if v.snapshot { VOLUME_FLAG_SNAPSHOT } else { 0 }).into(),
+                flags: ((if v.snapshot { VOLUME_FLAG_SNAPSHOT } else { 0 })
+                    | (if v.written { VOLUME_FLAG_WRITTEN } else { 0 }))
+                .into(),
             };
             w.push(REC_VOLUME, &[r.as_bytes(), v.name.as_bytes()])?;
+            if !v.props.is_empty() {
+                w.push(REC_PROPS, &[&v.props.encode(id)])?;
+            }
             for (index, page) in v.map.pages() {
                 let key = Arc::as_ptr(page);
                 if let Some(&pid) = page_ids.get(&key) {
@@ -231,13 +262,16 @@ impl State {
     }
 }
 
-/// The largest checkpoint record but refcount records: a full mapping page.
+/// The largest checkpoint record but refcount records: a full mapping page (a property
+/// record is no larger).
 const LARGEST_RECORD: u64 =
     (size_of::<RecordHeader>() + size_of::<PageRec>() + PAGE_ENTRIES * size_of::<PageEntry>()) as u64;
+const _: () = assert!(crate::props::MAX_PROPS_BYTES <= LARGEST_RECORD);
 
 /// Bytes of records a checkpoint of metadata counted as `c`, with `refcounts` refcount
-/// entries, takes at most ([`State::encode_checkpoint`]): one record per volume and per
-/// distinct page (16 bytes per entry), one page reference per further table holding a
+/// entries, takes at most ([`State::encode_checkpoint`]): one record per volume (and
+/// its property record, counted in `volume_bytes`) and per distinct page (16 bytes per
+/// entry), one page reference per further table holding a
 /// page, 16 bytes per refcount entry with a record header per 4 KiB of them and two more
 /// per chunk they may end (a refcount record fills the room its chunk has left), and
 /// the pool and end records.
@@ -246,7 +280,7 @@ pub(crate) fn checkpoint_bytes_bound(c: &MetaCounts, refcounts: u64) -> u64 {
     let refcount_bytes = refcounts * size_of::<RefcountEntry>() as u64;
     (hdr + size_of::<PoolRec>() as u64)
         + c.volumes * (hdr + size_of::<VolumeRec>() as u64)
-        + c.name_bytes
+        + c.volume_bytes
         + c.pages * (hdr + size_of::<PageRec>() as u64)
         + c.entries * size_of::<PageEntry>() as u64
         + c.page_refs.saturating_sub(c.pages) * (hdr + size_of::<PageRefRec>() as u64)

@@ -7,6 +7,7 @@ use super::*;
 use crate::error::Result;
 use crate::format::*;
 use crate::meta::{Allocator, Entry, MapTable, MetaCounts};
+use crate::props::{AttachKey, Attachment, Props, MAX_ATTACHMENTS, MAX_LABELS, MAX_PROPS_BYTES};
 use std::collections::BTreeMap;
 use zerocopy::{FromBytes, IntoBytes};
 
@@ -45,10 +46,20 @@ fn a_checkpoint_never_takes_more_chunks_than_its_bound() {
                 }
                 map
             };
+            // Properties from none to the largest record allowed.
+            let props = sample_props(&mut rng);
+            let meta = VolumeMeta {
+                name: "n".repeat(name_len),
+                snapshot: false,
+                size: 1 << 40,
+                created: 0,
+                map,
+                written: rng.chance(50),
+                props,
+            };
             st.alloc.counts.volumes += 1;
-            st.alloc.counts.name_bytes += name_len as u64;
-            let name = "n".repeat(name_len);
-            st.volumes.insert(t as u64 + 1, VolumeMeta { name, snapshot: false, size: 1 << 40, created: 0, map });
+            st.alloc.counts.volume_bytes += meta.own_bytes();
+            st.volumes.insert(t as u64 + 1, meta);
         }
         // A shared table changed after the share copies pages.
         if let Some(v) = st.volumes.values_mut().last().filter(|_| !dense) {
@@ -60,7 +71,7 @@ fn a_checkpoint_never_takes_more_chunks_than_its_bound() {
         }
         assert_eq!(
             st.alloc.counts,
-            MetaCounts::of(st.volumes.values().map(|v| (&v.map, v.name.len()))),
+            MetaCounts::of(st.volumes.values().map(|v| (&v.map, v.own_bytes()))),
             "counts kept by the table changes"
         );
         let payload = unit_size as usize - size_of::<ChunkHeader>();
@@ -78,6 +89,34 @@ fn a_checkpoint_never_takes_more_chunks_than_its_bound() {
     }
 }
 
+/// Properties of a volume: none, a few, or as many as fit in the largest record.
+fn sample_props(rng: &mut crate::testing::Rng) -> Props {
+    let mut p = Props::default();
+    let (labels, nodes) = match rng.below(3) {
+        0 => return p,
+        1 => (1 + rng.below(3), 1 + rng.below(3)),
+        _ => (MAX_LABELS as u64, MAX_ATTACHMENTS as u64),
+    };
+    for i in 0..labels {
+        p.labels.insert(format!("k{i}{}", "k".repeat(60)), "v".repeat(255));
+    }
+    for i in 0..nodes {
+        let a = Attachment {
+            node_id: format!("{i}{}", "n".repeat(250)),
+            key: AttachKey::random(),
+            read_only: rng.chance(50),
+            exclusive: false,
+            created: 0,
+        };
+        p.attachments.push(a);
+        if p.record_bytes() > MAX_PROPS_BYTES {
+            p.attachments.pop();
+            break;
+        }
+    }
+    p
+}
+
 #[test]
 fn records_round_trip() {
     let recs = vec![
@@ -85,6 +124,8 @@ fn records_round_trip() {
         Record::Map { volume: 3, lunit: 9, punit: 77, bitmap: 0b1011 },
         Record::Unmap { volume: 3, lunit: 9 },
         Record::VolumeResize { volume: 3, size: 2 << 30 },
+        Record::Props { volume: 3, props: sample_props(&mut crate::testing::Rng::new(2)) },
+        Record::Props { volume: 3, props: Props::default() },
         Record::VolumeDelete { volume: 3 },
     ];
     let mut buf = Vec::new();

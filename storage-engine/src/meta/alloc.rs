@@ -181,8 +181,9 @@ pub struct Allocator {
 pub struct MetaCounts {
     /// Volumes and snapshots.
     pub volumes: u64,
-    /// Bytes of their names.
-    pub name_bytes: u64,
+    /// Bytes of their variable parts: their names and their property records (labels
+    /// and attachments, `REC_PROPS`).
+    pub volume_bytes: u64,
     /// Distinct mapping pages (a page several tables hold counts once).
     pub pages: u64,
     /// Pages held, counted once per table holding each.
@@ -192,19 +193,19 @@ pub struct MetaCounts {
 }
 
 impl MetaCounts {
-    /// The same counts with `volumes` volumes of `name_bytes` bytes of names.
-    pub fn with_volumes(self, volumes: u64, name_bytes: u64) -> MetaCounts {
-        MetaCounts { volumes, name_bytes, ..self }
+    /// The same counts with `volumes` volumes of `volume_bytes` bytes of variable parts.
+    pub fn with_volumes(self, volumes: u64, volume_bytes: u64) -> MetaCounts {
+        MetaCounts { volumes, volume_bytes, ..self }
     }
 
-    /// The counts of `tables` (each a volume's or snapshot's table, with its name's
-    /// length): walks every page once.
-    pub fn of<'a>(tables: impl IntoIterator<Item = (&'a MapTable, usize)>) -> MetaCounts {
+    /// The counts of `tables` (each a volume's or snapshot's table, with the bytes of
+    /// its variable parts: name and property record): walks every page once.
+    pub fn of<'a>(tables: impl IntoIterator<Item = (&'a MapTable, u64)>) -> MetaCounts {
         let mut c = MetaCounts::default();
         let mut seen: std::collections::HashSet<*const MapPage> = Default::default();
-        for (map, name_len) in tables {
+        for (map, own_bytes) in tables {
             c.volumes += 1;
-            c.name_bytes += name_len as u64;
+            c.volume_bytes += own_bytes;
             for (_, page) in map.pages() {
                 c.page_refs += 1;
                 if seen.insert(Arc::as_ptr(page)) {

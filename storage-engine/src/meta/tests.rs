@@ -114,7 +114,7 @@ fn counts_follow_pages_entries_and_shares() {
         let p = a.alloc().unwrap();
         t.set(l, Entry { punit: p, bitmap: 1 }, &mut a);
     }
-    let want = |pages, page_refs, entries| MetaCounts { volumes: 0, name_bytes: 0, pages, page_refs, entries };
+    let want = |pages, page_refs, entries| MetaCounts { volumes: 0, volume_bytes: 0, pages, page_refs, entries };
     assert_eq!(a.counts, want(2, 2, 3));
     let mut s = t.share(&mut a);
     assert_eq!(a.counts, want(2, 4, 3), "a share adds references, not pages");

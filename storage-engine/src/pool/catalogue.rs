@@ -11,19 +11,20 @@ use super::Pool;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{BLOCK_SIZE, PAGE_ENTRIES};
 use crate::info::VolumeInfo;
-use crate::journal::Record;
+use crate::journal::{Record, VolumeMeta};
 use crate::meta::MapTable;
 use crate::names::{check_no_orphan_snapshots, validate_name, validate_size};
+use crate::props::{validate_labels, Labels, Props};
 use crate::store::room::{self, NeedRoom, Tries};
 use crate::store::VolState;
 
-fn now() -> u32 {
+pub(super) fn now() -> u32 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs() as u32).unwrap_or(0)
 }
 
 /// The error of a change whose metadata finds no room: the pool (or the host file
 /// system under it) is full.
-fn metadata_full() -> Error {
+pub(super) fn metadata_full() -> Error {
     Error::new(
         ErrorKind::NoSpace,
         "the pool is too full for the metadata this change adds (its next checkpoints must fit); \
@@ -37,9 +38,19 @@ impl Pool {
     /// Errors: [`ErrorKind::InvalidArgument`] (name, size), [`ErrorKind::AlreadyExists`],
     /// [`ErrorKind::Failed`]/[`ErrorKind::Io`] if the commit fails.
     pub async fn create_volume(&self, name: &str, size: u64) -> Result<VolumeInfo> {
+        self.create_volume_with(name, size, &Labels::new()).await
+    }
+
+    /// [`Pool::create_volume`] with `labels` ([`validate_labels`]), in the same commit:
+    /// no crash leaves the volume without them.
+    ///
+    /// Errors: as [`Pool::create_volume`]; [`ErrorKind::InvalidArgument`] for labels.
+    pub async fn create_volume_with(&self, name: &str, size: u64, labels: &Labels) -> Result<VolumeInfo> {
         let err = |e: Error| e.op("create volume").volume(name);
         validate_name(name).map_err(err)?;
         validate_size(size).map_err(err)?;
+        validate_labels(labels).map_err(err)?;
+        let props = Props { labels: labels.clone(), attachments: Vec::new() };
         self.inner.check_writable().map_err(err)?;
         let mut tries = Tries::default();
         loop {
@@ -49,18 +60,29 @@ impl Pool {
                     return Err(err(Error::new(ErrorKind::AlreadyExists, "a volume of that name exists")));
                 }
                 check_no_orphan_snapshots(&vols, name).map_err(err)?;
-                let extra = room::volume_record_bytes(name.len());
+                let extra = room::volume_record_bytes(name.len()) + props.record_bytes();
                 let mut a = self.inner.alloc();
                 if self.inner.has_room(&a, extra) {
                     let id = self.inner.next_volume_id();
                     let created = now();
-                    let vs = VolState::new(id, name.to_owned(), false, created, size, MapTable::new());
+                    let meta = VolumeMeta {
+                        name: name.to_owned(),
+                        snapshot: false,
+                        size,
+                        created,
+                        map: MapTable::new(),
+                        written: false,
+                        props: props.clone(),
+                    };
                     self.inner.log_record(&Record::Volume { volume: id, size, created, name: name.to_owned() });
+                    if !props.is_empty() {
+                        self.inner.log_record(&Record::Props { volume: id, props: props.clone() });
+                    }
                     a.counts.volumes += 1;
-                    a.counts.name_bytes += name.len() as u64;
+                    a.counts.volume_bytes += meta.own_bytes();
                     self.inner.after_growth(&a);
                     drop(a);
-                    vols.insert(name.to_owned(), Arc::new(vs));
+                    vols.insert(name.to_owned(), Arc::new(VolState::new(id, meta)));
                     break;
                 }
                 NeedRoom { units: 0, extra }
@@ -107,8 +129,14 @@ impl Pool {
         self.inner.check_writable().map_err(err)?;
         {
             let mut vols = self.inner.volumes().write();
-            let vs =
-                vols.remove(name).ok_or_else(|| err(Error::new(ErrorKind::NotFound, "no such volume or snapshot")))?;
+            let vs = vols.get(name).ok_or_else(|| err(Error::new(ErrorKind::NotFound, "no such volume or snapshot")))?;
+            if let Some(a) = vs.props().attachments.first() {
+                return Err(err(Error::new(
+                    ErrorKind::Attached,
+                    format!("it is published to node '{}'; unpublish it first", crate::error::shown_name(&a.node_id)),
+                )));
+            }
+            let vs = vols.remove(name).expect("looked up under the same lock");
             let mut map = vs.map.write();
             vs.deleted.store(true, Ordering::SeqCst);
             // The record first: a commit that releases the settling marks and frees the
@@ -117,7 +145,7 @@ impl Pool {
             let mut alloc = self.inner.alloc();
             map.release_all(&mut alloc);
             alloc.counts.volumes -= 1;
-            alloc.counts.name_bytes -= vs.name.len() as u64;
+            alloc.counts.volume_bytes -= vs.name.len() as u64 + vs.props().record_bytes();
             self.inner.trim_spare(&mut alloc);
         }
         self.inner.commit().await.map_err(err)?;
@@ -146,10 +174,18 @@ impl Pool {
     /// Errors: [`ErrorKind::NotFound`], [`ErrorKind::AlreadyExists`],
     /// [`ErrorKind::InvalidArgument`] (name), [`ErrorKind::Failed`]/[`ErrorKind::Io`].
     pub async fn create_snapshot(&self, volume: &str, snapshot: &str) -> Result<VolumeInfo> {
+        self.create_snapshot_with(volume, snapshot, &Labels::new()).await
+    }
+
+    /// [`Pool::create_snapshot`] with `labels` ([`validate_labels`]), in the same commit.
+    ///
+    /// Errors: as [`Pool::create_snapshot`]; [`ErrorKind::InvalidArgument`] for labels.
+    pub async fn create_snapshot_with(&self, volume: &str, snapshot: &str, labels: &Labels) -> Result<VolumeInfo> {
         let full = format!("{volume}@{snapshot}");
         let err = |e: Error| e.op("create snapshot").volume(&full);
         validate_name(snapshot).map_err(err)?;
-        self.share_or_checkpoint(volume, &full, true).await.map_err(err)
+        validate_labels(labels).map_err(err)?;
+        self.share_or_checkpoint(volume, &full, true, labels).await.map_err(err)
     }
 
     /// Writes a checkpoint now (docs/on-disk-format.md 6.3): the log is emptied, and the
@@ -167,10 +203,16 @@ impl Pool {
 
     /// [`Self::share`], making room for the metadata it adds when it finds none
     /// ([`Store::make_room`]).
-    async fn share_or_checkpoint(&self, source: &str, target: &str, snapshot: bool) -> Result<VolumeInfo> {
+    async fn share_or_checkpoint(
+        &self,
+        source: &str,
+        target: &str,
+        snapshot: bool,
+        labels: &Labels,
+    ) -> Result<VolumeInfo> {
         let mut tries = Tries::default();
         loop {
-            match self.share(source, target, snapshot).await? {
+            match self.share(source, target, snapshot, labels).await? {
                 Ok(info) => return Ok(info),
                 Err(need) => {
                     if !self.inner.make_room(need, &mut tries).await? {
@@ -188,9 +230,17 @@ impl Pool {
     /// Errors: [`ErrorKind::NotFound`], [`ErrorKind::AlreadyExists`],
     /// [`ErrorKind::InvalidArgument`] (name), [`ErrorKind::Failed`]/[`ErrorKind::Io`].
     pub async fn clone_volume(&self, source: &str, name: &str) -> Result<VolumeInfo> {
+        self.clone_volume_with(source, name, &Labels::new()).await
+    }
+
+    /// [`Pool::clone_volume`] with `labels` ([`validate_labels`]), in the same commit.
+    ///
+    /// Errors: as [`Pool::clone_volume`]; [`ErrorKind::InvalidArgument`] for labels.
+    pub async fn clone_volume_with(&self, source: &str, name: &str, labels: &Labels) -> Result<VolumeInfo> {
         let err = |e: Error| e.op("clone volume").volume(name);
         validate_name(name).map_err(err)?;
-        self.share_or_checkpoint(source, name, false).await.map_err(err)
+        validate_labels(labels).map_err(err)?;
+        self.share_or_checkpoint(source, name, false, labels).await.map_err(err)
     }
 
     /// Shares `source` as `target`; `Ok(Err(need))` when the metadata it adds finds no
@@ -200,7 +250,9 @@ impl Pool {
         source: &str,
         target: &str,
         snapshot: bool,
+        labels: &Labels,
     ) -> Result<std::result::Result<VolumeInfo, NeedRoom>> {
+        let props = Props { labels: labels.clone(), attachments: Vec::new() };
         self.inner.check_writable()?;
         let src = self
             .inner
@@ -227,7 +279,9 @@ impl Pool {
             }
             let map = src.map.read();
             // The new volume's record, and a reference to each page it shares.
-            let extra = room::volume_record_bytes(target.len()) + room::PAGE_REF_BYTES * map.pages().count() as u64;
+            let extra = room::volume_record_bytes(target.len())
+                + props.record_bytes()
+                + room::PAGE_REF_BYTES * map.pages().count() as u64;
             let mut alloc = self.inner.alloc();
             if !self.inner.has_room(&alloc, extra) {
                 return Ok(Err(NeedRoom { units: 0, extra }));
@@ -236,8 +290,18 @@ impl Pool {
             let created = now();
             let size = src.size.load(Ordering::SeqCst);
             let shared = map.share(&mut alloc);
+            let meta = VolumeMeta {
+                name: target.to_owned(),
+                snapshot,
+                size,
+                created,
+                map: shared,
+                // A clone is never pristine; a snapshot is what its source was.
+                written: !snapshot || src.written.load(Ordering::SeqCst),
+                props: props.clone(),
+            };
             alloc.counts.volumes += 1;
-            alloc.counts.name_bytes += target.len() as u64;
+            alloc.counts.volume_bytes += meta.own_bytes();
             self.inner.after_growth(&alloc);
             drop(alloc);
             self.inner.log_record(&Record::Share {
@@ -248,10 +312,10 @@ impl Pool {
                 snapshot,
                 name: target.to_owned(),
             });
-            vols.insert(
-                target.to_owned(),
-                Arc::new(VolState::new(id, target.to_owned(), snapshot, created, size, shared)),
-            );
+            if !props.is_empty() {
+                self.inner.log_record(&Record::Props { volume: id, props });
+            }
+            vols.insert(target.to_owned(), Arc::new(VolState::new(id, meta)));
         }
         drop(_quiet);
         self.inner.commit().await?;

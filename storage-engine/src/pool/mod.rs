@@ -1,9 +1,10 @@
 //! The public handle of a pool: [`Pool`] and [`PoolOptions`]. Lives here: the handle,
 //! what it reports (volumes, status) and closing; by file, open.rs (creating, opening,
-//! formatting a device) and catalogue.rs (volumes, snapshots and clones: create,
-//! delete, resize, share, diff). Not here: the shared state and commits (`store`), the
+//! formatting a device), catalogue.rs (volumes, snapshots and clones: create,
+//! delete, resize, share, diff) and attach.rs (publishing volumes to nodes). Not here: the shared state and commits (`store`), the
 //! data path (`volume`), checking (`check`).
 
+mod attach;
 mod catalogue;
 mod open;
 

@@ -264,16 +264,13 @@ impl Pool {
         let State { volumes, next_volume, mut alloc, .. } = state;
         debug_assert_eq!(
             alloc.counts,
-            crate::meta::MetaCounts::of(volumes.values().map(|v| (&v.map, v.name.len()))),
+            crate::meta::MetaCounts::of(volumes.values().map(|v| (&v.map, v.own_bytes()))),
             "metadata counts kept through replay"
         );
         alloc.checkpoint_units = checkpoint_units.len() as u64;
         let vols = volumes
             .into_iter()
-            .map(|(id, v)| {
-                let vs = VolState::new(id, v.name.clone(), v.snapshot, v.created, v.size, v.map);
-                (v.name, Arc::new(vs))
-            })
+            .map(|(id, v)| (v.name.clone(), Arc::new(VolState::new(id, v))))
             .collect::<BTreeMap<_, _>>();
         tracing::info!(path = %path.display(), volumes = vols.len(), batches, bytes_read, direct, "opened pool");
         let inner = Store::assemble(Parts {

@@ -118,6 +118,8 @@ impl Store {
     fn snapshot_for_checkpoint(&self) -> Snapshot {
         let vols = self.volumes.read();
         let maps: Vec<_> = vols.values().map(|v| (v.clone(), v.map.read())).collect();
+        // Read under the map locks, which their changes hold (`VolState::props`).
+        let props: Vec<_> = maps.iter().map(|(v, _)| v.props()).collect();
         let mut alloc = self.alloc.lock();
         // The units this checkpoint takes at most, from the spare (room.rs): they
         // are backed, and the rule that sizes the spare guarantees them.
@@ -134,13 +136,16 @@ impl Store {
         j.bytes.clear(); // captured by the snapshot itself
         let volumes = maps
             .iter()
-            .map(|(v, m)| {
+            .zip(props)
+            .map(|((v, m), props)| {
                 let meta = VolumeMeta {
                     name: v.name.clone(),
                     snapshot: v.snapshot,
                     size: v.size.load(Ordering::SeqCst),
                     created: v.created,
                     map: (**m).clone(),
+                    written: v.written.load(Ordering::SeqCst),
+                    props: (*props).clone(),
                 };
                 (v.id, meta)
             })

@@ -72,8 +72,9 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::format::Superblock;
 use crate::info::{Recovery, VolumeInfo};
 use crate::io::IoRing;
-use crate::journal::{Geometry, LogCursor, Record};
+use crate::journal::{Geometry, LogCursor, Record, VolumeMeta};
 use crate::meta::{Allocator, MapTable, RefcountTable, StripedCounts};
+use crate::props::Props;
 
 /// Seconds after which the committer commits completed writes nobody flushed.
 const COMMIT_INTERVAL_SECS: u64 = 5;
@@ -90,6 +91,13 @@ pub(crate) struct VolState {
     pub size: AtomicU64,
     pub map: RwLock<MapTable>,
     pub deleted: AtomicBool,
+    /// Not pristine ([`crate::format::VOLUME_FLAG_WRITTEN`]): set with the first
+    /// mapping record, under the map lock.
+    pub written: AtomicBool,
+    /// Labels and attachments. Changed only under the map lock held for writing (so
+    /// that a checkpoint, which holds every map lock, sees them with the log position
+    /// of their record); read under this lock alone.
+    pub props: Mutex<Arc<Props>>,
     /// Writes, trims and zeroes hold it shared for their whole duration; taking a
     /// snapshot or clone of this volume holds it exclusively, so the point in time
     /// falls between writes, never inside one.
@@ -97,17 +105,25 @@ pub(crate) struct VolState {
 }
 
 impl VolState {
-    pub(crate) fn new(id: u64, name: String, snapshot: bool, created: u32, size: u64, map: MapTable) -> VolState {
+    /// The live state of volume `id` as the metadata `v` describes it.
+    pub(crate) fn new(id: u64, v: VolumeMeta) -> VolState {
         VolState {
             id,
-            name,
-            snapshot,
-            created,
-            size: AtomicU64::new(size),
-            map: RwLock::new(map),
+            name: v.name,
+            snapshot: v.snapshot,
+            created: v.created,
+            size: AtomicU64::new(v.size),
+            map: RwLock::new(v.map),
             deleted: AtomicBool::new(false),
+            written: AtomicBool::new(v.written),
+            props: Mutex::new(Arc::new(v.props)),
             gate: tokio::sync::RwLock::new(()),
         }
+    }
+
+    /// Its labels and attachments now.
+    pub(crate) fn props(&self) -> Arc<Props> {
+        self.props.lock().clone()
     }
 }
 
@@ -378,6 +394,7 @@ impl Store {
     }
 
     pub fn info(&self, v: &VolState) -> VolumeInfo {
+        let props = v.props();
         let (mut mapped, mut exclusive) = (0u64, 0u64);
         for (_, page) in v.map.read().pages() {
             mapped += u64::from(page.mapped);
@@ -394,6 +411,9 @@ impl Store {
             exclusive: exclusive * self.geo.unit_size,
             shared: (mapped - exclusive) * self.geo.unit_size,
             created: u64::from(v.created),
+            pristine: !v.written.load(Ordering::SeqCst),
+            labels: props.labels.clone(),
+            attachments: props.attachments.clone(),
         }
     }
 

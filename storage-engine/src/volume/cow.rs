@@ -10,7 +10,6 @@ use super::{locks, mask, plan, Pins, Volume};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::BLOCK_SIZE;
 use crate::io::{AlignedBuf, Dir, Segment};
-use crate::journal::Record;
 use crate::meta::Entry;
 use crate::store::room::{self, NeedRoom, Tries};
 use crate::store::worker_gone;
@@ -182,7 +181,7 @@ impl Volume {
             // settling mark the decref makes also carries this record (rule 9). The
             // allocator lock, held across both, keeps a commit's start (C1) from falling
             // between them.
-            self.pool.log_record(&Record::Map { volume: self.vol.id, lunit, punit: target, bitmap });
+            self.log_map(lunit, target, bitmap);
             if cur.is_mapped() && cur.punit != target {
                 a.decref(cur.punit);
             }

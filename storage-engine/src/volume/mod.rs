@@ -30,6 +30,7 @@ use crate::format::BLOCK_SIZE;
 use crate::io::{AlignedBuf, Dir};
 use crate::journal::Record;
 use crate::meta::{Entry, MapTable};
+use crate::props::Attachment;
 use crate::store::room::{self, NeedRoom, Tries};
 use crate::store::{worker_gone, Store, VolState};
 use cow::UnitWrite;
@@ -239,6 +240,23 @@ impl Volume {
         self.vol.snapshot
     }
 
+    /// Created empty and never written since (see [`crate::VolumeInfo::pristine`]):
+    /// false from the moment a write maps a unit, before it is acknowledged.
+    pub fn is_pristine(&self) -> bool {
+        !self.vol.written.load(Ordering::SeqCst)
+    }
+
+    /// The nodes the volume is published to now ([`crate::Pool::attach`]).
+    pub fn attachments(&self) -> Vec<Attachment> {
+        self.vol.props().attachments.clone()
+    }
+
+    /// Whether this handle's volume was deleted (a volume created again under its name
+    /// is another one, with another [`Volume::id`]).
+    pub fn is_deleted(&self) -> bool {
+        self.vol.deleted.load(Ordering::SeqCst)
+    }
+
     async fn write_inner(&self, offset: u64, mut buf: AlignedBuf, fua: bool) -> Result<()> {
         let len = buf.as_ref().len() as u64;
         self.check_range("write", offset, len)?;
@@ -304,8 +322,15 @@ impl Volume {
         if cur.punit == punit && cur.bitmap | m != cur.bitmap {
             let bitmap = cur.bitmap | m;
             map.set(lunit, Entry { punit, bitmap }, &mut self.pool.alloc());
-            self.pool.log_record(&Record::Map { volume: self.vol.id, lunit, punit, bitmap });
+            self.log_map(lunit, punit, bitmap);
         }
+    }
+
+    /// Logs a mapping record of this volume, which from then on is not pristine. Call
+    /// with the volume's map locked for writing.
+    pub(super) fn log_map(&self, lunit: u64, punit: u32, bitmap: u32) {
+        self.vol.written.store(true, Ordering::SeqCst);
+        self.pool.log_record(&Record::Map { volume: self.vol.id, lunit, punit, bitmap });
     }
 
     /// Fills the bytes of block `blk` outside the write's view, at `buf_at` in the
@@ -613,7 +638,7 @@ impl Volume {
             a.decref(e.punit);
         } else {
             map.set(lunit, Entry { punit: e.punit, bitmap }, &mut a);
-            self.pool.log_record(&Record::Map { volume: self.vol.id, lunit, punit: e.punit, bitmap });
+            self.log_map(lunit, e.punit, bitmap);
         }
     }
 
