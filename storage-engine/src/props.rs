@@ -103,8 +103,7 @@ impl Props {
             return 0;
         }
         let labels: usize = self.labels.iter().map(|(k, v)| size_of::<LabelHead>() + k.len() + v.len()).sum();
-        let attachments: usize =
-            self.attachments.iter().map(|a| size_of::<AttachmentHead>() + a.node_id.len()).sum();
+        let attachments: usize = self.attachments.iter().map(|a| size_of::<AttachmentHead>() + a.node_id.len()).sum();
         (size_of::<RecordHeader>() + size_of::<PropsRec>() + labels + attachments) as u64
     }
 

@@ -11,14 +11,42 @@ use crate::props::Props;
 /// One metadata change, as logged.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Record {
-    Map { volume: u64, lunit: u64, punit: u32, bitmap: u32 },
-    Unmap { volume: u64, lunit: u64 },
-    Volume { volume: u64, size: u64, created: u32, name: String },
-    Share { source: u64, target: u64, size: u64, created: u32, snapshot: bool, name: String },
-    VolumeDelete { volume: u64 },
-    VolumeResize { volume: u64, size: u64 },
+    Map {
+        volume: u64,
+        lunit: u64,
+        punit: u32,
+        bitmap: u32,
+    },
+    Unmap {
+        volume: u64,
+        lunit: u64,
+    },
+    Volume {
+        volume: u64,
+        size: u64,
+        created: u32,
+        name: String,
+    },
+    Share {
+        source: u64,
+        target: u64,
+        size: u64,
+        created: u32,
+        snapshot: bool,
+        name: String,
+    },
+    VolumeDelete {
+        volume: u64,
+    },
+    VolumeResize {
+        volume: u64,
+        size: u64,
+    },
     /// A volume's whole property set, replacing the one before.
-    Props { volume: u64, props: Props },
+    Props {
+        volume: u64,
+        props: Props,
+    },
 }
 
 pub(super) fn push_record(out: &mut Vec<u8>, kind: u8, parts: &[&[u8]]) {

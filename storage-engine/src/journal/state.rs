@@ -106,7 +106,8 @@ impl State {
                 let map = MapTable::new();
                 self.alloc.counts.volumes += 1;
                 self.alloc.counts.volume_bytes += name.len() as u64;
-                let meta = VolumeMeta { name, snapshot: false, size, created, map, written: false, props: Props::default() };
+                let meta =
+                    VolumeMeta { name, snapshot: false, size, created, map, written: false, props: Props::default() };
                 self.volumes.insert(volume, meta);
                 self.next_volume = self.next_volume.max(volume + 1);
             }

@@ -129,7 +129,8 @@ impl Pool {
         self.inner.check_writable().map_err(err)?;
         {
             let mut vols = self.inner.volumes().write();
-            let vs = vols.get(name).ok_or_else(|| err(Error::new(ErrorKind::NotFound, "no such volume or snapshot")))?;
+            let vs =
+                vols.get(name).ok_or_else(|| err(Error::new(ErrorKind::NotFound, "no such volume or snapshot")))?;
             if let Some(a) = vs.props().attachments.first() {
                 return Err(err(Error::new(
                     ErrorKind::Attached,
