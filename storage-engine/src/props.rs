@@ -93,6 +93,17 @@ pub(crate) struct Props {
 }
 
 impl Props {
+    /// Properties of a new volume or snapshot: `labels`, no attachments.
+    pub fn with_labels(labels: &Labels) -> Props {
+        Props { labels: labels.clone(), attachments: Vec::new() }
+    }
+
+    /// Bytes a volume named `name` with these properties counts in
+    /// `MetaCounts::volume_bytes`: its name and this property record.
+    pub fn volume_bytes(&self, name: &str) -> u64 {
+        name.len() as u64 + self.record_bytes()
+    }
+
     pub fn is_empty(&self) -> bool {
         self.labels.is_empty() && self.attachments.is_empty()
     }

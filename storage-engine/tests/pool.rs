@@ -510,6 +510,42 @@ fn an_upgrading_open_leaves_no_slot_of_the_old_version() {
     assert!(r.problems.is_empty() && r.warnings.is_empty(), "{r:?}");
 }
 
+/// A pool of format version 3 records no written flag: on open its volumes that map
+/// a unit count as written and the others as pristine (docs/on-disk-format.md 8). A
+/// volume wholly trimmed since its write shows the difference: this build keeps it
+/// written, the older format cannot tell it from one never written.
+#[test]
+fn an_older_pool_counts_its_volumes_written_by_their_mappings() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = pool_path(dir.path());
+    let rt = rt();
+    let pool = create(dir.path(), 64 * MIB);
+    for name in ["empty", "data", "trimmed"] {
+        rt.block_on(pool.create_volume(name, 4 * MIB)).unwrap();
+    }
+    for name in ["data", "trimmed"] {
+        let v = pool.volume(name).unwrap();
+        rt.block_on(write(&v, 0, &[0x5a; 65536], false)).unwrap();
+    }
+    let t = pool.volume("trimmed").unwrap();
+    rt.block_on(t.trim(0, 65536, false)).unwrap();
+    assert_eq!(pool.volume_info("trimmed").unwrap().allocated, 0, "the trim unmapped the unit");
+    assert!(!t.is_pristine(), "written, then trimmed: not pristine in this format");
+    drop(t);
+    pool.close().unwrap();
+    let pristine = |pool: &Pool| ["empty", "data", "trimmed"].map(|n| pool.volume_info(n).unwrap().pristine);
+    let pool = Pool::open(&path).unwrap();
+    assert_eq!(pristine(&pool), [true, false, false], "version 4 keeps the flag");
+    pool.close().unwrap();
+
+    let f = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
+    set_version(&f, 3);
+    let pool = Pool::open(&path).unwrap();
+    assert_eq!(pristine(&pool), [true, false, true], "version 3: written means mapping a unit");
+    pool.close().unwrap();
+    assert_clean(dir.path());
+}
+
 /// A rollback to the older superblock slot drops the commits made after the newer
 /// one, whose batches lie intact in the log behind the older checkpoint's: the open
 /// goes on with a warning (it is what the rollback accepts, not damage), and numbers

@@ -34,7 +34,7 @@ impl VolumeMeta {
     /// Bytes of its variable parts in a checkpoint: name and property record
     /// ([`MetaCounts::volume_bytes`]).
     pub fn own_bytes(&self) -> u64 {
-        self.name.len() as u64 + self.props.record_bytes()
+        self.props.volume_bytes(&self.name)
     }
 }
 

@@ -50,7 +50,7 @@ impl Pool {
         validate_name(name).map_err(err)?;
         validate_size(size).map_err(err)?;
         validate_labels(labels).map_err(err)?;
-        let props = Props { labels: labels.clone(), attachments: Vec::new() };
+        let props = Props::with_labels(labels);
         self.inner.check_writable().map_err(err)?;
         let mut tries = Tries::default();
         loop {
@@ -146,7 +146,7 @@ impl Pool {
             let mut alloc = self.inner.alloc();
             map.release_all(&mut alloc);
             alloc.counts.volumes -= 1;
-            alloc.counts.volume_bytes -= vs.name.len() as u64 + vs.props().record_bytes();
+            alloc.counts.volume_bytes -= vs.props().volume_bytes(&vs.name);
             self.inner.trim_spare(&mut alloc);
         }
         self.inner.commit().await.map_err(err)?;
@@ -253,7 +253,7 @@ impl Pool {
         snapshot: bool,
         labels: &Labels,
     ) -> Result<std::result::Result<VolumeInfo, NeedRoom>> {
-        let props = Props { labels: labels.clone(), attachments: Vec::new() };
+        let props = Props::with_labels(labels);
         self.inner.check_writable()?;
         let src = self
             .inner

@@ -20,6 +20,10 @@
 //! 6. the *allocator* (`alloc`);
 //! 7. the *journal* (`journal`), then the *commit queue* (`commits`).
 //!
+//! A volume's *properties lock* (`VolState::props`, labels and attachments) is a leaf:
+//! held only to clone or replace the `Arc` it guards, with no other lock taken under
+//! it. Its value changes only under that volume's map lock (5) held for writing.
+//!
 //! Locks 4 to 7 are parking_lot locks held for short synchronous steps, never across an
 //! `.await`; 1 to 3 are tokio locks, which may be held across I/O. A step that holds a
 //! lock never waits for one earlier in the order (`Pool::status` reads the registry

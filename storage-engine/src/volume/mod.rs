@@ -251,12 +251,6 @@ impl Volume {
         self.vol.props().attachments.clone()
     }
 
-    /// Whether this handle's volume was deleted (a volume created again under its name
-    /// is another one, with another [`Volume::id`]).
-    pub fn is_deleted(&self) -> bool {
-        self.vol.deleted.load(Ordering::SeqCst)
-    }
-
     async fn write_inner(&self, offset: u64, mut buf: AlignedBuf, fua: bool) -> Result<()> {
         let len = buf.as_ref().len() as u64;
         self.check_range("write", offset, len)?;
