@@ -36,6 +36,15 @@ pub enum Error {
     /// `NBD_OPT_EXPORT_NAME`, which cannot be refused with an error reply.
     #[error("export {0:?} already has the maximum number of connections")]
     TooManyConnections(String),
+    /// The client asked with `NBD_OPT_EXPORT_NAME` for an export it may not open
+    /// ([`crate::Refusal::Denied`]); that option cannot be refused with an error, so the
+    /// server closed the connection. Holds the shown name and the reason.
+    #[error("client may not open export {0:?}: {1}")]
+    Denied(String, String),
+    /// The export was revoked from this client ([`crate::Export::revoked`]): requests
+    /// in flight were answered, then the server closed the connection.
+    #[error("access to the export was revoked; connection closed")]
+    Revoked,
     /// No request arrived for `idle_timeout` while none was in flight.
     #[error("connection idle for {0:?}")]
     IdleTimeout(Duration),

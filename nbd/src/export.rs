@@ -1,14 +1,16 @@
 //! The contract between the NBD protocol layer and whatever stores the data.
 //!
 //! Lives here: the [`Export`] trait (one served block device), the [`ExportRegistry`]
-//! trait (name lookup and listing for option haggling), [`Extent`]s for block status
-//! and read holes, and the [`Errno`] values that go on the wire.
+//! trait (name lookup and listing for option haggling, given the [`Client`] asking,
+//! refused with a [`Refusal`]), [`Extent`]s for block status and read holes, and the
+//! [`Errno`] values that go on the wire.
 //! Not here: parsing, replies, sockets (see `proto` and `server`).
 //!
 //! An implementation never sees NBD framing: offsets and lengths are in bytes and have
 //! already been checked against [`Export::size`] and the advertised block-size limits.
 
 use std::future::Future;
+use std::net::SocketAddr;
 use std::sync::Arc;
 
 /// NBD error values as sent in simple and structured error replies
@@ -137,14 +139,56 @@ pub trait Export: Send + Sync + 'static {
     /// `base:allocation` extents for up to `len` bytes at `offset`, in order, starting at
     /// `offset`; may cover less than `len` but at least one byte.
     fn block_status(&self, offset: u64, len: u64) -> Result<Vec<Extent>, Errno>;
+
+    /// Resolves when this export may no longer be served to the connection it was
+    /// looked up for (it was unpublished from that client). The connection then reads
+    /// no further request, answers those in flight and closes
+    /// ([`crate::Error::Revoked`]). Polled anew before each request is read, so it
+    /// must be cheap to create. The default never resolves.
+    fn revoked(&self) -> impl Future<Output = ()> + Send + 'static {
+        std::future::pending()
+    }
+}
+
+/// Who is asking for an export: what the accept loop knows of the peer, for the
+/// registry's access decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Client {
+    /// A TCP client: its address and the local address it connected to.
+    Tcp {
+        /// The client's address.
+        peer: SocketAddr,
+        /// The server address the connection came in on.
+        local: SocketAddr,
+    },
+    /// A client on a Unix socket: a local process with the socket's permissions.
+    Unix,
+    /// A stream of unknown origin ([`crate::Server::serve_connection`]).
+    Other,
+}
+
+/// Why an export is not served to a client.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refusal {
+    /// No export of that name (`NBD_REP_ERR_UNKNOWN`).
+    Unknown,
+    /// The export exists but this client may not open it (`NBD_REP_ERR_POLICY`); the
+    /// message is sent to the client, so it names no secret.
+    Denied(String),
 }
 
 /// The set of exports a server offers, looked up by name during option haggling.
 pub trait ExportRegistry: Send + Sync + 'static {
     /// The export type served.
     type Export: Export;
-    /// The export called `name`, or `None` (`NBD_REP_ERR_UNKNOWN`).
-    fn lookup(&self, name: &str) -> Option<Arc<Self::Export>>;
-    /// Names and descriptions for `NBD_OPT_LIST`.
-    fn list(&self) -> Vec<(String, String)>;
+    /// The export called `name` as served to `client` (read-only or not, revoked
+    /// when its access ends), or why not.
+    fn lookup(&self, name: &str, client: &Client) -> Result<Arc<Self::Export>, Refusal>;
+    /// Names and descriptions for `NBD_OPT_LIST`, of the exports `client` may see.
+    fn list(&self, client: &Client) -> Vec<(String, String)>;
+    /// How the export name a client sent appears in logs and errors: a registry whose
+    /// names carry secrets hides them here. The default shows the name as it is.
+    fn shown_name(&self, name: &str) -> String {
+        name.to_owned()
+    }
 }

@@ -16,7 +16,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::config::ServerConfig;
 use crate::error::Error;
-use crate::export::{BlockSizes, Export, ExportFlags, ExportRegistry};
+use crate::export::{BlockSizes, Client, Export, ExportFlags, ExportRegistry, Refusal};
 use crate::proto::*;
 use crate::slots::{ExportSlot, Live};
 use crate::stream::read_full_or_eof;
@@ -107,6 +107,15 @@ pub(crate) fn transmission_flags(flags: ExportFlags, structured: bool) -> u16 {
     t
 }
 
+/// Answers an option naming an export the registry refused: `NBD_REP_ERR_UNKNOWN`, or
+/// `NBD_REP_ERR_POLICY` with the reason.
+async fn refuse<S: AsyncWrite + Unpin>(stream: &mut S, option: u32, refusal: Refusal) -> std::io::Result<()> {
+    match refusal {
+        Refusal::Unknown => send_final(stream, option, NBD_REP_ERR_UNKNOWN, b"no export of that name").await,
+        Refusal::Denied(why) => send_final(stream, option, NBD_REP_ERR_POLICY, why.as_bytes()).await,
+    }
+}
+
 /// State that options change during haggling.
 #[derive(Default)]
 struct Haggle {
@@ -158,6 +167,7 @@ async fn send_final<S: AsyncWrite + Unpin>(
 pub(crate) async fn handshake<R, S>(
     stream: &mut S,
     registry: &R,
+    client: &Client,
     config: &ServerConfig,
     live: &Arc<Live>,
 ) -> Result<Option<Negotiated<R::Export>>, Error>
@@ -199,11 +209,13 @@ where
             NBD_OPT_EXPORT_NAME => {
                 let name =
                     parse_export_name(&data).map_err(|e| Error::protocol(format!("NBD_OPT_EXPORT_NAME: {e}")))?;
-                let Some(export) = registry.lookup(&name) else {
-                    return Err(Error::UnknownExport(name));
+                let export = match registry.lookup(&name, client) {
+                    Ok(e) => e,
+                    Err(Refusal::Unknown) => return Err(Error::UnknownExport(registry.shown_name(&name))),
+                    Err(Refusal::Denied(why)) => return Err(Error::Denied(registry.shown_name(&name), why)),
                 };
                 let Some(slot) = live.enter_export(&name, config.max_connections_per_export) else {
-                    return Err(Error::TooManyConnections(name));
+                    return Err(Error::TooManyConnections(registry.shown_name(&name)));
                 };
                 let params = state.params(&*export, &name, config);
                 let reply = encode_export_name_reply(export.size(), params.transmission_flags, no_zeroes);
@@ -221,13 +233,13 @@ where
                     send_final(stream, option, NBD_REP_ERR_INVALID, b"NBD_OPT_LIST takes no data").await?;
                     continue;
                 }
-                for (name, description) in registry.list() {
+                for (name, description) in registry.list(client) {
                     send_reply(stream, option, NBD_REP_SERVER, &encode_rep_server(&name, &description)).await?;
                 }
                 send_final(stream, option, NBD_REP_ACK, &[]).await?;
             }
             NBD_OPT_INFO | NBD_OPT_GO => {
-                if let Some(n) = info_or_go(stream, registry, config, live, &state, option, &data).await? {
+                if let Some(n) = info_or_go(stream, registry, client, config, live, &state, option, &data).await? {
                     return Ok(Some(n));
                 }
             }
@@ -240,7 +252,7 @@ where
                 send_final(stream, option, NBD_REP_ACK, &[]).await?;
             }
             NBD_OPT_LIST_META_CONTEXT | NBD_OPT_SET_META_CONTEXT => {
-                meta_context(stream, registry, &mut state, option, &data).await?;
+                meta_context(stream, registry, client, &mut state, option, &data).await?;
             }
             NBD_OPT_STARTTLS => {
                 send_final(stream, option, NBD_REP_ERR_UNSUP, b"TLS is not supported").await?;
@@ -256,9 +268,11 @@ where
 /// `NBD_INFO_BLOCK_SIZE` always, `NBD_INFO_NAME` and `NBD_INFO_DESCRIPTION` when asked),
 /// then `NBD_REP_ACK`; or one error reply. Returns the negotiated state after a
 /// successful `NBD_OPT_GO`.
+#[allow(clippy::too_many_arguments)]
 async fn info_or_go<R, S>(
     stream: &mut S,
     registry: &R,
+    client: &Client,
     config: &ServerConfig,
     live: &Arc<Live>,
     state: &Haggle,
@@ -276,9 +290,12 @@ where
             return Ok(None);
         }
     };
-    let Some(export) = registry.lookup(&request.name) else {
-        send_final(stream, option, NBD_REP_ERR_UNKNOWN, b"no export of that name").await?;
-        return Ok(None);
+    let export = match registry.lookup(&request.name, client) {
+        Ok(e) => e,
+        Err(refusal) => {
+            refuse(stream, option, refusal).await?;
+            return Ok(None);
+        }
     };
     let params = state.params(&*export, &request.name, config);
     let slot = if option == NBD_OPT_GO {
@@ -314,6 +331,7 @@ where
 async fn meta_context<R, S>(
     stream: &mut S,
     registry: &R,
+    client: &Client,
     state: &mut Haggle,
     option: u32,
     data: &[u8],
@@ -338,8 +356,8 @@ where
             return Ok(());
         }
     };
-    if registry.lookup(&request.export_name).is_none() {
-        send_final(stream, option, NBD_REP_ERR_UNKNOWN, b"no export of that name").await?;
+    if let Err(refusal) = registry.lookup(&request.export_name, client) {
+        refuse(stream, option, refusal).await?;
         return Ok(());
     }
     let selected = if set {

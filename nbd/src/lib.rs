@@ -32,5 +32,5 @@ pub mod testing;
 mod transmission;
 
 pub use error::Error;
-pub use export::{BlockSizes, Errno, Export, ExportFlags, ExportRegistry, Extent, ReadData};
+pub use export::{BlockSizes, Client, Errno, Export, ExportFlags, ExportRegistry, Extent, ReadData, Refusal};
 pub use server::{serve_connection, serve_tcp, serve_unix, Server, ServerConfig};

@@ -20,7 +20,7 @@ use tracing::Instrument;
 
 pub use crate::config::{ServerConfig, UNMETERED_BYTES_PER_CONNECTION};
 use crate::error::Error;
-use crate::export::ExportRegistry;
+use crate::export::{Client, ExportRegistry};
 use crate::slots::{ConnectionSlot, Live, Placement, PlacementSlot};
 use crate::stream::{Progress, Rehome, HANDSHAKE_TIMEOUTS_IN_ALL};
 use crate::{budget, handshake, transmission};
@@ -112,7 +112,20 @@ impl<R: ExportRegistry> Server<R> {
     ///
     /// This does not count against `max_connections` (the accept loops do). Set
     /// `TCP_NODELAY` on TCP streams before calling this ([`Server::serve_tcp`] does).
-    pub async fn serve_connection<S>(&self, mut stream: S) -> Result<(), Error>
+    /// The registry sees the client as [`Client::Other`]; see
+    /// [`Server::serve_connection_from`].
+    pub async fn serve_connection<S>(&self, stream: S) -> Result<(), Error>
+    where
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        self.serve_connection_from(stream, Client::Other).await
+    }
+
+    /// [`Server::serve_connection`] for a stream from `client`, which the registry's
+    /// lookups and listings are given. Ends with [`Error::Revoked`] when the export is
+    /// revoked from the client ([`crate::Export::revoked`]), after answering what is in
+    /// flight.
+    pub async fn serve_connection_from<S>(&self, mut stream: S, client: Client) -> Result<(), Error>
     where
         S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
@@ -120,7 +133,7 @@ impl<R: ExportRegistry> Server<R> {
         let progress = Progress::new();
         let mut tracked = progress.track(&mut stream);
         let negotiated = tokio::select! {
-            r = handshake::handshake(&mut tracked, &*self.registry, config, &self.live) => r?,
+            r = handshake::handshake(&mut tracked, &*self.registry, &client, config, &self.live) => r?,
             () = progress.stalled(config.handshake_timeout) => {
                 return Err(Error::HandshakeTimeout(config.handshake_timeout));
             }
@@ -134,7 +147,7 @@ impl<R: ExportRegistry> Server<R> {
             return Ok(());
         };
         tracing::debug!(
-            export = %negotiated.name,
+            export = %self.registry.shown_name(&negotiated.name),
             structured = negotiated.params.structured,
             block_status = negotiated.params.base_allocation.is_some(),
             "entering transmission phase"
@@ -159,7 +172,11 @@ impl<R: ExportRegistry> Server<R> {
                 if let Err(e) = stream.set_nodelay(true) {
                     tracing::debug!(%peer, error = %e, "cannot set TCP_NODELAY");
                 }
-                Ok((stream, tracing::info_span!("nbd", %peer)))
+                let client = match stream.local_addr() {
+                    Ok(local) => Client::Tcp { peer, local },
+                    Err(_) => Client::Other,
+                };
+                Ok((stream, client, tracing::info_span!("nbd", %peer)))
             },
             shutdown,
         )
@@ -175,7 +192,7 @@ impl<R: ExportRegistry> Server<R> {
             || async {
                 let (stream, _addr) = listener.accept().await?;
                 let id = next_id.fetch_add(1, Ordering::Relaxed) + 1;
-                Ok((stream, tracing::info_span!("nbd", unix_conn = id)))
+                Ok((stream, Client::Unix, tracing::info_span!("nbd", unix_conn = id)))
             },
             shutdown,
         )
@@ -185,7 +202,7 @@ impl<R: ExportRegistry> Server<R> {
     async fn accept_loop<A, AF, S, F>(self: Arc<Self>, mut accept: A, shutdown: F) -> std::io::Result<()>
     where
         A: FnMut() -> AF,
-        AF: Future<Output = std::io::Result<(S, tracing::Span)>>,
+        AF: Future<Output = std::io::Result<(S, Client, tracing::Span)>>,
         S: AsyncRead + AsyncWrite + Unpin + Send + Rehome + 'static,
         F: Future,
     {
@@ -194,14 +211,14 @@ impl<R: ExportRegistry> Server<R> {
             tokio::select! {
                 _ = &mut shutdown => return Ok(()),
                 accepted = accept() => match accepted {
-                    Ok((stream, span)) => {
+                    Ok((stream, client, span)) => {
                         let Some(slot) = self.live.enter(self.config.max_connections) else {
                             span.in_scope(|| tracing::warn!(max = self.config.max_connections, "too many connections; closing the new one"));
                             continue;
                         };
                         let server = Arc::clone(&self);
                         let Some(place) = self.runtimes.iter().min_by_key(|p| p.connections.load(Ordering::Acquire)) else {
-                            tokio::spawn(server.run_connection(stream, slot).instrument(span));
+                            tokio::spawn(server.run_connection(stream, client, slot).instrument(span));
                             continue;
                         };
                         let std_stream = match stream.into_std() {
@@ -217,7 +234,7 @@ impl<R: ExportRegistry> Server<R> {
                             async move {
                                 let _placed = placed;
                                 match S::from_std(std_stream) {
-                                    Ok(stream) => server.run_connection(stream, slot).await,
+                                    Ok(stream) => server.run_connection(stream, client, slot).await,
                                     Err(e) => tracing::info!(error = %e, "cannot register the connection with its runtime"),
                                 }
                             }
@@ -232,13 +249,13 @@ impl<R: ExportRegistry> Server<R> {
 
     /// An accepted connection's task: serves it and logs how it ended; `slot` counts it
     /// until then.
-    async fn run_connection<S>(self: Arc<Self>, stream: S, slot: ConnectionSlot)
+    async fn run_connection<S>(self: Arc<Self>, stream: S, client: Client, slot: ConnectionSlot)
     where
         S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
         let _slot = slot;
         tracing::debug!("client connected");
-        match self.serve_connection(stream).await {
+        match self.serve_connection_from(stream, client).await {
             Ok(()) => tracing::debug!("client disconnected"),
             Err(e) => {
                 if matches!(e, Error::Stalled(..)) {

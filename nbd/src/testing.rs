@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::{BlockSizes, Errno, Export, ExportFlags, ExportRegistry, Extent, ReadData};
+use crate::{BlockSizes, Client, Errno, Export, ExportFlags, ExportRegistry, Extent, ReadData, Refusal};
 
 /// Allocation granularity in bytes.
 pub const BLOCK: u64 = 4096;
@@ -46,6 +46,8 @@ pub struct MemExport {
     pub max_write_alloc: AtomicU64,
     /// Number of `flush` calls.
     pub flushes: AtomicU64,
+    /// Set by [`MemExport::revoke`]: connections to the export then close.
+    revoked: tokio::sync::watch::Sender<bool>,
 }
 
 impl MemExport {
@@ -68,7 +70,14 @@ impl MemExport {
             panic_on_read: None,
             max_write_alloc: AtomicU64::new(0),
             flushes: AtomicU64::new(0),
+            revoked: tokio::sync::watch::Sender::new(false),
         }
+    }
+
+    /// Revokes the export: every connection to it reads no further request, answers
+    /// those in flight and closes ([`crate::Error::Revoked`]).
+    pub fn revoke(&self) {
+        self.revoked.send_replace(true);
     }
 
     /// The same export, read-only.
@@ -211,11 +220,21 @@ impl Export for MemExport {
         let state = self.state.lock().unwrap();
         Ok(Self::extents(&state, offset, len))
     }
+
+    fn revoked(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut rx = self.revoked.subscribe();
+        async move {
+            let _ = rx.wait_for(|r| *r).await;
+        }
+    }
 }
 
-/// A fixed set of named exports.
+/// A fixed set of named exports; names in `denied` are refused
+/// ([`crate::Refusal::Denied`]) to every client but [`crate::Client::Unix`] ones.
 #[derive(Default)]
 pub struct MemRegistry {
+    /// Export names only Unix-socket clients may open.
+    pub denied: Vec<String>,
     /// The exports by name, in the order they were added.
     pub exports: Vec<(String, Arc<MemExport>)>,
 }
@@ -229,19 +248,25 @@ impl MemRegistry {
 
     /// The export named `name` (panics if there is none: a test fixture's bug).
     pub fn get(&self, name: &str) -> Arc<MemExport> {
-        self.lookup(name).expect("export in fixture")
+        self.exports.iter().find(|(n, _)| n == name).map(|(_, e)| Arc::clone(e)).expect("export in fixture")
     }
 }
 
 impl ExportRegistry for MemRegistry {
     type Export = MemExport;
 
-    fn lookup(&self, name: &str) -> Option<Arc<MemExport>> {
-        self.exports.iter().find(|(n, _)| n == name).map(|(_, e)| Arc::clone(e))
+    fn lookup(&self, name: &str, client: &Client) -> Result<Arc<MemExport>, Refusal> {
+        let export = self.exports.iter().find(|(n, _)| n == name).map(|(_, e)| Arc::clone(e));
+        let export = export.ok_or(Refusal::Unknown)?;
+        if *client != Client::Unix && self.denied.iter().any(|d| d == name) {
+            return Err(Refusal::Denied("not published to this client".into()));
+        }
+        Ok(export)
     }
 
-    fn list(&self) -> Vec<(String, String)> {
-        self.exports.iter().map(|(n, e)| (n.clone(), e.description.clone())).collect()
+    fn list(&self, client: &Client) -> Vec<(String, String)> {
+        let shown = |n: &String| *client == Client::Unix || !self.denied.contains(n);
+        self.exports.iter().filter(|(n, _)| shown(n)).map(|(n, e)| (n.clone(), e.description.clone())).collect()
     }
 }
 

@@ -428,6 +428,11 @@ impl<E: Export, R: AsyncRead + Unpin> RequestReader<'_, E, R> {
                     tracing::info!("closing a connection: the server is shutting down");
                     return Intake::Stop(Ok(()));
                 }
+                // Requests in flight are still answered (read_requests waits for them).
+                () = self.export.revoked() => {
+                    tracing::info!("closing a connection: its access to the export was revoked");
+                    return Intake::Stop(Err(Error::Revoked));
+                }
                 _ = idle_expired(&self.budget, self.config.idle_timeout) => {
                     let idle = self.config.idle_timeout.unwrap_or_default();
                     tracing::info!(?idle, "closing an idle connection");

@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use nbd::{BlockSizes, Errno, Export, ExportFlags, ExportRegistry, Extent, ReadData};
+use nbd::{BlockSizes, Client, Errno, Export, ExportFlags, ExportRegistry, Extent, ReadData, Refusal};
 use storage_engine::{AlignedBuf, Pool, Volume, MAX_IO_BYTES};
 
 use crate::errors::nbd_errno;
@@ -136,12 +136,13 @@ fn describe(vol: &Volume) -> String {
 impl ExportRegistry for PoolRegistry {
     type Export = VolumeExport;
 
-    fn lookup(&self, name: &str) -> Option<Arc<VolumeExport>> {
-        self.pool.volume(name).ok().map(|vol| Arc::new(VolumeExport { m: self.metrics.volume(name, vol.id()), vol }))
+    fn lookup(&self, name: &str, _client: &Client) -> Result<Arc<VolumeExport>, Refusal> {
+        let vol = self.pool.volume(name).map_err(|_| Refusal::Unknown)?;
+        Ok(Arc::new(VolumeExport { m: self.metrics.volume(name, vol.id()), vol }))
     }
 
     /// Cheap whatever the pool holds (no space accounting): it runs on the data plane.
-    fn list(&self) -> Vec<(String, String)> {
+    fn list(&self, _client: &Client) -> Vec<(String, String)> {
         let names = self.pool.names();
         names.into_iter().filter_map(|n| self.pool.volume(&n).ok().map(|v| (n, describe(&v)))).collect()
     }
