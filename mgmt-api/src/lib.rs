@@ -21,7 +21,7 @@ pub mod pb {
     tonic::include_proto!("ferrovol.v1");
 }
 
-pub use pb::{ByteRange, PoolStatus, Volume};
+pub use pb::{Attachment, ByteRange, HostInfo, PoolStatus, Volume};
 
 /// The largest reply [`Client`] accepts, in bytes: about four million volumes in a
 /// listing, or a hundred million ranges in a diff. Replies are not paged, and gRPC's
@@ -40,8 +40,12 @@ pub enum ErrorKind {
     /// The pool, or the file system under it, is full (`RESOURCE_EXHAUSTED`).
     NoSpace,
     /// The request cannot be served in the pool's state: it failed after an I/O error,
-    /// or the volume is a read-only snapshot (`FAILED_PRECONDITION`).
+    /// the volume is a read-only snapshot, or it is published (to another node
+    /// exclusively, or at all for a delete) (`FAILED_PRECONDITION`).
     FailedPrecondition,
+    /// The call did what it could but must be retried to finish: an unpublish whose
+    /// connections did not close in time (`ABORTED`).
+    Aborted,
     /// No server answers at the address (not running, or stopping).
     Unavailable,
     /// The connection broke during the call: its outcome is unknown (a change may or
@@ -97,6 +101,7 @@ impl ApiError {
             Code::InvalidArgument | Code::OutOfRange => ErrorKind::InvalidArgument,
             Code::ResourceExhausted => ErrorKind::NoSpace,
             Code::FailedPrecondition => ErrorKind::FailedPrecondition,
+            Code::Aborted => ErrorKind::Aborted,
             Code::Unavailable => ErrorKind::Unavailable,
             _ => ErrorKind::Internal,
         };
@@ -172,8 +177,48 @@ impl Client {
     /// Errors: [`ErrorKind::InvalidArgument`], [`ErrorKind::AlreadyExists`],
     /// [`ErrorKind::NoSpace`], [`ErrorKind::FailedPrecondition`], and the transport's.
     pub async fn create_volume(&self, name: &str, size_bytes: u64) -> Result<Volume> {
-        let req = pb::CreateVolumeRequest { name: name.to_owned(), size_bytes };
+        self.create_volume_with(pb::CreateVolumeRequest { name: name.to_owned(), size_bytes, ..Default::default() })
+            .await
+    }
+
+    /// Creates a thin volume as `req` says: with labels, and with `exist_ok` answering
+    /// with the volume of that name when its size and labels are the same.
+    ///
+    /// Errors: as [`Client::create_volume`]; [`ErrorKind::AlreadyExists`] with
+    /// `exist_ok` when the existing volume differs.
+    pub async fn create_volume_with(&self, req: pb::CreateVolumeRequest) -> Result<Volume> {
         self.raw().create_volume(req).await.map(|r| r.into_inner()).map_err(ApiError::from_status)
+    }
+
+    /// Publishes a volume to a node (ManagementService.PublishVolume): the attachment,
+    /// with the export name the node opens. Durable on return.
+    ///
+    /// Errors: [`ErrorKind::NotFound`], [`ErrorKind::InvalidArgument`] (node id, too
+    /// many nodes), [`ErrorKind::AlreadyExists`] (published to that node with other
+    /// flags), [`ErrorKind::FailedPrecondition`] (published exclusively elsewhere),
+    /// [`ErrorKind::NoSpace`], and the transport's.
+    pub async fn publish(&self, req: pb::PublishVolumeRequest) -> Result<Attachment> {
+        self.raw().publish_volume(req).await.map(|r| r.into_inner()).map_err(ApiError::from_status)
+    }
+
+    /// Unpublishes `volume` from `node_id`; true when it was published there. Once it
+    /// returns, the node's connections to the volume are closed.
+    ///
+    /// Errors: [`ErrorKind::NotFound`] (no such volume), [`ErrorKind::Aborted`] (the
+    /// connections did not close in time: retry), and the transport's.
+    pub async fn unpublish(&self, volume: &str, node_id: &str) -> Result<bool> {
+        let req = pb::UnpublishVolumeRequest { volume: volume.to_owned(), node_id: node_id.to_owned() };
+        let r = self.raw().unpublish_volume(req).await.map_err(ApiError::from_status)?;
+        Ok(r.into_inner().was_published)
+    }
+
+    /// The storage host's id, NBD addresses, access mode, capacity and versions
+    /// (ManagementService.GetHostInfo).
+    ///
+    /// Errors: the transport's.
+    pub async fn host_info(&self) -> Result<HostInfo> {
+        let r = self.raw().get_host_info(pb::GetHostInfoRequest {}).await;
+        r.map(|r| r.into_inner()).map_err(ApiError::from_status)
     }
 
     /// Deletes a volume (not a snapshot).
@@ -222,7 +267,19 @@ impl Client {
     /// Errors: [`ErrorKind::NotFound`], [`ErrorKind::AlreadyExists`],
     /// [`ErrorKind::InvalidArgument`], [`ErrorKind::NoSpace`], and the transport's.
     pub async fn create_snapshot(&self, volume: &str, snapshot: &str) -> Result<Volume> {
-        let req = pb::CreateSnapshotRequest { volume: volume.to_owned(), snapshot: snapshot.to_owned() };
+        let req = pb::CreateSnapshotRequest {
+            volume: volume.to_owned(),
+            snapshot: snapshot.to_owned(),
+            ..Default::default()
+        };
+        self.create_snapshot_with(req).await
+    }
+
+    /// Takes a snapshot as `req` says (labels; `exist_ok`: a snapshot of that name
+    /// with the same labels is the answer).
+    ///
+    /// Errors: as [`Client::create_snapshot`].
+    pub async fn create_snapshot_with(&self, req: pb::CreateSnapshotRequest) -> Result<Volume> {
         self.raw().create_snapshot(req).await.map(|r| r.into_inner()).map_err(ApiError::from_status)
     }
 
@@ -250,7 +307,15 @@ impl Client {
     /// Errors: [`ErrorKind::NotFound`], [`ErrorKind::AlreadyExists`],
     /// [`ErrorKind::InvalidArgument`], [`ErrorKind::NoSpace`], and the transport's.
     pub async fn clone_volume(&self, source: &str, name: &str) -> Result<Volume> {
-        let req = pb::CloneVolumeRequest { source: source.to_owned(), name: name.to_owned() };
+        let req = pb::CloneVolumeRequest { source: source.to_owned(), name: name.to_owned(), ..Default::default() };
+        self.clone_volume_with(req).await
+    }
+
+    /// Clones as `req` says (labels; `exist_ok`: a volume of that name with the same
+    /// labels is the answer).
+    ///
+    /// Errors: as [`Client::clone_volume`].
+    pub async fn clone_volume_with(&self, req: pb::CloneVolumeRequest) -> Result<Volume> {
         self.raw().clone_volume(req).await.map(|r| r.into_inner()).map_err(ApiError::from_status)
     }
 

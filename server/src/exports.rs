@@ -1,13 +1,19 @@
-//! NBD exports backed by the engine: each volume is an export named after it.
+//! NBD exports backed by the engine: each volume is an export named after it, and a
+//! published volume also under its attachments' export names (`VOLUME/KEY`).
 //!
 //! Lives here: [`VolumeExport`] (the `nbd::Export` implementation over a
-//! `storage_engine::Volume`) and [`PoolRegistry`] (export lookup and listing).
-//! Not here: the protocol (the `nbd` crate) or the data path (the engine).
+//! `storage_engine::Volume`, read-only and revocable as its attachment says) and
+//! [`PoolRegistry`] (export lookup and listing, with the access decision of
+//! [`NbdAccess`]). Not here: the protocol (the `nbd` crate), the data path (the
+//! engine), the revocation signals and name parsing (access.rs).
 
 use std::sync::Arc;
 
 use nbd::{BlockSizes, Client, Errno, Export, ExportFlags, ExportRegistry, Extent, ReadData, Refusal};
 use storage_engine::{AlignedBuf, Pool, Volume, MAX_IO_BYTES};
+use tokio::sync::watch;
+
+use crate::access::{ExportName, Fences, NbdAccess};
 
 use crate::errors::nbd_errno;
 use crate::metrics::{Metrics, VolumeMetrics};
@@ -22,10 +28,13 @@ fn log_err(op: &'static str, e: storage_engine::Error) -> Errno {
     nbd_errno(&e)
 }
 
-/// One volume served over NBD.
+/// One volume served over NBD: read-only when it is a snapshot or the attachment it
+/// was opened with is; `fence` is that attachment's revocation signal.
 pub struct VolumeExport {
     vol: Volume,
     m: VolumeMetrics,
+    read_only: bool,
+    fence: Option<watch::Receiver<bool>>,
 }
 
 impl Export for VolumeExport {
@@ -37,7 +46,7 @@ impl Export for VolumeExport {
     }
 
     fn flags(&self) -> ExportFlags {
-        let rw = !self.vol.is_snapshot();
+        let rw = !self.vol.is_snapshot() && !self.read_only;
         ExportFlags { read_only: !rw, can_trim: rw, can_write_zeroes: rw, can_fast_zero: rw, can_multi_conn: true }
     }
 
@@ -111,19 +120,45 @@ impl Export for VolumeExport {
         let ext = self.vol.block_status(offset, len).map_err(|e| log_err("block status", e))?;
         Ok(ext.into_iter().map(|e| Extent { length: e.length, hole: !e.allocated, zero: !e.allocated }).collect())
     }
+
+    fn revoked(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let fence = self.fence.clone();
+        async move {
+            match fence {
+                // An error means the signal is gone: only after a revocation.
+                Some(mut rx) => {
+                    let _ = rx.wait_for(|r| *r).await;
+                }
+                None => std::future::pending().await,
+            }
+        }
+    }
 }
 
 /// The pool's volumes as NBD exports.
 pub struct PoolRegistry {
     pool: Pool,
     metrics: Arc<Metrics>,
+    access: NbdAccess,
+    fences: Arc<Fences>,
 }
+
+/// Told to a TCP client that names a volume without a key under [`NbdAccess::Attached`].
+const NEEDS_KEY: &str = "this server serves a volume over TCP only to a node it is published to: open the \
+                         export name that PublishVolume returned (VOLUME/KEY)";
+/// Told to a client whose key is not (or no longer) one of the volume's attachments.
+const NOT_PUBLISHED: &str = "the volume is not published with this key (unpublished, or another volume's key)";
 
 impl PoolRegistry {
     /// Exports every volume of `pool`, present and future, counting their requests in
-    /// `metrics`.
-    pub fn new(pool: Pool, metrics: Arc<Metrics>) -> PoolRegistry {
-        PoolRegistry { pool, metrics }
+    /// `metrics`, to the clients `access` allows; keyed connections watch their key's
+    /// signal in `fences`.
+    pub fn new(pool: Pool, metrics: Arc<Metrics>, access: NbdAccess, fences: Arc<Fences>) -> PoolRegistry {
+        PoolRegistry { pool, metrics, access, fences }
+    }
+
+    fn export(&self, vol: Volume, read_only: bool, fence: Option<watch::Receiver<bool>>) -> Arc<VolumeExport> {
+        Arc::new(VolumeExport { m: self.metrics.volume(vol.name(), vol.id()), vol, read_only, fence })
     }
 }
 
@@ -136,14 +171,48 @@ fn describe(vol: &Volume) -> String {
 impl ExportRegistry for PoolRegistry {
     type Export = VolumeExport;
 
-    fn lookup(&self, name: &str, _client: &Client) -> Result<Arc<VolumeExport>, Refusal> {
-        let vol = self.pool.volume(name).map_err(|_| Refusal::Unknown)?;
-        Ok(Arc::new(VolumeExport { m: self.metrics.volume(name, vol.id()), vol }))
+    /// `VOLUME/KEY` opens a volume published with that key, read-only when published
+    /// so, for as long as it stays published; a plain name opens it for unix-socket
+    /// clients, and for TCP ones under [`NbdAccess::Open`].
+    fn lookup(&self, name: &str, client: &Client) -> Result<Arc<VolumeExport>, Refusal> {
+        match ExportName::parse(name) {
+            ExportName::Malformed => Err(Refusal::Unknown),
+            ExportName::Plain(name) => {
+                let vol = self.pool.volume(name).map_err(|_| Refusal::Unknown)?;
+                if self.access == NbdAccess::Attached && matches!(client, Client::Tcp { .. }) {
+                    return Err(Refusal::Denied(NEEDS_KEY.into()));
+                }
+                Ok(self.export(vol, false, None))
+            }
+            ExportName::Keyed(name, key) => {
+                let vol = self.pool.volume(name).map_err(|_| Refusal::Unknown)?;
+                // Subscribe before looking: an unpublish that removes the attachment
+                // after the look raises the signal this connection then holds.
+                let fence = self.fences.subscribe(&key);
+                match vol.attachments().into_iter().find(|a| a.key == key) {
+                    Some(a) => Ok(self.export(vol, a.read_only, Some(fence))),
+                    None => {
+                        drop(fence);
+                        self.fences.forget_unused(&key);
+                        Err(Refusal::Denied(NOT_PUBLISHED.into()))
+                    }
+                }
+            }
+        }
     }
 
     /// Cheap whatever the pool holds (no space accounting): it runs on the data plane.
-    fn list(&self, _client: &Client) -> Vec<(String, String)> {
+    /// TCP clients under [`NbdAccess::Attached`] see nothing: they open no name
+    /// without its key, and keys are never listed.
+    fn list(&self, client: &Client) -> Vec<(String, String)> {
+        if self.access == NbdAccess::Attached && matches!(client, Client::Tcp { .. }) {
+            return Vec::new();
+        }
         let names = self.pool.names();
         names.into_iter().filter_map(|n| self.pool.volume(&n).ok().map(|v| (n, describe(&v)))).collect()
+    }
+
+    fn shown_name(&self, name: &str) -> String {
+        ExportName::shown(name)
     }
 }

@@ -31,7 +31,7 @@ fn fixture() -> &'static Fixture {
         .expect("fuzz pool");
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
         rt.block_on(pool.create_volume("v", 1 << 20)).expect("volume");
-        Fixture { rt, service: ManagementService::service(pool, vec![]) }
+        Fixture { rt, service: ManagementService::service(pool, crate::mgmt::HostIdentity::detached()) }
     })
 }
 
@@ -55,7 +55,7 @@ pub fn management(data: &[u8]) {
                     }
                 };
             }
-            match sel % 11 {
+            match sel % 14 {
                 0 => call!(create_volume, pb::CreateVolumeRequest),
                 1 => call!(delete_volume, pb::DeleteVolumeRequest),
                 2 => call!(resize_volume, pb::ResizeVolumeRequest),
@@ -66,7 +66,10 @@ pub fn management(data: &[u8]) {
                 7 => call!(list_snapshots, pb::ListSnapshotsRequest),
                 8 => call!(clone_volume, pb::CloneVolumeRequest),
                 9 => call!(diff_snapshots, pb::DiffSnapshotsRequest),
-                _ => call!(get_pool_status, pb::GetPoolStatusRequest),
+                10 => call!(get_pool_status, pb::GetPoolStatusRequest),
+                11 => call!(publish_volume, pb::PublishVolumeRequest),
+                12 => call!(unpublish_volume, pb::UnpublishVolumeRequest),
+                _ => call!(get_host_info, pb::GetHostInfoRequest),
             }
         });
     }

@@ -15,6 +15,7 @@ use std::time::Duration;
 use anyhow::Context;
 use storage_engine::{Pool, PoolOptions};
 
+use crate::access::{Fences, NbdAccess, NbdAccessMode};
 use crate::{exports, metrics, mgmt};
 
 /// How to run a storage host. [`HostOptions::new`] gives `ferrovol serve`'s defaults.
@@ -40,6 +41,11 @@ pub struct HostOptions {
     pub listen: SocketAddr,
     /// Unix socket for NBD (default: `<data_dir>/nbd.sock`).
     pub nbd_socket: Option<PathBuf>,
+    /// Who may open an export over TCP (`auto`: open on a loopback listener only).
+    pub nbd_access: NbdAccessMode,
+    /// `host:port` addresses nodes reach NBD at, reported instead of the listen address
+    /// (behind NAT, or listening on 0.0.0.0); empty: the listen address.
+    pub advertise: Vec<String>,
     /// Unix socket for the management API (default: `<data_dir>/ferrovol.sock`).
     pub mgmt_socket: Option<PathBuf>,
     /// HTTP address for Prometheus metrics (`GET /metrics`); none by default.
@@ -65,6 +71,8 @@ impl HostOptions {
             accept_log_loss: false,
             listen: SocketAddr::from(([127, 0, 0, 1], 10809)),
             nbd_socket: None,
+            nbd_access: NbdAccessMode::Auto,
+            advertise: Vec::new(),
             mgmt_socket: None,
             metrics_listen: None,
             dataplane_threads: 1,
@@ -93,6 +101,7 @@ impl HostOptions {
 pub struct Host {
     pool: Pool,
     nbd_addr: SocketAddr,
+    nbd_access: NbdAccess,
     nbd_socket: PathBuf,
     mgmt_socket: PathBuf,
     nbd_server: Arc<nbd::Server<exports::PoolRegistry>>,
@@ -172,10 +181,20 @@ impl Host {
         };
         let nbd_addr = tcp.local_addr()?;
         let endpoints = vec![format!("nbd://{nbd_addr}"), format!("nbd+unix:///?socket={}", nbd_socket.display())];
-        tracing::info!(nbd_tcp = %nbd_addr, nbd_unix = %nbd_socket.display(), management = %mgmt_socket.display(), "serving");
+        let nbd_access = opts.nbd_access.resolve(nbd_addr);
+        let nbd_addresses = if opts.advertise.is_empty() { vec![nbd_addr.to_string()] } else { opts.advertise.clone() };
+        tracing::info!(
+            nbd_tcp = %nbd_addr,
+            nbd_access = nbd_access.as_str(),
+            nbd_unix = %nbd_socket.display(),
+            management = %mgmt_socket.display(),
+            "serving"
+        );
+        let fences = Arc::new(Fences::default());
+        let identity = mgmt::HostIdentity { endpoints, nbd_addresses, access: nbd_access, fences: Arc::clone(&fences) };
 
         let metrics = Arc::new(metrics::Metrics::new());
-        let registry = Arc::new(exports::PoolRegistry::new(pool.clone(), metrics.clone()));
+        let registry = Arc::new(exports::PoolRegistry::new(pool.clone(), metrics.clone(), nbd_access, fences));
         let nbd_server = nbd::Server::new_on(registry, opts.nbd.clone(), dataplane.handles.clone());
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
@@ -202,7 +221,7 @@ impl Host {
         let unix_task = dp.spawn(nbd_server.clone().serve_unix(unix, stopped(stop_rx.clone())));
         let mgmt_task = tokio::spawn(
             tonic::transport::Server::builder()
-                .add_service(mgmt::ManagementService::new(pool.clone(), endpoints))
+                .add_service(mgmt::ManagementService::new(pool.clone(), identity))
                 .serve_with_incoming_shutdown(
                     tokio_stream::wrappers::UnixListenerStream::new(mgmt_listener),
                     stopped(stop_rx.clone()),
@@ -211,6 +230,7 @@ impl Host {
         Ok(Host {
             pool,
             nbd_addr,
+            nbd_access,
             nbd_socket,
             mgmt_socket,
             nbd_server,
@@ -226,6 +246,11 @@ impl Host {
     /// The NBD TCP address the host listens on.
     pub fn nbd_addr(&self) -> SocketAddr {
         self.nbd_addr
+    }
+
+    /// Who may open an export over TCP, `--nbd-access` resolved.
+    pub fn nbd_access(&self) -> NbdAccess {
+        self.nbd_access
     }
 
     /// The NBD unix socket.

@@ -2,13 +2,14 @@
 //! network.
 //!
 //! Lives here: a storage host's start-up and shutdown ([`host`]), NBD exports over engine
-//! volumes ([`exports`]), the server side of the management API ([`mgmt`]), the two
+//! volumes ([`exports`]) and who may open them ([`access`]), the server side of the management API ([`mgmt`]), the two
 //! error mappings ([`errors`]), Prometheus metrics ([`metrics`]), and the fuzz target
 //! body of the management API (`fuzzing`, feature `test-utils`). Not here: the command
 //! line (the `ferrovol`
 //! binary, src/bin/ferrovol), the engine (`storage-engine`), the NBD protocol (`nbd`),
 //! the management protocol and its client (`mgmt-api`).
 
+pub mod access;
 pub mod errors;
 pub mod exports;
 #[cfg(any(test, feature = "test-utils"))]
@@ -16,3 +17,4 @@ pub mod fuzzing;
 pub mod host;
 pub mod metrics;
 pub mod mgmt;
+pub mod tls;

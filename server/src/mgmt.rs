@@ -1,31 +1,81 @@
 //! The management API's server side: the `Management` service of the `mgmt-api` crate
 //! (gRPC, proto/ferrovol.proto there) implemented over a [`Pool`].
 //!
-//! Lives here: [`ManagementService`] and the conversion of engine types to the API's.
-//! Not here: the protocol and its client (`mgmt-api`), listening (host.rs), the engine.
+//! Lives here: [`ManagementService`] and what it is configured with ([`HostIdentity`]),
+//! the conversion of engine types to the API's, create-by-name idempotence (`exist_ok`),
+//! unpublish's fencing of the node's NBD connections, and the audit line of every call
+//! that changes something. Not here: the protocol and its client (`mgmt-api`),
+//! listening and TLS (host.rs, tls.rs), the engine.
+
+use std::sync::Arc;
+use std::time::Duration;
 
 use mgmt_api::pb;
 use pb::management_server::{Management, ManagementServer};
-use storage_engine::{Pool, VolumeInfo};
+use storage_engine::{Attachment, ErrorKind, Labels, Pool, VolumeInfo};
 use tonic::{Request, Response, Status};
 
+use crate::access::{Fences, NbdAccess};
 use crate::errors::grpc_status;
+
+/// The label a clone carries naming its source (`VOLUME` or `VOLUME@SNAPSHOT`), set by
+/// CloneVolume: an idempotent clone of the same name compares it.
+pub const ORIGIN_LABEL: &str = "ferrovol/origin";
+
+/// How long UnpublishVolume waits for the node's connections to close before it
+/// answers `ABORTED` (the attachment is gone by then; a retry waits again).
+pub const UNPUBLISH_WAIT: Duration = Duration::from_secs(30);
+
+/// What the management service reports of its host and how NBD is served.
+#[derive(Clone)]
+pub struct HostIdentity {
+    /// NBD URIs the server listens on (GetPoolStatus `nbd_endpoints`).
+    pub endpoints: Vec<String>,
+    /// `host:port` addresses nodes reach NBD at (`--advertise`, or the TCP listen
+    /// address): GetHostInfo and every attachment report them.
+    pub nbd_addresses: Vec<String>,
+    /// Who may open an export over TCP.
+    pub access: NbdAccess,
+    /// The attachments' revocation signals, shared with the NBD registry.
+    pub fences: Arc<Fences>,
+}
+
+impl HostIdentity {
+    /// An identity for a service with no NBD listener (tests, the fuzz target).
+    pub fn detached() -> HostIdentity {
+        HostIdentity {
+            endpoints: Vec::new(),
+            nbd_addresses: Vec::new(),
+            access: NbdAccess::Open,
+            fences: Arc::new(Fences::default()),
+        }
+    }
+}
 
 /// The management service over one pool.
 pub struct ManagementService {
     pool: Pool,
-    endpoints: Vec<String>,
+    host: HostIdentity,
 }
 
 impl ManagementService {
-    /// A gRPC server for `pool`; `endpoints` are the NBD URIs reported by GetPoolStatus.
-    pub fn new(pool: Pool, endpoints: Vec<String>) -> ManagementServer<ManagementService> {
-        ManagementServer::new(ManagementService::service(pool, endpoints))
+    /// A gRPC server for `pool`, reporting `host`.
+    pub fn new(pool: Pool, host: HostIdentity) -> ManagementServer<ManagementService> {
+        ManagementServer::new(ManagementService::service(pool, host))
     }
 
     /// The service itself, to call its methods in-process.
-    pub fn service(pool: Pool, endpoints: Vec<String>) -> ManagementService {
-        ManagementService { pool, endpoints }
+    pub fn service(pool: Pool, host: HostIdentity) -> ManagementService {
+        ManagementService { pool, host }
+    }
+}
+
+fn attachment_info(a: &Attachment) -> pb::AttachmentInfo {
+    pb::AttachmentInfo {
+        node_id: a.node_id.clone(),
+        read_only: a.read_only,
+        exclusive: a.exclusive,
+        created_unix: a.created,
     }
 }
 
@@ -40,29 +90,178 @@ fn volume(v: VolumeInfo) -> pb::Volume {
         snapshot: v.snapshot,
         exclusive_bytes: v.exclusive,
         shared_bytes: v.shared,
+        pristine: v.pristine,
+        labels: v.labels.into_iter().collect(),
+        attachments: v.attachments.iter().map(attachment_info).collect(),
     }
+}
+
+fn labels(m: &std::collections::HashMap<String, String>) -> Labels {
+    m.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+}
+
+/// Who made a call, for the audit line: the TLS client certificate's subject, the
+/// unix socket peer's uid, or `in-process`.
+fn caller<T>(req: &Request<T>) -> String {
+    if let Some(who) = req.extensions().get::<crate::tls::Caller>() {
+        return who.0.clone();
+    }
+    if let Some(info) = req.extensions().get::<tonic::transport::server::UdsConnectInfo>() {
+        if let Some(cred) = info.peer_cred {
+            return format!("uid={}", cred.uid());
+        }
+    }
+    "in-process".to_owned()
+}
+
+/// Writes the audit line of a call that changes something: who, what, with which
+/// arguments (never a secret), and how it ended.
+fn audit<T>(caller: &str, call: &str, args: &str, r: &Result<T, Status>) {
+    match r {
+        Ok(_) => tracing::info!(target: "ferrovol::audit", caller, call, args, outcome = "ok", "audit"),
+        Err(s) => {
+            let outcome = format!("{:?}: {}", s.code(), s.message());
+            tracing::info!(target: "ferrovol::audit", caller, call, args, outcome, "audit")
+        }
+    }
+}
+
+impl ManagementService {
+    /// The answer to a create that found `name` taken: the existing volume when
+    /// `same` says it is what was asked for (after the commit that made it is durable:
+    /// a concurrent create may still be committing it), else `ALREADY_EXISTS`.
+    async fn existing(
+        &self,
+        name: &str,
+        same: impl Fn(&VolumeInfo) -> Result<(), String>,
+    ) -> Result<pb::Volume, Status> {
+        let v = self.pool.volume_info(name).map_err(|e| grpc_status(&e))?;
+        if let Err(why) = same(&v) {
+            return Err(Status::already_exists(format!("'{name}' exists and {why}")));
+        }
+        self.pool.flush().await.map_err(|e| grpc_status(&e))?;
+        Ok(volume(v))
+    }
+
+    async fn do_create_volume(&self, r: pb::CreateVolumeRequest) -> Result<pb::Volume, Status> {
+        let want = labels(&r.labels);
+        match self.pool.create_volume_with(&r.name, r.size_bytes, &want).await {
+            Ok(v) => Ok(volume(v)),
+            Err(e) if e.kind() == ErrorKind::AlreadyExists && r.exist_ok => {
+                self.existing(&r.name, |v| {
+                    if v.size != r.size_bytes {
+                        Err(format!("has size {} bytes, not {}", v.size, r.size_bytes))
+                    } else if v.labels != want {
+                        Err("has other labels".to_owned())
+                    } else {
+                        Ok(())
+                    }
+                })
+                .await
+            }
+            Err(e) => Err(grpc_status(&e)),
+        }
+    }
+
+    async fn do_create_snapshot(&self, r: pb::CreateSnapshotRequest) -> Result<pb::Volume, Status> {
+        let want = labels(&r.labels);
+        match self.pool.create_snapshot_with(&r.volume, &r.snapshot, &want).await {
+            Ok(v) => Ok(volume(v)),
+            Err(e) if e.kind() == ErrorKind::AlreadyExists && r.exist_ok => {
+                let full = format!("{}@{}", r.volume, r.snapshot);
+                self.existing(&full, |v| if v.labels == want { Ok(()) } else { Err("has other labels".to_owned()) })
+                    .await
+            }
+            Err(e) => Err(grpc_status(&e)),
+        }
+    }
+
+    async fn do_clone_volume(&self, r: pb::CloneVolumeRequest) -> Result<pb::Volume, Status> {
+        let mut want = labels(&r.labels);
+        if want.contains_key(ORIGIN_LABEL) {
+            return Err(Status::invalid_argument(format!("label '{ORIGIN_LABEL}' is set by the server")));
+        }
+        want.insert(ORIGIN_LABEL.to_owned(), r.source.clone());
+        match self.pool.clone_volume_with(&r.source, &r.name, &want).await {
+            Ok(v) => Ok(volume(v)),
+            Err(e) if e.kind() == ErrorKind::AlreadyExists && r.exist_ok => {
+                self.existing(&r.name, |v| match v.labels.get(ORIGIN_LABEL) {
+                    Some(o) if *o != r.source => Err(format!("is a clone of '{o}', not of '{}'", r.source)),
+                    None => Err("is not a clone".to_owned()),
+                    Some(_) if v.labels != want => Err("has other labels".to_owned()),
+                    Some(_) => Ok(()),
+                })
+                .await
+            }
+            Err(e) => Err(grpc_status(&e)),
+        }
+    }
+
+    async fn do_publish(&self, r: pb::PublishVolumeRequest) -> Result<pb::Attachment, Status> {
+        let a = self.pool.attach(&r.volume, &r.node_id, r.read_only, r.exclusive).await.map_err(|e| grpc_status(&e))?;
+        let size = self.pool.volume(&r.volume).map_err(|e| grpc_status(&e))?.size();
+        Ok(pb::Attachment {
+            export_name: format!("{}/{}", r.volume, a.key.to_hex()),
+            volume: r.volume,
+            node_id: a.node_id,
+            read_only: a.read_only,
+            exclusive: a.exclusive,
+            nbd_addresses: self.host.nbd_addresses.clone(),
+            size_bytes: size,
+            created_unix: a.created,
+        })
+    }
+
+    async fn do_unpublish(&self, r: pb::UnpublishVolumeRequest) -> Result<pb::UnpublishVolumeResponse, Status> {
+        let gone = self.pool.detach(&r.volume, &r.node_id).await.map_err(|e| grpc_status(&e))?;
+        let Some(a) = gone else {
+            return Ok(pb::UnpublishVolumeResponse { was_published: false });
+        };
+        if !self.host.fences.revoke(&a.key, UNPUBLISH_WAIT).await {
+            return Err(Status::aborted(format!(
+                "unpublished '{}' from node '{}', but {} of its NBD connections did not close within {:?}: retry",
+                r.volume,
+                r.node_id,
+                self.host.fences.holders(&a.key),
+                UNPUBLISH_WAIT
+            )));
+        }
+        Ok(pb::UnpublishVolumeResponse { was_published: true })
+    }
+}
+
+/// Runs a call that changes something and writes its audit line.
+macro_rules! audited {
+    ($req:ident, $call:literal, |$r:ident| $args:expr, $body:expr) => {{
+        let who = caller(&$req);
+        let $r = $req.into_inner();
+        let args = $args;
+        let out = $body;
+        audit(&who, $call, &args, &out);
+        out.map(Response::new)
+    }};
 }
 
 #[tonic::async_trait]
 impl Management for ManagementService {
     async fn create_volume(&self, req: Request<pb::CreateVolumeRequest>) -> Result<Response<pb::Volume>, Status> {
-        let r = req.into_inner();
-        let v = self.pool.create_volume(&r.name, r.size_bytes).await.map_err(|e| grpc_status(&e))?;
-        Ok(Response::new(volume(v)))
+        audited!(req, "CreateVolume", |r| format!("{r:?}"), self.do_create_volume(r).await)
     }
 
     async fn delete_volume(
         &self,
         req: Request<pb::DeleteVolumeRequest>,
     ) -> Result<Response<pb::DeleteVolumeResponse>, Status> {
-        self.pool.delete_volume(&req.into_inner().name).await.map_err(|e| grpc_status(&e))?;
-        Ok(Response::new(pb::DeleteVolumeResponse {}))
+        audited!(req, "DeleteVolume", |r| format!("{r:?}"), {
+            let r = self.pool.delete_volume(&r.name).await;
+            r.map(|()| pb::DeleteVolumeResponse {}).map_err(|e| grpc_status(&e))
+        })
     }
 
     async fn resize_volume(&self, req: Request<pb::ResizeVolumeRequest>) -> Result<Response<pb::Volume>, Status> {
-        let r = req.into_inner();
-        let v = self.pool.resize_volume(&r.name, r.size_bytes).await.map_err(|e| grpc_status(&e))?;
-        Ok(Response::new(volume(v)))
+        audited!(req, "ResizeVolume", |r| format!("{r:?}"), {
+            self.pool.resize_volume(&r.name, r.size_bytes).await.map(volume).map_err(|e| grpc_status(&e))
+        })
     }
 
     async fn get_volume(&self, req: Request<pb::GetVolumeRequest>) -> Result<Response<pb::Volume>, Status> {
@@ -79,18 +278,17 @@ impl Management for ManagementService {
     }
 
     async fn create_snapshot(&self, req: Request<pb::CreateSnapshotRequest>) -> Result<Response<pb::Volume>, Status> {
-        let r = req.into_inner();
-        let v = self.pool.create_snapshot(&r.volume, &r.snapshot).await.map_err(|e| grpc_status(&e))?;
-        Ok(Response::new(volume(v)))
+        audited!(req, "CreateSnapshot", |r| format!("{r:?}"), self.do_create_snapshot(r).await)
     }
 
     async fn delete_snapshot(
         &self,
         req: Request<pb::DeleteSnapshotRequest>,
     ) -> Result<Response<pb::DeleteSnapshotResponse>, Status> {
-        let r = req.into_inner();
-        self.pool.delete_snapshot(&r.volume, &r.snapshot).await.map_err(|e| grpc_status(&e))?;
-        Ok(Response::new(pb::DeleteSnapshotResponse {}))
+        audited!(req, "DeleteSnapshot", |r| format!("{r:?}"), {
+            let r = self.pool.delete_snapshot(&r.volume, &r.snapshot).await;
+            r.map(|()| pb::DeleteSnapshotResponse {}).map_err(|e| grpc_status(&e))
+        })
     }
 
     async fn list_snapshots(
@@ -111,9 +309,7 @@ impl Management for ManagementService {
     }
 
     async fn clone_volume(&self, req: Request<pb::CloneVolumeRequest>) -> Result<Response<pb::Volume>, Status> {
-        let r = req.into_inner();
-        let v = self.pool.clone_volume(&r.source, &r.name).await.map_err(|e| grpc_status(&e))?;
-        Ok(Response::new(volume(v)))
+        audited!(req, "CloneVolume", |r| format!("{r:?}"), self.do_clone_volume(r).await)
     }
 
     async fn diff_snapshots(
@@ -124,6 +320,33 @@ impl Management for ManagementService {
         let ranges = self.pool.diff(&r.from, &r.to).map_err(|e| grpc_status(&e))?;
         let ranges = ranges.into_iter().map(|(offset, length)| pb::ByteRange { offset, length }).collect();
         Ok(Response::new(pb::DiffSnapshotsResponse { ranges }))
+    }
+
+    async fn publish_volume(&self, req: Request<pb::PublishVolumeRequest>) -> Result<Response<pb::Attachment>, Status> {
+        // The reply carries the key: the audit line shows the request only.
+        audited!(req, "PublishVolume", |r| format!("{r:?}"), self.do_publish(r).await)
+    }
+
+    async fn unpublish_volume(
+        &self,
+        req: Request<pb::UnpublishVolumeRequest>,
+    ) -> Result<Response<pb::UnpublishVolumeResponse>, Status> {
+        audited!(req, "UnpublishVolume", |r| format!("{r:?}"), self.do_unpublish(r).await)
+    }
+
+    async fn get_host_info(&self, _req: Request<pb::GetHostInfoRequest>) -> Result<Response<pb::HostInfo>, Status> {
+        let s = self.pool.status();
+        Ok(Response::new(pb::HostInfo {
+            host_id: s.uuid,
+            nbd_addresses: self.host.nbd_addresses.clone(),
+            nbd_access: self.host.access.as_str().to_owned(),
+            capacity_bytes: s.capacity,
+            free_bytes: s.free,
+            reserved_bytes: s.reserved,
+            format_version: storage_engine::format::FORMAT_VERSION,
+            software_version: env!("CARGO_PKG_VERSION").to_owned(),
+            unit_size_bytes: s.unit_size,
+        }))
     }
 
     async fn get_pool_status(
@@ -142,7 +365,7 @@ impl Management for ManagementService {
             volume_count: s.volumes,
             direct_io: s.direct_io,
             failed: s.failed,
-            nbd_endpoints: self.endpoints.clone(),
+            nbd_endpoints: self.host.endpoints.clone(),
             reserved_bytes: s.reserved,
         }))
     }

@@ -29,6 +29,10 @@ fn volume_json(v: &Volume) -> serde_json::Value {
         "name": v.name, "id": v.id, "size_bytes": v.size_bytes,
         "allocated_bytes": v.allocated_bytes, "created_unix": v.created_unix, "export_name": v.export_name,
         "snapshot": v.snapshot, "exclusive_bytes": v.exclusive_bytes, "shared_bytes": v.shared_bytes,
+        "pristine": v.pristine, "labels": v.labels,
+        "attachments": v.attachments.iter().map(|a| serde_json::json!({
+            "node_id": a.node_id, "read_only": a.read_only, "exclusive": a.exclusive, "created_unix": a.created_unix,
+        })).collect::<Vec<_>>(),
     })
 }
 
@@ -90,8 +94,14 @@ pub(crate) async fn snapshot_cmd(socket: &Path, cmd: SnapshotCmd) -> anyhow::Res
 pub(crate) async fn volume_cmd(socket: &Path, cmd: VolumeCmd) -> anyhow::Result<()> {
     let c = Client::connect_unix(socket).await?;
     match cmd {
-        VolumeCmd::Create { name, size } => {
-            let v = c.create_volume(&name, size).await?;
+        VolumeCmd::Create { name, size, labels, exist_ok } => {
+            let req = mgmt_api::pb::CreateVolumeRequest {
+                name,
+                size_bytes: size,
+                labels: labels.into_iter().collect(),
+                exist_ok,
+            };
+            let v = c.create_volume_with(req).await?;
             out!("created volume {} ({} bytes, {})", v.name, v.size_bytes, human(v.size_bytes));
         }
         VolumeCmd::List { json } => {
@@ -118,6 +128,47 @@ pub(crate) async fn volume_cmd(socket: &Path, cmd: VolumeCmd) -> anyhow::Result<
                     human(v.allocated_bytes),
                     v.export_name
                 );
+                out!("written: {}", if v.pristine { "never (created empty)" } else { "yes" });
+                let mut labels: Vec<_> = v.labels.iter().collect();
+                labels.sort();
+                for (k, val) in labels {
+                    out!("label: {k}={val}");
+                }
+                for a in &v.attachments {
+                    out!(
+                        "published to: {} ({}{})",
+                        a.node_id,
+                        if a.read_only { "read-only" } else { "read-write" },
+                        if a.exclusive { ", exclusive" } else { "" }
+                    );
+                }
+            }
+        }
+        VolumeCmd::Publish { name, node, read_only, exclusive, json } => {
+            let req = mgmt_api::pb::PublishVolumeRequest { volume: name, node_id: node, read_only, exclusive };
+            let a = c.publish(req).await?;
+            if json {
+                out!(
+                    "{}",
+                    serde_json::json!({
+                        "volume": a.volume, "node_id": a.node_id, "read_only": a.read_only, "exclusive": a.exclusive,
+                        "export_name": a.export_name, "nbd_addresses": a.nbd_addresses, "size_bytes": a.size_bytes,
+                        "created_unix": a.created_unix,
+                    })
+                );
+            } else {
+                out!("published {} to node {}{}", a.volume, a.node_id, if a.read_only { " (read-only)" } else { "" });
+                out!("export name: {}", a.export_name);
+                for addr in &a.nbd_addresses {
+                    out!("nbd://{addr}/{}", a.export_name);
+                }
+            }
+        }
+        VolumeCmd::Unpublish { name, node } => {
+            if c.unpublish(&name, &node).await? {
+                out!("unpublished {name} from node {node}; its connections are closed");
+            } else {
+                out!("{name} was not published to node {node}");
             }
         }
         VolumeCmd::Delete { name } => {
@@ -132,6 +183,35 @@ pub(crate) async fn volume_cmd(socket: &Path, cmd: VolumeCmd) -> anyhow::Result<
             let v = c.resize_volume(&name, size).await?;
             out!("resized volume {} to {} bytes ({})", v.name, v.size_bytes, human(v.size_bytes));
         }
+    }
+    Ok(())
+}
+
+/// `ferrovol host info` against the server at `socket`.
+pub(crate) async fn host_info(socket: &Path, json: bool) -> anyhow::Result<()> {
+    let c = Client::connect_unix(socket).await?;
+    let h = c.host_info().await?;
+    if json {
+        out!(
+            "{}",
+            serde_json::json!({
+                "host_id": h.host_id, "nbd_addresses": h.nbd_addresses, "nbd_access": h.nbd_access,
+                "capacity_bytes": h.capacity_bytes, "free_bytes": h.free_bytes, "reserved_bytes": h.reserved_bytes,
+                "unit_size_bytes": h.unit_size_bytes, "format_version": h.format_version,
+                "software_version": h.software_version,
+            })
+        );
+    } else {
+        out!("host {}", h.host_id);
+        out!("nbd: {} (access: {})", h.nbd_addresses.join(", "), h.nbd_access);
+        out!(
+            "capacity {}  free {} (of which {} reserved for metadata)  unit size {}",
+            human(h.capacity_bytes),
+            human(h.free_bytes),
+            human(h.reserved_bytes),
+            human(u64::from(h.unit_size_bytes))
+        );
+        out!("pool format version {}  ferrovol {}", h.format_version, h.software_version);
     }
     Ok(())
 }

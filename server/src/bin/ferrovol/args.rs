@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
+use ferrovol::access::NbdAccessMode;
 use ferrovol::host::HostOptions;
 
 /// Thin-provisioned volumes in a pool, served over NBD.
@@ -57,6 +58,13 @@ pub(crate) enum Cmd {
         #[command(subcommand)]
         cmd: SnapshotCmd,
     },
+    /// The storage host: id, NBD addresses and access mode, capacity, versions.
+    Host {
+        #[command(flatten)]
+        mgmt: Mgmt,
+        #[command(subcommand)]
+        cmd: HostCmd,
+    },
     /// Pool information from a running server.
     Pool {
         #[command(flatten)]
@@ -102,6 +110,16 @@ pub(crate) struct ServeArgs {
     /// Unix socket for NBD (default: <data-dir>/nbd.sock).
     #[arg(long)]
     pub(crate) nbd_socket: Option<PathBuf>,
+    /// Who may open an export over TCP: `open` (anyone who reaches the port, by volume
+    /// name), `attached` (only a node a volume is published to, with the export name
+    /// `volume publish` gives: VOLUME/KEY), or `auto`: open when --listen is a loopback
+    /// address, attached otherwise. Unix-socket clients may always open any volume.
+    #[arg(long, default_value = "auto")]
+    pub(crate) nbd_access: NbdAccessMode,
+    /// host:port at which nodes reach this server's NBD listener, reported to them
+    /// instead of --listen (repeat for several; for NAT, or --listen 0.0.0.0:PORT).
+    #[arg(long)]
+    pub(crate) advertise: Vec<String>,
     /// With --pool on a block device: if the device holds no ferrovol pool, format it
     /// as a new one (destroys its contents).
     #[arg(long)]
@@ -177,6 +195,40 @@ pub(crate) enum VolumeCmd {
         /// P are powers of 1024, so 10GB is 10 GiB too).
         #[arg(long, value_parser = parse_size)]
         size: u64,
+        /// A label KEY=VALUE kept with the volume (repeat; at most 16).
+        #[arg(long = "label", value_parser = parse_label)]
+        labels: Vec<(String, String)>,
+        /// Succeed when a volume of that name, size and labels exists already.
+        #[arg(long)]
+        exist_ok: bool,
+    },
+    /// Publish a volume to a node: prints the NBD export name (VOLUME/KEY, a secret) and
+    /// addresses the node opens it at. Idempotent for the same node and flags.
+    Publish {
+        /// Volume name.
+        name: String,
+        /// The node (a CSI node id).
+        #[arg(long)]
+        node: String,
+        /// The node may only read.
+        #[arg(long)]
+        read_only: bool,
+        /// No other node may be published to while this one is.
+        #[arg(long)]
+        exclusive: bool,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Unpublish a volume from a node: its key stops working, and its open NBD
+    /// connections are closed (after answering what they have in flight) before this
+    /// returns.
+    Unpublish {
+        /// Volume name.
+        name: String,
+        /// The node.
+        #[arg(long)]
+        node: String,
     },
     /// List volumes with virtual size and allocated bytes.
     List {
@@ -253,6 +305,16 @@ pub(crate) enum SnapshotCmd {
 }
 
 #[derive(Subcommand)]
+pub(crate) enum HostCmd {
+    /// Host id, NBD addresses and access mode, capacity, format and software versions.
+    Info {
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand)]
 pub(crate) enum PoolCmd {
     /// Capacity, used, metadata and free bytes (and the part of free reserved for metadata).
     Status {
@@ -260,6 +322,10 @@ pub(crate) enum PoolCmd {
         #[arg(long)]
         json: bool,
     },
+}
+
+pub(crate) fn parse_label(s: &str) -> Result<(String, String), String> {
+    s.split_once('=').map(|(k, v)| (k.to_owned(), v.to_owned())).ok_or_else(|| format!("'{s}' is not KEY=VALUE"))
 }
 
 pub(crate) fn parse_size(s: &str) -> Result<u64, String> {
@@ -283,6 +349,8 @@ impl ServeArgs {
         o.accept_log_loss = self.accept_log_loss;
         o.listen = self.listen;
         o.nbd_socket = self.nbd_socket.clone();
+        o.nbd_access = self.nbd_access;
+        o.advertise = self.advertise.clone();
         o.mgmt_socket = Some(mgmt_socket);
         o.metrics_listen = self.metrics_listen;
         o.dataplane_threads = self.dataplane_threads as usize;

@@ -36,7 +36,7 @@ mod args;
 
 use std::process::ExitCode;
 
-use args::{Cli, Cmd, PoolCmd};
+use args::{Cli, Cmd, HostCmd, PoolCmd};
 use clap::Parser;
 use ferrovol::host::Host;
 
@@ -83,6 +83,9 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Cmd::Volume { mgmt, cmd } => admin::volume_cmd(&mgmt.path(dir), cmd).await.map(|()| ExitCode::SUCCESS),
         Cmd::Snapshot { mgmt, cmd } => admin::snapshot_cmd(&mgmt.path(dir), cmd).await.map(|()| ExitCode::SUCCESS),
+        Cmd::Host { mgmt, cmd: HostCmd::Info { json } } => {
+            admin::host_info(&mgmt.path(dir), json).await.map(|()| ExitCode::SUCCESS)
+        }
         Cmd::Pool { mgmt, cmd: PoolCmd::Status { json } } => {
             admin::pool_status(&mgmt.path(dir), json).await.map(|()| ExitCode::SUCCESS)
         }
