@@ -109,6 +109,49 @@ impl ApiError {
     }
 }
 
+/// PEM files a client presents and trusts over mutual TLS ([`Client::connect_tls`]).
+#[derive(Debug, Clone)]
+pub struct ClientTls {
+    /// CA certificates the server's certificate must chain to.
+    pub ca: PathBuf,
+    /// The client's certificate chain, leaf first.
+    pub cert: PathBuf,
+    /// The client's private key.
+    pub key: PathBuf,
+}
+
+impl ClientTls {
+    fn config(&self) -> Result<rustls::ClientConfig> {
+        use rustls::pki_types::pem::PemObject;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+        let bad = |what: &str, path: &Path, e: &dyn std::fmt::Display| {
+            ApiError::new(ErrorKind::InvalidArgument, format!("{what} {}: {e}", path.display()))
+        };
+        let certs = |path: &Path| -> Result<Vec<CertificateDer<'static>>> {
+            let iter = CertificateDer::pem_file_iter(path).map_err(|e| bad("read", path, &e))?;
+            let v = iter.collect::<std::result::Result<Vec<_>, _>>().map_err(|e| bad("parse", path, &e))?;
+            if v.is_empty() {
+                return Err(bad("no certificate in", path, &"empty"));
+            }
+            Ok(v)
+        };
+        let mut roots = rustls::RootCertStore::empty();
+        for ca in certs(&self.ca)? {
+            roots.add(ca).map_err(|e| bad("CA certificate in", &self.ca, &e))?;
+        }
+        let key = PrivateKeyDer::from_pem_file(&self.key).map_err(|e| bad("read a private key from", &self.key, &e))?;
+        let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+        let mut config = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| bad("TLS versions for", &self.cert, &e))?
+            .with_root_certificates(roots)
+            .with_client_auth_cert(certs(&self.cert)?, key)
+            .map_err(|e| bad("client certificate", &self.cert, &e))?;
+        config.alpn_protocols = vec![b"h2".to_vec()];
+        Ok(config)
+    }
+}
+
 /// A management client. Cheap to clone; calls may run concurrently.
 #[derive(Clone)]
 pub struct Client {
@@ -155,6 +198,49 @@ impl Client {
                          this --data-dir or --socket? A server that is stopping no longer takes calls, and one that \
                          was killed leaves its socket behind)"
                     ),
+                )
+            })?;
+        Ok(Client::over(channel))
+    }
+
+    /// Connects to a management API served over TCP with mutual TLS at `addr`
+    /// (`host:port`), presenting the client certificate of `tls` and trusting the server
+    /// certificates its CA signed; the server's certificate must name `host` (a DNS
+    /// name or an IP address in its subject alternative names).
+    ///
+    /// Errors: [`ErrorKind::InvalidArgument`] for files that do not load or an address
+    /// without a port; [`ErrorKind::Unavailable`] when nobody listens there or the TLS
+    /// handshake fails (the message gives the cause).
+    pub async fn connect_tls(addr: &str, tls: &ClientTls) -> Result<Client> {
+        let (host, _port) = addr
+            .rsplit_once(':')
+            .ok_or_else(|| ApiError::new(ErrorKind::InvalidArgument, format!("'{addr}' is not HOST:PORT")))?;
+        let host = host.trim_start_matches('[').trim_end_matches(']').to_owned();
+        let server_name = rustls::pki_types::ServerName::try_from(host.clone())
+            .map_err(|e| ApiError::new(ErrorKind::InvalidArgument, format!("'{host}' is not a server name: {e}")))?;
+        let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(tls.config()?));
+        let addr = addr.to_owned();
+        let shown = addr.clone();
+        let endpoint = Endpoint::try_from("http://ferrovol.invalid").expect("a valid placeholder URI");
+        let channel = endpoint
+            .connect_with_connector(tower::service_fn(move |_: Uri| {
+                let (addr, connector, server_name) = (addr.clone(), connector.clone(), server_name.clone());
+                async move {
+                    let tcp = tokio::net::TcpStream::connect(&addr).await?;
+                    let _ = tcp.set_nodelay(true);
+                    let tls = connector.connect(server_name, tcp).await?;
+                    Ok::<_, std::io::Error>(TokioIo::new(tls))
+                }
+            }))
+            .await
+            .map_err(|e| {
+                let mut cause: &dyn std::error::Error = &e;
+                while let Some(inner) = cause.source() {
+                    cause = inner;
+                }
+                ApiError::new(
+                    ErrorKind::Unavailable,
+                    format!("cannot connect to the management API at {shown} over TLS: {cause}"),
                 )
             })?;
         Ok(Client::over(channel))

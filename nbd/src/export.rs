@@ -191,4 +191,10 @@ pub trait ExportRegistry: Send + Sync + 'static {
     fn shown_name(&self, name: &str) -> String {
         name.to_owned()
     }
+    /// What `max_connections_per_export` counts connections by for the export name a
+    /// client sent: the export behind it, when several names lead to one export. The
+    /// default is the name itself.
+    fn counted_as(&self, name: &str) -> String {
+        name.to_owned()
+    }
 }

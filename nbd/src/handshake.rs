@@ -214,7 +214,8 @@ where
                     Err(Refusal::Unknown) => return Err(Error::UnknownExport(registry.shown_name(&name))),
                     Err(Refusal::Denied(why)) => return Err(Error::Denied(registry.shown_name(&name), why)),
                 };
-                let Some(slot) = live.enter_export(&name, config.max_connections_per_export) else {
+                let Some(slot) = live.enter_export(&registry.counted_as(&name), config.max_connections_per_export)
+                else {
                     return Err(Error::TooManyConnections(registry.shown_name(&name)));
                 };
                 let params = state.params(&*export, &name, config);
@@ -299,7 +300,8 @@ where
     };
     let params = state.params(&*export, &request.name, config);
     let slot = if option == NBD_OPT_GO {
-        let Some(slot) = live.enter_export(&request.name, config.max_connections_per_export) else {
+        let Some(slot) = live.enter_export(&registry.counted_as(&request.name), config.max_connections_per_export)
+        else {
             send_final(stream, option, NBD_REP_ERR_POLICY, b"too many connections to this export; try again later")
                 .await?;
             return Ok(None);

@@ -418,6 +418,9 @@ impl<E: Export, R: AsyncRead + Unpin> RequestReader<'_, E, R> {
         let got = {
             let close_at = self.close_at;
             tokio::select! {
+                // In this order: a revocation wins over a request the client has
+                // already sent, which then runs no more.
+                biased;
                 // The writer failed: nothing more can be answered.
                 _ = self.tx.closed() => None,
                 _ = self.shutting_down.wait_for(|s| *s), if close_at.is_none() => {

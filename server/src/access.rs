@@ -120,11 +120,25 @@ impl<'a> ExportName<'a> {
 /// unpublished node's I/O stops reaching the pool). A connection opened with a key
 /// holds a receiver of its signal; [`Fences::revoke`] raises it and waits until every
 /// receiver is gone, that is until every such connection has answered what it had in
-/// flight and closed. Keys are random and never reused, so a raised signal that is
-/// dropped is never needed again.
+/// flight and closed. A raised signal is kept, tagged with the volume and node it was
+/// revoked from, until its connections are gone, so that a retried unpublish (the
+/// attachment is gone by then) still waits for them ([`Fences::pending`]). Keys are
+/// random and never reused.
 #[derive(Default)]
 pub struct Fences {
-    signals: Mutex<HashMap<[u8; 16], watch::Sender<bool>>>,
+    signals: Mutex<HashMap<[u8; 16], Signal>>,
+}
+
+struct Signal {
+    tx: watch::Sender<bool>,
+    /// `(volume, node)` once revoked.
+    revoked_from: Option<(String, String)>,
+}
+
+impl Signal {
+    fn new() -> Signal {
+        Signal { tx: watch::Sender::new(false), revoked_from: None }
+    }
 }
 
 impl Fences {
@@ -132,40 +146,50 @@ impl Fences {
     /// revoked. Subscribe before checking that the attachment exists, so that a
     /// revocation between the check and the connection's start is still seen.
     pub fn subscribe(&self, key: &AttachKey) -> watch::Receiver<bool> {
-        self.signals.lock().entry(key.0).or_insert_with(|| watch::Sender::new(false)).subscribe()
+        self.signals.lock().entry(key.0).or_insert_with(Signal::new).tx.subscribe()
     }
 
     /// Drops `key`'s signal if no connection holds it (after a refused lookup).
     pub fn forget_unused(&self, key: &AttachKey) {
         let mut s = self.signals.lock();
-        if s.get(&key.0).is_some_and(|tx| tx.receiver_count() == 0) {
+        if s.get(&key.0).is_some_and(|sig| sig.tx.receiver_count() == 0) {
             s.remove(&key.0);
         }
     }
 
-    /// Raises `key`'s signal and waits up to `timeout` until the connections that
-    /// hold it have closed. True when they all closed (or there were none); the
-    /// signal stays raised either way, so a retry waits again.
-    pub async fn revoke(&self, key: &AttachKey, timeout: Duration) -> bool {
+    /// Keys revoked from `node` on `volume` whose connections have not all closed.
+    pub fn pending(&self, volume: &str, node: &str) -> Vec<AttachKey> {
+        let s = self.signals.lock();
+        s.iter()
+            .filter(|(_, sig)| {
+                sig.revoked_from.as_ref().is_some_and(|(v, n)| v == volume && n == node) && sig.tx.receiver_count() > 0
+            })
+            .map(|(k, _)| AttachKey(*k))
+            .collect()
+    }
+
+    /// Raises `key`'s signal (revoked from `node` on `volume`) and waits up to `timeout`
+    /// until the connections that hold it have closed. True when they all closed (or
+    /// there were none); the signal stays raised either way, and stays listed by
+    /// [`Fences::pending`] until they close.
+    pub async fn revoke(&self, key: &AttachKey, volume: &str, node: &str, timeout: Duration) -> bool {
         let tx = {
             let mut s = self.signals.lock();
-            let tx = s.entry(key.0).or_insert_with(|| watch::Sender::new(true));
-            tx.send_replace(true);
-            tx.clone()
+            let sig = s.entry(key.0).or_insert_with(Signal::new);
+            sig.revoked_from = Some((volume.to_owned(), node.to_owned()));
+            sig.tx.send_replace(true);
+            sig.tx.clone()
         };
         let closed = tokio::time::timeout(timeout, tx.closed()).await.is_ok();
-        if closed {
-            let mut s = self.signals.lock();
-            if s.get(&key.0).is_some_and(|tx| tx.receiver_count() == 0) {
-                s.remove(&key.0);
-            }
-        }
+        // Drop every raised signal nobody holds any more (this one, and those of
+        // earlier revocations that timed out).
+        self.signals.lock().retain(|_, sig| !(*sig.tx.borrow() && sig.tx.receiver_count() == 0));
         closed
     }
 
     /// Connections holding `key`'s signal now.
     pub fn holders(&self, key: &AttachKey) -> usize {
-        self.signals.lock().get(&key.0).map_or(0, |tx| tx.receiver_count())
+        self.signals.lock().get(&key.0).map_or(0, |sig| sig.tx.receiver_count())
     }
 }
 
@@ -203,17 +227,20 @@ mod tests {
         let k = AttachKey([1; 16]);
         let mut rx = f.subscribe(&k);
         assert!(!*rx.borrow());
-        // Held: the revocation times out, but the signal is raised.
-        assert!(!f.revoke(&k, Duration::from_millis(20)).await);
+        // Held: the revocation times out, but the signal is raised, and pending.
+        assert!(!f.revoke(&k, "v", "n", Duration::from_millis(20)).await);
         rx.wait_for(|r| *r).await.unwrap();
+        assert_eq!(f.pending("v", "n"), [k]);
+        assert!(f.pending("v", "m").is_empty());
         // A subscriber after the revocation sees it at once.
         assert!(*f.subscribe(&k).borrow());
         let waiter = tokio::spawn(async move {
             tokio::time::sleep(Duration::from_millis(50)).await;
             drop(rx);
         });
-        assert!(f.revoke(&k, Duration::from_secs(5)).await);
+        assert!(f.revoke(&k, "v", "n", Duration::from_secs(5)).await);
         waiter.await.unwrap();
         assert_eq!(f.holders(&k), 0);
+        assert!(f.pending("v", "n").is_empty());
     }
 }

@@ -37,6 +37,18 @@ pub struct VolumeExport {
     fence: Option<watch::Receiver<bool>>,
 }
 
+impl VolumeExport {
+    /// `EPERM` for a change once the attachment was revoked: a request whose payload
+    /// was still arriving, or that waited for memory, when the unpublish came does not
+    /// reach the volume (the connection closes once it is answered).
+    fn check_fence(&self) -> Result<(), Errno> {
+        match &self.fence {
+            Some(f) if *f.borrow() => Err(Errno::Eperm),
+            _ => Ok(()),
+        }
+    }
+}
+
 impl Export for VolumeExport {
     type ReadBuf = AlignedBuf;
     type WriteBuf = AlignedBuf;
@@ -76,6 +88,7 @@ impl Export for VolumeExport {
     }
 
     async fn write(&self, offset: u64, buf: AlignedBuf, fua: bool) -> Result<(), Errno> {
+        self.check_fence()?;
         let (t, len) = (std::time::Instant::now(), buf.as_ref().len() as u64);
         let r = self.vol.write(offset, buf, fua).await;
         self.m.write(len, t.elapsed(), r.is_ok());
@@ -89,6 +102,7 @@ impl Export for VolumeExport {
     }
 
     async fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<(), Errno> {
+        self.check_fence()?;
         let r = self.vol.trim(offset, len, fua).await;
         self.m.trim(r.is_ok());
         r.map_err(|e| log_err("trim", e))
@@ -106,6 +120,7 @@ impl Export for VolumeExport {
         if fast_only && !may_unmap {
             return Err(Errno::Enotsup);
         }
+        self.check_fence()?;
         let r = self.vol.write_zeroes(offset, len, may_unmap, fua).await;
         self.m.trim(r.is_ok());
         r.map_err(|e| log_err("write zeroes", e))
@@ -178,10 +193,12 @@ impl ExportRegistry for PoolRegistry {
         match ExportName::parse(name) {
             ExportName::Malformed => Err(Refusal::Unknown),
             ExportName::Plain(name) => {
-                let vol = self.pool.volume(name).map_err(|_| Refusal::Unknown)?;
-                if self.access == NbdAccess::Attached && matches!(client, Client::Tcp { .. }) {
+                // Refused before the look-up: a client without a key learns nothing,
+                // not even which names exist. Only a unix-socket client is trusted.
+                if self.access == NbdAccess::Attached && *client != Client::Unix {
                     return Err(Refusal::Denied(NEEDS_KEY.into()));
                 }
+                let vol = self.pool.volume(name).map_err(|_| Refusal::Unknown)?;
                 Ok(self.export(vol, false, None))
             }
             ExportName::Keyed(name, key) => {
@@ -205,7 +222,7 @@ impl ExportRegistry for PoolRegistry {
     /// TCP clients under [`NbdAccess::Attached`] see nothing: they open no name
     /// without its key, and keys are never listed.
     fn list(&self, client: &Client) -> Vec<(String, String)> {
-        if self.access == NbdAccess::Attached && matches!(client, Client::Tcp { .. }) {
+        if self.access == NbdAccess::Attached && *client != Client::Unix {
             return Vec::new();
         }
         let names = self.pool.names();
@@ -214,5 +231,13 @@ impl ExportRegistry for PoolRegistry {
 
     fn shown_name(&self, name: &str) -> String {
         ExportName::shown(name)
+    }
+
+    /// A volume's connections count together, whatever name or key opened them.
+    fn counted_as(&self, name: &str) -> String {
+        match name.split_once('/') {
+            Some((vol, _)) => vol.to_owned(),
+            None => name.to_owned(),
+        }
     }
 }

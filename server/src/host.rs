@@ -16,6 +16,7 @@ use anyhow::Context;
 use storage_engine::{Pool, PoolOptions};
 
 use crate::access::{Fences, NbdAccess, NbdAccessMode};
+use crate::tls::{MtlsAcceptor, TlsFiles};
 use crate::{exports, metrics, mgmt};
 
 /// How to run a storage host. [`HostOptions::new`] gives `ferrovol serve`'s defaults.
@@ -46,8 +47,13 @@ pub struct HostOptions {
     /// `host:port` addresses nodes reach NBD at, reported instead of the listen address
     /// (behind NAT, or listening on 0.0.0.0); empty: the listen address.
     pub advertise: Vec<String>,
-    /// Unix socket for the management API (default: `<data_dir>/ferrovol.sock`).
+    /// Unix socket for the management API (default: `<data_dir>/ferrovol.sock`,
+    /// mode 0600).
     pub mgmt_socket: Option<PathBuf>,
+    /// TCP address for the management API, served only with mutual TLS (`tls`).
+    pub api_listen: Option<SocketAddr>,
+    /// The management API's TLS files (required with `api_listen`).
+    pub tls: Option<TlsFiles>,
     /// HTTP address for Prometheus metrics (`GET /metrics`); none by default.
     pub metrics_listen: Option<SocketAddr>,
     /// NBD data-plane threads (at least 1).
@@ -74,6 +80,8 @@ impl HostOptions {
             nbd_access: NbdAccessMode::Auto,
             advertise: Vec::new(),
             mgmt_socket: None,
+            api_listen: None,
+            tls: None,
             metrics_listen: None,
             dataplane_threads: 1,
             nbd: nbd::ServerConfig::default(),
@@ -109,6 +117,9 @@ pub struct Host {
     tcp_task: tokio::task::JoinHandle<std::io::Result<()>>,
     unix_task: tokio::task::JoinHandle<std::io::Result<()>>,
     mgmt_task: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+    api_task: Option<tokio::task::JoinHandle<Result<(), tonic::transport::Error>>>,
+    api_addr: Option<SocketAddr>,
+    tls: Option<Arc<MtlsAcceptor>>,
     metrics_task: Option<tokio::task::JoinHandle<()>>,
     dataplane: DataPlane,
 }
@@ -141,6 +152,15 @@ impl Host {
             opts.nbd.max_total_in_flight_bytes >= 1 << 20,
             "--max-total-in-flight-bytes must be at least 1MiB (one maximum-size request may still exceed it)"
         );
+        anyhow::ensure!(
+            opts.api_listen.is_none() || opts.tls.is_some(),
+            "--api-listen serves the management API over TCP only with mutual TLS: give --tls-cert, --tls-key and \
+             --tls-client-ca"
+        );
+        let tls = match &opts.tls {
+            Some(files) => Some(Arc::new(MtlsAcceptor::load(files.clone()).context("the management API's TLS files")?)),
+            None => None,
+        };
         let data_dir = &opts.data_dir;
         std::fs::create_dir_all(data_dir).with_context(|| format!("create data dir {}", data_dir.display()))?;
         let dataplane = DataPlane::start(opts.dataplane_threads).context("start the NBD data-plane threads")?;
@@ -156,7 +176,7 @@ impl Host {
             preallocate: opts.preallocate,
         };
         // Listen first, so a busy port or socket leaves no new pool file behind.
-        let Listeners { tcp, metrics: metrics_listener, unix, mgmt: mgmt_listener, nbd_socket, mgmt_socket } =
+        let Listeners { tcp, metrics: metrics_listener, unix, mgmt: mgmt_listener, api, nbd_socket, mgmt_socket } =
             Listeners::bind(&opts, &dataplane).await?;
         let p = pool_path.clone();
         let format = opts.format;
@@ -219,6 +239,21 @@ impl Host {
         let dp = dataplane.handle();
         let tcp_task = dp.spawn(nbd_server.clone().serve_tcp(tcp, stopped(stop_rx.clone())));
         let unix_task = dp.spawn(nbd_server.clone().serve_unix(unix, stopped(stop_rx.clone())));
+        let api_addr = api.as_ref().and_then(|l| l.local_addr().ok());
+        let api_task = match (api, &tls) {
+            (Some(listener), Some(tls)) => {
+                tracing::info!(addr = ?api_addr, "serving the management API over mutual TLS");
+                Some(tokio::spawn(
+                    tonic::transport::Server::builder()
+                        .add_service(mgmt::ManagementService::new(pool.clone(), identity.clone()))
+                        .serve_with_incoming_shutdown(
+                            crate::tls::incoming(listener, Arc::clone(tls)),
+                            stopped(stop_rx.clone()),
+                        ),
+                ))
+            }
+            _ => None,
+        };
         let mgmt_task = tokio::spawn(
             tonic::transport::Server::builder()
                 .add_service(mgmt::ManagementService::new(pool.clone(), identity))
@@ -238,6 +273,9 @@ impl Host {
             tcp_task,
             unix_task,
             mgmt_task,
+            api_task,
+            api_addr,
+            tls,
             metrics_task,
             dataplane,
         })
@@ -256,6 +294,23 @@ impl Host {
     /// The NBD unix socket.
     pub fn nbd_socket(&self) -> &Path {
         &self.nbd_socket
+    }
+
+    /// The management API's TCP address (with `api_listen`).
+    pub fn api_addr(&self) -> Option<SocketAddr> {
+        self.api_addr
+    }
+
+    /// Reads the management API's TLS files again (SIGHUP): new connections use them;
+    /// on error the files in force stay and the error is returned. Nothing to do
+    /// without TLS.
+    ///
+    /// Errors: as [`MtlsAcceptor::load`].
+    pub fn reload_tls(&self) -> anyhow::Result<()> {
+        match &self.tls {
+            Some(t) => t.reload(),
+            None => Ok(()),
+        }
     }
 
     /// The management socket.
@@ -285,6 +340,9 @@ impl Host {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         let _ = self.mgmt_task.await;
+        if let Some(t) = self.api_task {
+            let _ = t.await;
+        }
         if let Some(t) = self.metrics_task {
             let _ = t.await;
         }
@@ -307,6 +365,7 @@ struct Listeners {
     metrics: Option<tokio::net::TcpListener>,
     unix: tokio::net::UnixListener,
     mgmt: tokio::net::UnixListener,
+    api: Option<tokio::net::TcpListener>,
     nbd_socket: PathBuf,
     mgmt_socket: PathBuf,
 }
@@ -337,18 +396,33 @@ impl Listeners {
             ),
             None => None,
         };
+        let api = match opts.api_listen {
+            Some(addr) => Some(
+                tokio::net::TcpListener::bind(addr)
+                    .await
+                    .with_context(|| format!("bind the management API on {addr}"))?,
+            ),
+            None => None,
+        };
         let unix = {
             let _rt = dataplane.handle().enter();
             bind_unix(&nbd_socket)?
         };
-        let mgmt_listener = match bind_unix(&mgmt_socket) {
+        let mgmt_listener = match bind_unix(&mgmt_socket).and_then(|l| {
+            // Only the server's user may call the management API over its socket.
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&mgmt_socket, std::fs::Permissions::from_mode(0o600))
+                .with_context(|| format!("make {} private", mgmt_socket.display()))?;
+            Ok(l)
+        }) {
             Ok(l) => l,
             Err(e) => {
                 let _ = std::fs::remove_file(&nbd_socket);
+                let _ = std::fs::remove_file(&mgmt_socket);
                 return Err(e);
             }
         };
-        Ok(Listeners { tcp, metrics: metrics_listener, unix, mgmt: mgmt_listener, nbd_socket, mgmt_socket })
+        Ok(Listeners { tcp, metrics: metrics_listener, unix, mgmt: mgmt_listener, api, nbd_socket, mgmt_socket })
     }
 }
 

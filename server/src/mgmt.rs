@@ -114,15 +114,30 @@ fn caller<T>(req: &Request<T>) -> String {
     "in-process".to_owned()
 }
 
-/// Writes the audit line of a call that changes something: who, what, with which
-/// arguments (never a secret), and how it ended.
-fn audit<T>(caller: &str, call: &str, args: &str, r: &Result<T, Status>) {
-    match r {
-        Ok(_) => tracing::info!(target: "ferrovol::audit", caller, call, args, outcome = "ok", "audit"),
-        Err(s) => {
-            let outcome = format!("{:?}: {}", s.code(), s.message());
-            tracing::info!(target: "ferrovol::audit", caller, call, args, outcome, "audit")
-        }
+/// The audit line of a call that changes something: who, what, with which arguments
+/// (never a secret), and how it ended; written when the call ends, or with outcome
+/// `cancelled` when its caller went away first (a change may then have been made).
+struct Audit {
+    caller: String,
+    call: &'static str,
+    args: String,
+    outcome: Option<String>,
+}
+
+impl Audit {
+    fn end<T>(mut self, r: &Result<T, Status>) {
+        self.outcome = Some(match r {
+            Ok(_) => "ok".to_owned(),
+            Err(s) => format!("{:?}: {}", s.code(), s.message()),
+        });
+    }
+}
+
+impl Drop for Audit {
+    fn drop(&mut self) {
+        let outcome = self.outcome.as_deref().unwrap_or("cancelled");
+        let (caller, call, args) = (&self.caller, self.call, &self.args);
+        tracing::info!(target: "ferrovol::audit", caller, call, args, outcome, "audit");
     }
 }
 
@@ -212,32 +227,44 @@ impl ManagementService {
         })
     }
 
+    /// Detaches, then fences: in a task of its own, so that a caller that goes away
+    /// (a deadline, a closed connection) stops neither. When the node was not (or is
+    /// no longer) published, still waits for connections of keys revoked from it
+    /// earlier that have not closed (an unpublish that timed out, retried).
     async fn do_unpublish(&self, r: pb::UnpublishVolumeRequest) -> Result<pb::UnpublishVolumeResponse, Status> {
-        let gone = self.pool.detach(&r.volume, &r.node_id).await.map_err(|e| grpc_status(&e))?;
-        let Some(a) = gone else {
-            return Ok(pb::UnpublishVolumeResponse { was_published: false });
-        };
-        if !self.host.fences.revoke(&a.key, UNPUBLISH_WAIT).await {
-            return Err(Status::aborted(format!(
-                "unpublished '{}' from node '{}', but {} of its NBD connections did not close within {:?}: retry",
-                r.volume,
-                r.node_id,
-                self.host.fences.holders(&a.key),
-                UNPUBLISH_WAIT
-            )));
-        }
-        Ok(pb::UnpublishVolumeResponse { was_published: true })
+        let (pool, fences) = (self.pool.clone(), Arc::clone(&self.host.fences));
+        let task = tokio::spawn(async move {
+            let gone = pool.detach(&r.volume, &r.node_id).await.map_err(|e| grpc_status(&e))?;
+            let mut keys = fences.pending(&r.volume, &r.node_id);
+            if let Some(a) = &gone {
+                keys.push(a.key);
+            }
+            for key in &keys {
+                if !fences.revoke(key, &r.volume, &r.node_id, UNPUBLISH_WAIT).await {
+                    return Err(Status::aborted(format!(
+                        "unpublished '{}' from node '{}', but {} of its NBD connections did not close within {:?}: \
+                         retry",
+                        r.volume,
+                        r.node_id,
+                        fences.holders(key),
+                        UNPUBLISH_WAIT
+                    )));
+                }
+            }
+            Ok(pb::UnpublishVolumeResponse { was_published: gone.is_some() })
+        });
+        task.await.map_err(|e| Status::internal(format!("unpublish failed: {e}")))?
     }
 }
 
 /// Runs a call that changes something and writes its audit line.
 macro_rules! audited {
     ($req:ident, $call:literal, |$r:ident| $args:expr, $body:expr) => {{
-        let who = caller(&$req);
+        let caller = caller(&$req);
         let $r = $req.into_inner();
-        let args = $args;
+        let audit = Audit { caller, call: $call, args: $args, outcome: None };
         let out = $body;
-        audit(&who, $call, &args, &out);
+        audit.end(&out);
         out.map(Response::new)
     }};
 }

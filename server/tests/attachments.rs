@@ -321,3 +321,68 @@ fn unsafe_free_uid() -> u32 {
     let l = status.lines().find(|l| l.starts_with("Uid:")).unwrap();
     l.split_whitespace().nth(1).unwrap().parse().unwrap()
 }
+
+/// A raw NBD client over TCP: fixed newstyle, NBD_OPT_EXPORT_NAME, no zeroes.
+fn raw_connect(port: u16, name: &str) -> std::net::TcpStream {
+    use std::io::{Read, Write};
+    let mut c = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let mut greeting = [0u8; 18];
+    c.read_exact(&mut greeting).unwrap();
+    c.write_all(&3u32.to_be_bytes()).unwrap(); // FIXED_NEWSTYLE | NO_ZEROES
+    let mut opt = b"IHAVEOPT".to_vec();
+    opt.extend_from_slice(&1u32.to_be_bytes()); // NBD_OPT_EXPORT_NAME
+    opt.extend_from_slice(&(name.len() as u32).to_be_bytes());
+    opt.extend_from_slice(name.as_bytes());
+    c.write_all(&opt).unwrap();
+    let mut export = [0u8; 10];
+    c.read_exact(&mut export).unwrap();
+    c
+}
+
+/// A WRITE whose payload is still arriving when the node is unpublished, and whose
+/// unpublish call is cancelled by its caller: a retried unpublish waits for the
+/// connection, and the write, once its payload is in, does not reach the volume.
+#[test]
+fn a_write_still_arriving_at_unpublish_never_lands() {
+    use std::io::{Read, Write};
+    let td = TestDir::new();
+    let s = Server::start_with(&td.data(), "2GiB", &["--nbd-access", "attached"]);
+    s.create_volume("v", "16MiB");
+    let (name, _) = publish(&s, "v", "node-1", &[]);
+    let mut c = raw_connect(s.port, &name);
+    let mut req = 0x2560_9513u32.to_be_bytes().to_vec();
+    req.extend_from_slice(&0u16.to_be_bytes()); // flags
+    req.extend_from_slice(&1u16.to_be_bytes()); // NBD_CMD_WRITE
+    req.extend_from_slice(&7u64.to_be_bytes()); // cookie
+    req.extend_from_slice(&0u64.to_be_bytes()); // offset
+    req.extend_from_slice(&(1u32 << 20).to_be_bytes()); // 1 MiB
+    c.write_all(&req).unwrap();
+    c.write_all(&vec![0xcc; 100_000]).unwrap();
+    // The caller of the first unpublish goes away after 2 s (the connection holds on).
+    let o = output(
+        std::process::Command::new("timeout").args(["-s", "KILL", "2", BIN]).arg("--data-dir").arg(&s.dir).args([
+            "volume",
+            "unpublish",
+            "v",
+            "--node",
+            "node-1",
+        ]),
+    );
+    assert!(!o.status.success(), "unpublish returned while a write was arriving: {}", text(&o));
+    // The retry must wait for that connection.
+    let dir = s.dir.clone();
+    let retry = std::thread::spawn(move || cli(&dir, &["volume", "unpublish", "v", "--node", "node-1"]));
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(!retry.is_finished(), "the retried unpublish did not wait for the connection");
+    c.write_all(&vec![0xcc; (1 << 20) - 100_000]).unwrap();
+    let mut reply = [0u8; 16];
+    // An error reply, or a connection closed without one.
+    if c.read_exact(&mut reply).is_ok() {
+        assert_ne!(u32::from_be_bytes(reply[4..8].try_into().unwrap()), 0, "the write succeeded");
+    }
+    let o = retry.join().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let o = qemu_io(&s.unix_uri("v"), true, &["read -P 0 0 1M"]);
+    assert!(o.status.success() && !text(&o).contains("failed") && !text(&o).contains("mismatch"), "{}", text(&o));
+}

@@ -2,12 +2,20 @@
 //! (clients of the management API) and `check` (on a stopped pool). Not here: parsing
 //! (args.rs), the server (the `ferrovol` library).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use mgmt_api::{Client, Volume};
 
-use crate::args::{SnapshotCmd, VolumeCmd};
+use crate::args::{SnapshotCmd, Target, VolumeCmd};
+
+/// A client of the management API at `target`.
+async fn connect(target: &Target) -> anyhow::Result<Client> {
+    Ok(match target {
+        Target::Unix(socket) => Client::connect_unix(socket).await?,
+        Target::Tls(addr, tls) => Client::connect_tls(addr, tls).await?,
+    })
+}
 
 fn human(bytes: u64) -> String {
     const U: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
@@ -52,9 +60,9 @@ fn print_table(vs: &[Volume]) {
     }
 }
 
-/// `ferrovol snapshot ...` against the server at `socket`.
-pub(crate) async fn snapshot_cmd(socket: &Path, cmd: SnapshotCmd) -> anyhow::Result<()> {
-    let c = Client::connect_unix(socket).await?;
+/// `ferrovol snapshot ...` against the server at `target`.
+pub(crate) async fn snapshot_cmd(target: &Target, cmd: SnapshotCmd) -> anyhow::Result<()> {
+    let c = connect(target).await?;
     match cmd {
         SnapshotCmd::Create { volume, snapshot } => {
             let v = c.create_snapshot(&volume, &snapshot).await?;
@@ -90,9 +98,9 @@ pub(crate) async fn snapshot_cmd(socket: &Path, cmd: SnapshotCmd) -> anyhow::Res
     Ok(())
 }
 
-/// `ferrovol volume ...` against the server at `socket`.
-pub(crate) async fn volume_cmd(socket: &Path, cmd: VolumeCmd) -> anyhow::Result<()> {
-    let c = Client::connect_unix(socket).await?;
+/// `ferrovol volume ...` against the server at `target`.
+pub(crate) async fn volume_cmd(target: &Target, cmd: VolumeCmd) -> anyhow::Result<()> {
+    let c = connect(target).await?;
     match cmd {
         VolumeCmd::Create { name, size, labels, exist_ok } => {
             let req = mgmt_api::pb::CreateVolumeRequest {
@@ -187,9 +195,9 @@ pub(crate) async fn volume_cmd(socket: &Path, cmd: VolumeCmd) -> anyhow::Result<
     Ok(())
 }
 
-/// `ferrovol host info` against the server at `socket`.
-pub(crate) async fn host_info(socket: &Path, json: bool) -> anyhow::Result<()> {
-    let c = Client::connect_unix(socket).await?;
+/// `ferrovol host info` against the server at `target`.
+pub(crate) async fn host_info(target: &Target, json: bool) -> anyhow::Result<()> {
+    let c = connect(target).await?;
     let h = c.host_info().await?;
     if json {
         out!(
@@ -216,9 +224,9 @@ pub(crate) async fn host_info(socket: &Path, json: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `ferrovol pool status` against the server at `socket`.
-pub(crate) async fn pool_status(socket: &Path, json: bool) -> anyhow::Result<()> {
-    let c = Client::connect_unix(socket).await?;
+/// `ferrovol pool status` against the server at `target`.
+pub(crate) async fn pool_status(target: &Target, json: bool) -> anyhow::Result<()> {
+    let c = connect(target).await?;
     let s = c.pool_status().await?;
     if json {
         out!(

@@ -27,11 +27,41 @@ pub(crate) struct Mgmt {
     /// Management socket (default: <data-dir>/ferrovol.sock).
     #[arg(long, global = true, env = "FERROVOL_SOCKET")]
     pub(crate) socket: Option<PathBuf>,
+    /// Call a remote server's management API at HOST:PORT over mutual TLS instead of
+    /// the socket (with --api-ca, --api-cert, --api-key).
+    #[arg(long, global = true, env = "FERROVOL_API", requires_all = ["api_ca", "api_cert", "api_key"])]
+    pub(crate) api: Option<String>,
+    /// With --api: CA certificates (PEM) the server's certificate must chain to.
+    #[arg(long, global = true, env = "FERROVOL_API_CA")]
+    pub(crate) api_ca: Option<PathBuf>,
+    /// With --api: this client's certificate (PEM).
+    #[arg(long, global = true, env = "FERROVOL_API_CERT")]
+    pub(crate) api_cert: Option<PathBuf>,
+    /// With --api: this client's private key (PEM).
+    #[arg(long, global = true, env = "FERROVOL_API_KEY")]
+    pub(crate) api_key: Option<PathBuf>,
+}
+
+/// Where the administrative commands call the management API.
+pub(crate) enum Target {
+    /// The local server's unix socket.
+    Unix(PathBuf),
+    /// A server's TCP address, over mutual TLS.
+    Tls(String, mgmt_api::ClientTls),
 }
 
 impl Mgmt {
     pub(crate) fn path(&self, data_dir: &Path) -> PathBuf {
         self.socket.clone().unwrap_or_else(|| data_dir.join("ferrovol.sock"))
+    }
+
+    pub(crate) fn target(&self, data_dir: &Path) -> Target {
+        match (&self.api, &self.api_ca, &self.api_cert, &self.api_key) {
+            (Some(addr), Some(ca), Some(cert), Some(key)) => {
+                Target::Tls(addr.clone(), mgmt_api::ClientTls { ca: ca.clone(), cert: cert.clone(), key: key.clone() })
+            }
+            _ => Target::Unix(self.path(data_dir)),
+        }
     }
 }
 
@@ -42,7 +72,7 @@ pub(crate) enum Cmd {
         #[command(flatten)]
         mgmt: Mgmt,
         #[command(flatten)]
-        args: ServeArgs,
+        args: Box<ServeArgs>,
     },
     /// Create, list, resize and delete volumes on a running server.
     Volume {
@@ -120,6 +150,20 @@ pub(crate) struct ServeArgs {
     /// instead of --listen (repeat for several; for NAT, or --listen 0.0.0.0:PORT).
     #[arg(long)]
     pub(crate) advertise: Vec<String>,
+    /// Also serve the management API over TCP at this address, with mutual TLS only
+    /// (--tls-cert, --tls-key, --tls-client-ca; the files are read again on SIGHUP).
+    #[arg(long, requires_all = ["server_tls_cert", "server_tls_key", "tls_client_ca"])]
+    pub(crate) api_listen: Option<SocketAddr>,
+    /// With --api-listen: the server's certificate chain (PEM).
+    #[arg(long = "tls-cert", id = "server_tls_cert", value_name = "FILE")]
+    pub(crate) server_tls_cert: Option<PathBuf>,
+    /// With --api-listen: the server's private key (PEM).
+    #[arg(long = "tls-key", id = "server_tls_key", value_name = "FILE")]
+    pub(crate) server_tls_key: Option<PathBuf>,
+    /// With --api-listen: CA certificates (PEM) a client's certificate must chain to;
+    /// a client without one is refused before any call.
+    #[arg(long)]
+    pub(crate) tls_client_ca: Option<PathBuf>,
     /// With --pool on a block device: if the device holds no ferrovol pool, format it
     /// as a new one (destroys its contents).
     #[arg(long)]
@@ -351,6 +395,13 @@ impl ServeArgs {
         o.nbd_socket = self.nbd_socket.clone();
         o.nbd_access = self.nbd_access;
         o.advertise = self.advertise.clone();
+        o.api_listen = self.api_listen;
+        if let (Some(cert), Some(key), Some(client_ca)) =
+            (&self.server_tls_cert, &self.server_tls_key, &self.tls_client_ca)
+        {
+            o.tls =
+                Some(ferrovol::tls::TlsFiles { cert: cert.clone(), key: key.clone(), client_ca: client_ca.clone() });
+        }
         o.mgmt_socket = Some(mgmt_socket);
         o.metrics_listen = self.metrics_listen;
         o.dataplane_threads = self.dataplane_threads as usize;

@@ -73,21 +73,28 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             use tokio::signal::unix::{signal, SignalKind};
             let mut term = signal(SignalKind::terminate())?;
             let mut interrupt = signal(SignalKind::interrupt())?;
+            let mut hangup = signal(SignalKind::hangup())?;
             let host = Host::start(args.host_options(dir, mgmt.path(dir))?).await?;
-            tokio::select! {
-                _ = interrupt.recv() => {}
-                _ = term.recv() => {}
+            loop {
+                tokio::select! {
+                    _ = interrupt.recv() => break,
+                    _ = term.recv() => break,
+                    _ = hangup.recv() => match host.reload_tls() {
+                        Ok(()) => tracing::info!("SIGHUP: the management API's TLS files were read again"),
+                        Err(e) => tracing::error!(error = format!("{e:#}"), "SIGHUP: the TLS files do not load; the ones in force stay"),
+                    },
+                }
             }
             host.shut_down().await?;
             Ok(ExitCode::SUCCESS)
         }
-        Cmd::Volume { mgmt, cmd } => admin::volume_cmd(&mgmt.path(dir), cmd).await.map(|()| ExitCode::SUCCESS),
-        Cmd::Snapshot { mgmt, cmd } => admin::snapshot_cmd(&mgmt.path(dir), cmd).await.map(|()| ExitCode::SUCCESS),
+        Cmd::Volume { mgmt, cmd } => admin::volume_cmd(&mgmt.target(dir), cmd).await.map(|()| ExitCode::SUCCESS),
+        Cmd::Snapshot { mgmt, cmd } => admin::snapshot_cmd(&mgmt.target(dir), cmd).await.map(|()| ExitCode::SUCCESS),
         Cmd::Host { mgmt, cmd: HostCmd::Info { json } } => {
-            admin::host_info(&mgmt.path(dir), json).await.map(|()| ExitCode::SUCCESS)
+            admin::host_info(&mgmt.target(dir), json).await.map(|()| ExitCode::SUCCESS)
         }
         Cmd::Pool { mgmt, cmd: PoolCmd::Status { json } } => {
-            admin::pool_status(&mgmt.path(dir), json).await.map(|()| ExitCode::SUCCESS)
+            admin::pool_status(&mgmt.target(dir), json).await.map(|()| ExitCode::SUCCESS)
         }
         Cmd::Check { pool, repair } => admin::check(pool.unwrap_or_else(|| dir.join("pool.img")), repair).await,
     }
