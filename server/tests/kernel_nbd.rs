@@ -156,3 +156,67 @@ fn kernel_client_mounts_a_snapshot_read_only() {
     let out = Command::new(BIN).arg("--data-dir").arg(&dir).arg("check").output().unwrap();
     assert!(out.status.success(), "check: {}", String::from_utf8_lossy(&out.stdout));
 }
+
+/// The kernel client opens a volume by its attachment's export name (VOLUME/KEY) on a
+/// server that serves TCP clients only so; unpublish cuts it off: a write after it
+/// fails, the old key is refused, and what was written before is on the volume while
+/// nothing of the later write is.
+#[test]
+fn kernel_client_attaches_with_its_key_and_is_cut_off_by_unpublish() {
+    assert!(nbd_vm().exists(), "{} is missing", nbd_vm().display());
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("data");
+    let share = tmp.path().join("share");
+    std::fs::create_dir_all(&share).unwrap();
+    let port = free_port();
+    let mut server = Command::new(BIN)
+        .args(["--data-dir", dir.to_str().unwrap(), "serve", "--pool-size", "1GiB", "--nbd-access", "attached"])
+        .args(["--listen", &format!("127.0.0.1:{port}")])
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while !(dir.join("ferrovol.sock").exists() && std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()) {
+        assert!(t.elapsed() < Duration::from_secs(30), "server did not start");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    cli(&dir, &["volume", "create", "kvol", "--size", "64MiB"]);
+    let a: serde_json::Value =
+        serde_json::from_str(&cli(&dir, &["volume", "publish", "kvol", "--node", "vm-node", "--json"])).unwrap();
+    let export = a["export_name"].as_str().unwrap().to_owned();
+    let mut vm = Command::new("bash")
+        .arg(nbd_vm())
+        .args(["-t", "900", "-s", share.to_str().unwrap()])
+        .args(["-e", &format!("PORT={port}"), "-e", &format!("EXPORT={export}")])
+        .arg(guest("guest-fence.sh"))
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while !share.join("written").exists() {
+        if let Some(st) = vm.try_wait().unwrap() {
+            panic!("the guest ended ({st}) before it wrote");
+        }
+        assert!(t.elapsed() < Duration::from_secs(600), "the guest did not write");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    cli(&dir, &["volume", "unpublish", "kvol", "--node", "vm-node"]);
+    std::fs::write(share.join("unpublished"), b"").unwrap();
+    assert!(vm.wait().unwrap().success(), "guest-fence.sh failed (see its output above)");
+    // What the guest wrote before is there; nothing of the write after.
+    let img = tmp.path().join("kvol.img");
+    let sock = dir.join("nbd.sock");
+    let out = Command::new("qemu-img")
+        .args(["convert", "-f", "raw", "-O", "raw"])
+        .arg(format!("nbd+unix:///kvol?socket={}", sock.display()))
+        .arg(&img)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "qemu-img convert: {}", String::from_utf8_lossy(&out.stderr));
+    let data = std::fs::read(&img).unwrap();
+    let before = std::fs::read(share.join("a")).unwrap();
+    assert_eq!(&data[..1 << 20], &before[..], "the write made before unpublish is not on the volume");
+    assert!(data[1 << 20..2 << 20].iter().all(|&b| b == 0), "a write after unpublish reached the volume");
+    Command::new("kill").arg("-TERM").arg(server.id().to_string()).status().unwrap();
+    assert!(server.wait().unwrap().success(), "clean shutdown");
+}
