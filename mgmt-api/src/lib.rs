@@ -109,6 +109,15 @@ impl ApiError {
     }
 }
 
+/// The innermost cause of a connection error, alone: the layers above it repeat it.
+fn innermost_cause<'a>(e: &'a (dyn std::error::Error + 'static)) -> &'a (dyn std::error::Error + 'static) {
+    let mut cause = e;
+    while let Some(inner) = cause.source() {
+        cause = inner;
+    }
+    cause
+}
+
 /// PEM files a client presents and trusts over mutual TLS ([`Client::connect_tls`]).
 #[derive(Debug, Clone)]
 pub struct ClientTls {
@@ -186,11 +195,7 @@ impl Client {
             }))
             .await
             .map_err(|e| {
-                // The innermost cause only: the layers above it repeat it.
-                let mut cause: &dyn std::error::Error = &e;
-                while let Some(inner) = cause.source() {
-                    cause = inner;
-                }
+                let cause = innermost_cause(&e);
                 ApiError::new(
                     ErrorKind::Unavailable,
                     format!(
@@ -234,10 +239,7 @@ impl Client {
             }))
             .await
             .map_err(|e| {
-                let mut cause: &dyn std::error::Error = &e;
-                while let Some(inner) = cause.source() {
-                    cause = inner;
-                }
+                let cause = innermost_cause(&e);
                 ApiError::new(
                     ErrorKind::Unavailable,
                     format!("cannot connect to the management API at {shown} over TLS: {cause}"),

@@ -114,6 +114,11 @@ impl<'a> ExportName<'a> {
             Some((vol, _)) => format!("{vol}/…"),
         }
     }
+
+    /// The volume (or snapshot) `name` names, without any key.
+    pub fn volume(name: &str) -> &str {
+        name.split_once('/').map_or(name, |(vol, _)| vol)
+    }
 }
 
 /// One revocation signal per attachment key (fences, as in cluster fencing: an
@@ -219,6 +224,8 @@ mod tests {
         assert_eq!(ExportName::parse("vol1/xyz"), ExportName::Malformed);
         assert_eq!(ExportName::parse(&format!("/{}", k.to_hex())), ExportName::Malformed);
         assert_eq!(ExportName::shown(&keyed), "vol1/…");
+        assert_eq!(ExportName::volume(&keyed), "vol1");
+        assert_eq!(ExportName::volume("vol1@s"), "vol1@s");
     }
 
     #[tokio::test]

@@ -235,9 +235,6 @@ impl ExportRegistry for PoolRegistry {
 
     /// A volume's connections count together, whatever name or key opened them.
     fn counted_as(&self, name: &str) -> String {
-        match name.split_once('/') {
-            Some((vol, _)) => vol.to_owned(),
-            None => name.to_owned(),
-        }
+        ExportName::volume(name).to_owned()
     }
 }

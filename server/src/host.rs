@@ -388,22 +388,8 @@ impl Listeners {
             })
             .with_context(|| format!("bind NBD on {}", opts.listen))?;
         // TCP before the unix sockets: a busy port leaves no socket file behind either.
-        let metrics_listener = match opts.metrics_listen {
-            Some(addr) => Some(
-                tokio::net::TcpListener::bind(addr)
-                    .await
-                    .with_context(|| format!("bind the metrics endpoint on {addr}"))?,
-            ),
-            None => None,
-        };
-        let api = match opts.api_listen {
-            Some(addr) => Some(
-                tokio::net::TcpListener::bind(addr)
-                    .await
-                    .with_context(|| format!("bind the management API on {addr}"))?,
-            ),
-            None => None,
-        };
+        let metrics_listener = bind_tcp(opts.metrics_listen, "the metrics endpoint").await?;
+        let api = bind_tcp(opts.api_listen, "the management API").await?;
         let unix = {
             let _rt = dataplane.handle().enter();
             bind_unix(&nbd_socket)?
@@ -423,6 +409,16 @@ impl Listeners {
             }
         };
         Ok(Listeners { tcp, metrics: metrics_listener, unix, mgmt: mgmt_listener, api, nbd_socket, mgmt_socket })
+    }
+}
+
+/// Binds `what` on `addr`, if given, on the caller's runtime.
+async fn bind_tcp(addr: Option<SocketAddr>, what: &str) -> anyhow::Result<Option<tokio::net::TcpListener>> {
+    match addr {
+        Some(addr) => {
+            Ok(Some(tokio::net::TcpListener::bind(addr).await.with_context(|| format!("bind {what} on {addr}"))?))
+        }
+        None => Ok(None),
     }
 }
 

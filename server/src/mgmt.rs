@@ -257,12 +257,13 @@ impl ManagementService {
     }
 }
 
-/// Runs a call that changes something and writes its audit line.
+/// Runs a call that changes something and writes its audit line, whose arguments are
+/// the request (which never holds a secret), named `$r` in `$body`.
 macro_rules! audited {
-    ($req:ident, $call:literal, |$r:ident| $args:expr, $body:expr) => {{
+    ($req:ident, $call:literal, |$r:ident| $body:expr) => {{
         let caller = caller(&$req);
         let $r = $req.into_inner();
-        let audit = Audit { caller, call: $call, args: $args, outcome: None };
+        let audit = Audit { caller, call: $call, args: format!("{:?}", $r), outcome: None };
         let out = $body;
         audit.end(&out);
         out.map(Response::new)
@@ -272,21 +273,21 @@ macro_rules! audited {
 #[tonic::async_trait]
 impl Management for ManagementService {
     async fn create_volume(&self, req: Request<pb::CreateVolumeRequest>) -> Result<Response<pb::Volume>, Status> {
-        audited!(req, "CreateVolume", |r| format!("{r:?}"), self.do_create_volume(r).await)
+        audited!(req, "CreateVolume", |r| self.do_create_volume(r).await)
     }
 
     async fn delete_volume(
         &self,
         req: Request<pb::DeleteVolumeRequest>,
     ) -> Result<Response<pb::DeleteVolumeResponse>, Status> {
-        audited!(req, "DeleteVolume", |r| format!("{r:?}"), {
+        audited!(req, "DeleteVolume", |r| {
             let r = self.pool.delete_volume(&r.name).await;
             r.map(|()| pb::DeleteVolumeResponse {}).map_err(|e| grpc_status(&e))
         })
     }
 
     async fn resize_volume(&self, req: Request<pb::ResizeVolumeRequest>) -> Result<Response<pb::Volume>, Status> {
-        audited!(req, "ResizeVolume", |r| format!("{r:?}"), {
+        audited!(req, "ResizeVolume", |r| {
             self.pool.resize_volume(&r.name, r.size_bytes).await.map(volume).map_err(|e| grpc_status(&e))
         })
     }
@@ -305,14 +306,14 @@ impl Management for ManagementService {
     }
 
     async fn create_snapshot(&self, req: Request<pb::CreateSnapshotRequest>) -> Result<Response<pb::Volume>, Status> {
-        audited!(req, "CreateSnapshot", |r| format!("{r:?}"), self.do_create_snapshot(r).await)
+        audited!(req, "CreateSnapshot", |r| self.do_create_snapshot(r).await)
     }
 
     async fn delete_snapshot(
         &self,
         req: Request<pb::DeleteSnapshotRequest>,
     ) -> Result<Response<pb::DeleteSnapshotResponse>, Status> {
-        audited!(req, "DeleteSnapshot", |r| format!("{r:?}"), {
+        audited!(req, "DeleteSnapshot", |r| {
             let r = self.pool.delete_snapshot(&r.volume, &r.snapshot).await;
             r.map(|()| pb::DeleteSnapshotResponse {}).map_err(|e| grpc_status(&e))
         })
@@ -336,7 +337,7 @@ impl Management for ManagementService {
     }
 
     async fn clone_volume(&self, req: Request<pb::CloneVolumeRequest>) -> Result<Response<pb::Volume>, Status> {
-        audited!(req, "CloneVolume", |r| format!("{r:?}"), self.do_clone_volume(r).await)
+        audited!(req, "CloneVolume", |r| self.do_clone_volume(r).await)
     }
 
     async fn diff_snapshots(
@@ -351,14 +352,14 @@ impl Management for ManagementService {
 
     async fn publish_volume(&self, req: Request<pb::PublishVolumeRequest>) -> Result<Response<pb::Attachment>, Status> {
         // The reply carries the key: the audit line shows the request only.
-        audited!(req, "PublishVolume", |r| format!("{r:?}"), self.do_publish(r).await)
+        audited!(req, "PublishVolume", |r| self.do_publish(r).await)
     }
 
     async fn unpublish_volume(
         &self,
         req: Request<pb::UnpublishVolumeRequest>,
     ) -> Result<Response<pb::UnpublishVolumeResponse>, Status> {
-        audited!(req, "UnpublishVolume", |r| format!("{r:?}"), self.do_unpublish(r).await)
+        audited!(req, "UnpublishVolume", |r| self.do_unpublish(r).await)
     }
 
     async fn get_host_info(&self, _req: Request<pb::GetHostInfoRequest>) -> Result<Response<pb::HostInfo>, Status> {

@@ -304,7 +304,7 @@ fn changes_are_audited() {
     s.cli_ok(&["volume", "info", "v"]);
     let log = s.log_text();
     let audit: Vec<_> = log.lines().filter(|l| l.contains("ferrovol::audit")).collect();
-    let uid = unsafe_free_uid();
+    let uid = own_uid();
     let line = |call: &str| audit.iter().find(|l| l.contains(&format!("call=\"{call}\""))).copied();
     let c = line("CreateVolume").unwrap_or_else(|| panic!("no CreateVolume audit line in\n{log}"));
     assert!(c.contains(&format!("caller=\"uid={uid}\"")) && c.contains("outcome=\"ok\""), "{c}");
@@ -316,28 +316,10 @@ fn changes_are_audited() {
 }
 
 /// This process's uid, from /proc (no libc call).
-fn unsafe_free_uid() -> u32 {
+fn own_uid() -> u32 {
     let status = std::fs::read_to_string("/proc/self/status").unwrap();
     let l = status.lines().find(|l| l.starts_with("Uid:")).unwrap();
     l.split_whitespace().nth(1).unwrap().parse().unwrap()
-}
-
-/// A raw NBD client over TCP: fixed newstyle, NBD_OPT_EXPORT_NAME, no zeroes.
-fn raw_connect(port: u16, name: &str) -> std::net::TcpStream {
-    use std::io::{Read, Write};
-    let mut c = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
-    c.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    let mut greeting = [0u8; 18];
-    c.read_exact(&mut greeting).unwrap();
-    c.write_all(&3u32.to_be_bytes()).unwrap(); // FIXED_NEWSTYLE | NO_ZEROES
-    let mut opt = b"IHAVEOPT".to_vec();
-    opt.extend_from_slice(&1u32.to_be_bytes()); // NBD_OPT_EXPORT_NAME
-    opt.extend_from_slice(&(name.len() as u32).to_be_bytes());
-    opt.extend_from_slice(name.as_bytes());
-    c.write_all(&opt).unwrap();
-    let mut export = [0u8; 10];
-    c.read_exact(&mut export).unwrap();
-    c
 }
 
 /// A WRITE whose payload is still arriving when the node is unpublished, and whose
@@ -350,7 +332,9 @@ fn a_write_still_arriving_at_unpublish_never_lands() {
     let s = Server::start_with(&td.data(), "2GiB", &["--nbd-access", "attached"]);
     s.create_volume("v", "16MiB");
     let (name, _) = publish(&s, "v", "node-1", &[]);
-    let mut c = raw_connect(s.port, &name);
+    let tcp = std::net::TcpStream::connect(("127.0.0.1", s.port)).unwrap();
+    tcp.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let mut c = RawNbd::open(tcp, &name).unwrap().s;
     let mut req = 0x2560_9513u32.to_be_bytes().to_vec();
     req.extend_from_slice(&0u16.to_be_bytes()); // flags
     req.extend_from_slice(&1u16.to_be_bytes()); // NBD_CMD_WRITE

@@ -24,6 +24,12 @@ fn free_port() -> u16 {
 }
 
 fn start(dir: &Path, port: u16) -> Child {
+    start_with(dir, port, &[])
+}
+
+/// `ferrovol serve` on `dir` with a 4 GiB pool, NBD on `port`, and `extra` flags;
+/// returns once it serves.
+fn start_with(dir: &Path, port: u16, extra: &[&str]) -> Child {
     let child = Command::new(BIN)
         .args([
             "--data-dir",
@@ -34,6 +40,7 @@ fn start(dir: &Path, port: u16) -> Child {
             "--listen",
             &format!("127.0.0.1:{port}"),
         ])
+        .args(extra)
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
         .spawn()
@@ -169,18 +176,7 @@ fn kernel_client_attaches_with_its_key_and_is_cut_off_by_unpublish() {
     let share = tmp.path().join("share");
     std::fs::create_dir_all(&share).unwrap();
     let port = free_port();
-    let mut server = Command::new(BIN)
-        .args(["--data-dir", dir.to_str().unwrap(), "serve", "--pool-size", "1GiB", "--nbd-access", "attached"])
-        .args(["--listen", &format!("127.0.0.1:{port}")])
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let t = Instant::now();
-    while !(dir.join("ferrovol.sock").exists() && std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()) {
-        assert!(t.elapsed() < Duration::from_secs(30), "server did not start");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let mut server = start_with(&dir, port, &["--nbd-access", "attached"]);
     cli(&dir, &["volume", "create", "kvol", "--size", "64MiB"]);
     let a: serde_json::Value =
         serde_json::from_str(&cli(&dir, &["volume", "publish", "kvol", "--node", "vm-node", "--json"])).unwrap();
