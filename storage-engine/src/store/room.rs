@@ -437,16 +437,16 @@ impl Store {
             pos = off + len;
         }
         const PIECE: u64 = 1 << 20;
+        let zeros = AlignedBuf::zeroed(PIECE as usize);
         for (h0, h1) in holes {
             let mut at = h0;
             while at < h1 {
                 let len = (h1 - at).min(PIECE);
-                let seg = Segment { file_offset: at, buf_offset: 0, len: len as usize };
-                let (_, r) = self
-                    .ring
-                    .rw(Dir::Write { dsync: false }, AlignedBuf::zeroed(len as usize), vec![seg])
-                    .blocking_recv()
-                    .map_err(|_| worker_gone())?;
+                let zeros = &zeros.full()[..len as usize];
+                // A plain write, not the ring: this runs once, at open, on the opening
+                // thread, before any data-plane I/O (a one-off that gains nothing from
+                // the ring).
+                let r = std::os::unix::fs::FileExt::write_all_at(&*self.file, zeros, at);
                 match r {
                     Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => return Err(host_full_error()),
                     r => r.map_err(|e| Error::io(format!("fill the hole at byte {at} of the pool file"), e))?,
