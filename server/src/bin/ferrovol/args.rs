@@ -102,6 +102,11 @@ pub(crate) enum Cmd {
         #[command(subcommand)]
         cmd: PoolCmd,
     },
+    /// The CSI driver's services (Container Storage Interface, for Kubernetes).
+    Csi {
+        #[command(subcommand)]
+        cmd: CsiCmd,
+    },
     /// Verify a stopped pool: checksums, mappings against refcounts, free space.
     /// Exits 1 naming each problem found (a file that holds no pool, or one too damaged
     /// to load, included), 2 if the pool cannot be checked (in use, missing,
@@ -345,6 +350,34 @@ pub(crate) enum SnapshotCmd {
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+pub(crate) enum CsiCmd {
+    /// Serve the CSI Identity and Controller services: place volumes on the storage
+    /// hosts of --config and manage them through their management APIs. Keeps no
+    /// state of its own (the hosts are the source of truth).
+    Controller {
+        /// Where to serve: unix:///PATH (for the Kubernetes sidecars) or tcp://HOST:PORT.
+        #[arg(long, default_value = "unix:///csi/csi.sock")]
+        endpoint: csi::serve::Endpoint,
+        /// The storage hosts (TOML: [[host]] entries with name, api, zone; see the README).
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// Serve the CSI Identity and Node services of this node. So far the node says who
+    /// it is (NodeGetInfo); attaching and mounting volumes are not served yet.
+    Node {
+        /// Where to serve: unix:///PATH (for the Kubernetes sidecars) or tcp://HOST:PORT.
+        #[arg(long, default_value = "unix:///csi/csi.sock")]
+        endpoint: csi::serve::Endpoint,
+        /// This node's Kubernetes node name (its node ID is ferrovol:NAME).
+        #[arg(long, env = "NODE_NAME")]
+        node_name: String,
+        /// This node's zone (topology.ferrovol.io/zone), if the cluster has zones.
+        #[arg(long)]
+        zone: Option<String>,
     },
 }
 

@@ -36,7 +36,7 @@ mod args;
 
 use std::process::ExitCode;
 
-use args::{Cli, Cmd, HostCmd, PoolCmd};
+use args::{Cli, Cmd, CsiCmd, HostCmd, PoolCmd};
 use clap::Parser;
 use ferrovol::host::Host;
 
@@ -96,6 +96,29 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Cmd::Pool { mgmt, cmd: PoolCmd::Status { json } } => {
             admin::pool_status(&mgmt.target(dir), json).await.map(|()| ExitCode::SUCCESS)
         }
+        Cmd::Csi { cmd: CsiCmd::Controller { endpoint, config } } => {
+            let config = csi::config::Config::load(&config)?;
+            csi::serve::serve_controller(&config, &endpoint, stop_signal()?).await?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Csi { cmd: CsiCmd::Node { endpoint, node_name, zone } } => {
+            let node = csi::node::Node { name: node_name, zone };
+            csi::serve::serve_node(node, &endpoint, stop_signal()?).await?;
+            Ok(ExitCode::SUCCESS)
+        }
         Cmd::Check { pool, repair } => admin::check(pool.unwrap_or_else(|| dir.join("pool.img")), repair).await,
     }
+}
+
+/// Resolves at SIGTERM or SIGINT (set up before anything is served).
+fn stop_signal() -> std::io::Result<impl std::future::Future<Output = ()>> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate())?;
+    let mut interrupt = signal(SignalKind::interrupt())?;
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = interrupt.recv() => {}
+        }
+    })
 }

@@ -1,0 +1,154 @@
+//! Serving the CSI services on a CSI endpoint: `unix:///PATH` (what the Kubernetes
+//! sidecars use) or `tcp://HOST:PORT` (for trying things by hand).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use crate::config::Config;
+use crate::controller::Controller;
+use crate::hosts::Hosts;
+use crate::identity::Identity;
+use crate::node::Node;
+use crate::pb;
+
+/// Where the services listen.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Endpoint {
+    /// A unix socket (any stale socket file there is replaced).
+    Unix(PathBuf),
+    /// A TCP address, `HOST:PORT`.
+    Tcp(String),
+}
+
+impl std::str::FromStr for Endpoint {
+    type Err = String;
+
+    /// Parses `unix:///PATH`, `unix:/PATH`, `/PATH` or `tcp://HOST:PORT`.
+    fn from_str(s: &str) -> Result<Endpoint, String> {
+        if let Some(p) = s.strip_prefix("unix://").or_else(|| s.strip_prefix("unix:")) {
+            let p = if p.starts_with("//") { &p[1..] } else { p };
+            if !p.starts_with('/') {
+                return Err(format!("{s:?}: a unix endpoint is unix:///ABSOLUTE/PATH"));
+            }
+            return Ok(Endpoint::Unix(PathBuf::from(p)));
+        }
+        if s.starts_with('/') {
+            return Ok(Endpoint::Unix(PathBuf::from(s)));
+        }
+        if let Some(a) = s.strip_prefix("tcp://") {
+            if a.rsplit_once(':').is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok()) {
+                return Ok(Endpoint::Tcp(a.to_string()));
+            }
+        }
+        Err(format!("{s:?} is not a CSI endpoint: unix:///PATH or tcp://HOST:PORT"))
+    }
+}
+
+/// Serves Identity and Controller over the hosts of `config` on `endpoint` until
+/// `shutdown` resolves.
+///
+/// Errors: the endpoint cannot be bound (its directory missing, the address taken).
+pub async fn serve_controller(
+    config: &Config,
+    endpoint: &Endpoint,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> std::io::Result<()> {
+    let hosts = Arc::new(Hosts::new(config));
+    let router = tonic::transport::Server::builder()
+        .add_service(pb::identity_server::IdentityServer::new(Identity::new(hosts.clone())))
+        .add_service(pb::controller_server::ControllerServer::new(Controller::new(hosts)));
+    tracing::info!(endpoint = ?endpoint, hosts = config.hosts.len(), "CSI controller serving");
+    serve(router, endpoint, shutdown).await
+}
+
+/// Serves Identity and Node for `node` on `endpoint` until `shutdown` resolves.
+///
+/// Errors: as [`serve_controller`].
+pub async fn serve_node(
+    node: Node,
+    endpoint: &Endpoint,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> std::io::Result<()> {
+    tracing::info!(endpoint = ?endpoint, node_id = node.node_id(), "CSI node serving");
+    let router = tonic::transport::Server::builder()
+        .add_service(pb::identity_server::IdentityServer::new(NodeIdentity))
+        .add_service(pb::node_server::NodeServer::new(node));
+    serve(router, endpoint, shutdown).await
+}
+
+/// The Identity service of a node plugin: no controller capabilities; always ready.
+#[derive(Debug, Clone, Copy)]
+struct NodeIdentity;
+
+#[tonic::async_trait]
+impl pb::identity_server::Identity for NodeIdentity {
+    async fn get_plugin_info(
+        &self,
+        _req: tonic::Request<pb::GetPluginInfoRequest>,
+    ) -> Result<tonic::Response<pb::GetPluginInfoResponse>, tonic::Status> {
+        Ok(tonic::Response::new(crate::identity::plugin_info()))
+    }
+
+    async fn get_plugin_capabilities(
+        &self,
+        _req: tonic::Request<pb::GetPluginCapabilitiesRequest>,
+    ) -> Result<tonic::Response<pb::GetPluginCapabilitiesResponse>, tonic::Status> {
+        Ok(tonic::Response::new(pb::GetPluginCapabilitiesResponse { capabilities: Vec::new() }))
+    }
+
+    async fn probe(
+        &self,
+        _req: tonic::Request<pb::ProbeRequest>,
+    ) -> Result<tonic::Response<pb::ProbeResponse>, tonic::Status> {
+        Ok(tonic::Response::new(pb::ProbeResponse { ready: Some(true) }))
+    }
+}
+
+async fn serve(
+    router: tonic::transport::server::Router,
+    endpoint: &Endpoint,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> std::io::Result<()> {
+    match endpoint {
+        Endpoint::Unix(path) => {
+            match std::fs::remove_file(path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    return Err(std::io::Error::new(e.kind(), format!("remove the old socket {}: {e}", path.display())))
+                }
+            }
+            let l = tokio::net::UnixListener::bind(path)
+                .map_err(|e| std::io::Error::new(e.kind(), format!("bind {}: {e}", path.display())))?;
+            router
+                .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(l), shutdown)
+                .await
+                .map_err(std::io::Error::other)
+        }
+        Endpoint::Tcp(addr) => {
+            let l = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|e| std::io::Error::new(e.kind(), format!("bind {addr}: {e}")))?;
+            router
+                .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(l), shutdown)
+                .await
+                .map_err(std::io::Error::other)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints_parse() {
+        assert_eq!("unix:///csi/csi.sock".parse(), Ok(Endpoint::Unix("/csi/csi.sock".into())));
+        assert_eq!("unix:/csi/csi.sock".parse(), Ok(Endpoint::Unix("/csi/csi.sock".into())));
+        assert_eq!("/csi/csi.sock".parse(), Ok(Endpoint::Unix("/csi/csi.sock".into())));
+        assert_eq!("tcp://127.0.0.1:10000".parse(), Ok(Endpoint::Tcp("127.0.0.1:10000".into())));
+        for bad in ["unix://csi.sock", "127.0.0.1:1", "tcp://x", "http://a:1"] {
+            assert!(bad.parse::<Endpoint>().is_err(), "{bad}");
+        }
+    }
+}
