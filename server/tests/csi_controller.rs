@@ -1,0 +1,712 @@
+//! The CSI controller (`ferrovol csi controller`) against real storage hosts: two
+//! `ferrovol serve` processes in two zones, the controller as its own process, and a
+//! tonic client over its unix socket. Each test names the spec.md section it checks
+//! (container-storage-interface/spec v1.12.0). Data is read back over NBD with qemu-io.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use csi::pb;
+use csi::pb::controller_client::ControllerClient;
+use csi::pb::identity_client::IdentityClient;
+use csi::pb::volume_capability::access_mode::Mode;
+use tonic::transport::Channel;
+use tonic::Code;
+
+const GIB: i64 = 1 << 30;
+const MIB: i64 = 1 << 20;
+
+/// Two storage hosts (`host-a` in zone-a, `host-b` in zone-b) and a controller over them.
+struct Cluster {
+    _dir: TestDir,
+    a: Server,
+    b: Server,
+    config: PathBuf,
+    socket: PathBuf,
+    controller: Option<Child>,
+    log: PathBuf,
+}
+
+impl Cluster {
+    /// Hosts with pools of `size_a` and `size_b`, each started with `extra`.
+    fn start(size_a: &str, size_b: &str, extra: &[&str]) -> Cluster {
+        let dir = TestDir::new();
+        let a = Server::start_with(&dir.path().join("a"), size_a, extra);
+        let b = Server::start_with(&dir.path().join("b"), size_b, extra);
+        let config = dir.path().join("csi.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "[[host]]\nname = \"host-a\"\napi = \"unix://{}\"\nzone = \"zone-a\"\n\n[[host]]\nname = \"host-b\"\napi = \
+                 \"unix://{}\"\nzone = \"zone-b\"\n",
+                a.dir.join("ferrovol.sock").display(),
+                b.dir.join("ferrovol.sock").display()
+            ),
+        )
+        .unwrap();
+        let socket = dir.path().join("csi.sock");
+        let log = dir.path().join("controller.log");
+        let mut c = Cluster { _dir: dir, a, b, config, socket, controller: None, log };
+        c.start_controller();
+        c
+    }
+
+    fn start_controller(&mut self) {
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log).unwrap();
+        let child = Command::new(BIN)
+            .args(["csi", "controller", "--endpoint"])
+            .arg(format!("unix://{}", self.socket.display()))
+            .arg("--config")
+            .arg(&self.config)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("spawn ferrovol csi controller");
+        let t = Instant::now();
+        while std::os::unix::net::UnixStream::connect(&self.socket).is_err() {
+            assert!(t.elapsed() < Duration::from_secs(20), "controller not serving:\n{}", self.log_text());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.controller = Some(child);
+    }
+
+    fn stop_controller(&mut self) {
+        if let Some(mut c) = self.controller.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    async fn channel(&self) -> Channel {
+        let path = self.socket.clone();
+        tonic::transport::Endpoint::try_from("http://csi.invalid")
+            .unwrap()
+            .connect_with_connector(tower::service_fn(move |_| {
+                let path = path.clone();
+                async move {
+                    Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(path).await?))
+                }
+            }))
+            .await
+            .unwrap()
+    }
+
+    async fn controller(&self) -> ControllerClient<Channel> {
+        ControllerClient::new(self.channel().await)
+    }
+
+    /// The server of the host a volume's context names.
+    fn host(&self, v: &pb::Volume) -> &Server {
+        match v.volume_context.get("ferrovol.io/host").map(String::as_str) {
+            Some("host-a") => &self.a,
+            Some("host-b") => &self.b,
+            other => panic!("volume context names no host: {other:?}"),
+        }
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        self.stop_controller();
+    }
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
+}
+
+fn mount_cap(mode: Mode) -> pb::VolumeCapability {
+    pb::VolumeCapability {
+        access_mode: Some(pb::volume_capability::AccessMode { mode: mode as i32 }),
+        access_type: Some(pb::volume_capability::AccessType::Mount(pb::volume_capability::MountVolume {
+            fs_type: "ext4".into(),
+            ..Default::default()
+        })),
+    }
+}
+
+fn block_cap(mode: Mode) -> pb::VolumeCapability {
+    pb::VolumeCapability {
+        access_mode: Some(pb::volume_capability::AccessMode { mode: mode as i32 }),
+        access_type: Some(pb::volume_capability::AccessType::Block(pb::volume_capability::BlockVolume {})),
+    }
+}
+
+fn zone(z: &str) -> pb::Topology {
+    pb::Topology { segments: [("topology.ferrovol.io/zone".to_string(), z.to_string())].into_iter().collect() }
+}
+
+fn create_req(name: &str, bytes: i64) -> pb::CreateVolumeRequest {
+    pb::CreateVolumeRequest {
+        name: name.into(),
+        capacity_range: Some(pb::CapacityRange { required_bytes: bytes, limit_bytes: 0 }),
+        volume_capabilities: vec![mount_cap(Mode::SingleNodeWriter)],
+        ..Default::default()
+    }
+}
+
+async fn create(c: &mut ControllerClient<Channel>, r: pb::CreateVolumeRequest) -> Result<pb::Volume, tonic::Status> {
+    c.create_volume(r).await.map(|r| r.into_inner().volume.expect("a volume"))
+}
+
+fn code<T: std::fmt::Debug>(r: Result<T, tonic::Status>) -> Code {
+    match r {
+        Ok(v) => panic!("expected an error, got {v:?}"),
+        Err(s) => s.code(),
+    }
+}
+
+/// spec.md CreateVolume: idempotent by name; capacity rounded up to 4 KiB; requisite
+/// then preferred topology choose the host, with room; the errors of its table.
+#[test]
+fn create_volume_places_by_topology_and_is_idempotent() {
+    let cl = Cluster::start("2GiB", "2GiB", &[]);
+    rt().block_on(async {
+        let mut c = cl.controller().await;
+        let mut r = create_req("pvc-in-b", 10 * MIB + 1);
+        r.accessibility_requirements =
+            Some(pb::TopologyRequirement { requisite: vec![zone("zone-b")], preferred: vec![] });
+        let v = create(&mut c, r.clone()).await.unwrap();
+        assert_eq!(v.capacity_bytes, 10 * MIB + 4096, "rounded up to 4 KiB");
+        assert_eq!(v.volume_context["ferrovol.io/host"], "host-b");
+        assert_eq!(v.accessible_topology, vec![zone("zone-b")]);
+        // Idempotent: the same answer, and one volume.
+        assert_eq!(create(&mut c, r.clone()).await.unwrap(), v);
+        assert_eq!(cl.b.volumes().as_array().unwrap().len(), 1);
+        assert!(cl.a.volumes().as_array().unwrap().is_empty());
+        // The same name with another size: ALREADY_EXISTS.
+        assert_eq!(code(create(&mut c, create_req("pvc-in-b", 20 * MIB)).await), Code::AlreadyExists);
+        // Preferred topology wins when nothing is required.
+        let mut r = create_req("pvc-pref-a", MIB);
+        r.accessibility_requirements =
+            Some(pb::TopologyRequirement { requisite: vec![], preferred: vec![zone("zone-a"), zone("zone-b")] });
+        assert_eq!(create(&mut c, r).await.unwrap().volume_context["ferrovol.io/host"], "host-a");
+        // No allowed host has room, or none is allowed: RESOURCE_EXHAUSTED.
+        assert_eq!(code(create(&mut c, create_req("pvc-huge", 100 * GIB)).await), Code::ResourceExhausted);
+        let mut r = create_req("pvc-nowhere", MIB);
+        r.accessibility_requirements =
+            Some(pb::TopologyRequirement { requisite: vec![zone("zone-x")], preferred: vec![] });
+        assert_eq!(code(create(&mut c, r).await), Code::ResourceExhausted);
+        // Bad arguments change nothing.
+        let mut r = create_req("pvc-bad", MIB);
+        r.parameters.insert("replicas".into(), "3".into());
+        let e = c.create_volume(r).await.unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument);
+        assert!(e.message().contains("\"replicas\""), "{}", e.message());
+        let mut r = create_req("pvc-bad", MIB);
+        r.volume_capabilities = vec![mount_cap(Mode::MultiNodeMultiWriter)];
+        assert_eq!(code(create(&mut c, r).await), Code::InvalidArgument);
+        let mut r = create_req("pvc-bad", MIB);
+        r.volume_capabilities.clear();
+        assert_eq!(code(create(&mut c, r).await), Code::InvalidArgument);
+        assert_eq!(code(create(&mut c, create_req("", MIB)).await), Code::InvalidArgument);
+        let mut r = create_req("pvc-bad", 10 * MIB);
+        r.capacity_range.as_mut().unwrap().limit_bytes = MIB;
+        assert_eq!(code(create(&mut c, r).await), Code::OutOfRange);
+        let names: BTreeSet<String> = [cl.a.volumes(), cl.b.volumes()]
+            .iter()
+            .flat_map(|l| {
+                l.as_array().unwrap().iter().map(|v| v["name"].as_str().unwrap().to_string()).collect::<Vec<_>>()
+            })
+            .collect();
+        assert_eq!(names, ["pvc-in-b", "pvc-pref-a"].into_iter().map(String::from).collect());
+        // Without preferences volumes spread: the next goes to the host with more room.
+        let v1 = create(&mut c, create_req("pvc-s1", 512 * MIB)).await.unwrap();
+        cl.host(&v1).cli_ok(&["volume", "create", "filler", "--size", "1GiB"]);
+        let uri = cl.host(&v1).uri("filler");
+        qemu_io_ok(&uri, &["write -P 1 0 900M"]);
+        let v2 = create(&mut c, create_req("pvc-s2", 512 * MIB)).await.unwrap();
+        assert_ne!(v1.volume_context["ferrovol.io/host"], v2.volume_context["ferrovol.io/host"]);
+        // DeleteVolume: gone, and again OK; an ID no controller made is OK too.
+        c.delete_volume(pb::DeleteVolumeRequest { volume_id: v.volume_id.clone(), ..Default::default() })
+            .await
+            .unwrap();
+        c.delete_volume(pb::DeleteVolumeRequest { volume_id: v.volume_id.clone(), ..Default::default() })
+            .await
+            .unwrap();
+        c.delete_volume(pb::DeleteVolumeRequest { volume_id: "some-fake-id".into(), ..Default::default() })
+            .await
+            .unwrap();
+        assert_eq!(
+            code(c.delete_volume(pb::DeleteVolumeRequest { volume_id: String::new(), ..Default::default() }).await),
+            Code::InvalidArgument
+        );
+        assert!(cl.b.volumes().as_array().unwrap().iter().all(|x| x["name"] != "pvc-in-b"));
+    });
+}
+
+/// spec.md CreateVolume with `volume_content_source`, CreateSnapshot, DeleteSnapshot:
+/// a restore holds the snapshot's point in time, a clone the volume's; a larger
+/// request grows the copy, a smaller one is OUT_OF_RANGE; snapshots are idempotent
+/// by name and the same name of another source is ALREADY_EXISTS.
+#[test]
+fn snapshots_restores_and_clones_read_back_over_nbd() {
+    let cl = Cluster::start("2GiB", "2GiB", &[]);
+    rt().block_on(async {
+        let mut c = cl.controller().await;
+        let v = create(&mut c, create_req("pvc-src", 64 * MIB)).await.unwrap();
+        let host = cl.host(&v);
+        qemu_io_ok(&host.uri("pvc-src"), &["write -P 0x11 0 1M", "write -P 0x22 63M 1M"]);
+        let snap_req = pb::CreateSnapshotRequest {
+            source_volume_id: v.volume_id.clone(),
+            name: "snap-1".into(),
+            ..Default::default()
+        };
+        let s = c.create_snapshot(snap_req.clone()).await.unwrap().into_inner().snapshot.unwrap();
+        assert!(s.ready_to_use);
+        assert_eq!(s.source_volume_id, v.volume_id);
+        assert_eq!(s.size_bytes, 64 * MIB);
+        assert!(s.creation_time.as_ref().is_some_and(|t| t.seconds > 1_700_000_000));
+        assert_eq!(c.create_snapshot(snap_req).await.unwrap().into_inner().snapshot.unwrap(), s, "idempotent");
+        let other = create(&mut c, create_req("pvc-other", MIB)).await.unwrap();
+        assert_eq!(
+            code(
+                c.create_snapshot(pb::CreateSnapshotRequest {
+                    source_volume_id: other.volume_id.clone(),
+                    name: "snap-1".into(),
+                    ..Default::default()
+                })
+                .await
+            ),
+            Code::AlreadyExists
+        );
+        // After the snapshot, the volume changes.
+        qemu_io_ok(&host.uri("pvc-src"), &["write -P 0x33 0 1M"]);
+        let source = |snapshot: Option<&str>, volume: Option<&str>| {
+            use pb::volume_content_source::{SnapshotSource, Type, VolumeSource};
+            Some(pb::VolumeContentSource {
+                r#type: Some(match (snapshot, volume) {
+                    (Some(id), _) => Type::Snapshot(SnapshotSource { snapshot_id: id.into() }),
+                    (_, Some(id)) => Type::Volume(VolumeSource { volume_id: id.into() }),
+                    _ => unreachable!(),
+                }),
+            })
+        };
+        // Restore, grown to 128 MiB: the snapshot's data, zeros past its end.
+        let mut r = create_req("pvc-restore", 128 * MIB);
+        r.volume_content_source = source(Some(&s.snapshot_id), None);
+        let restored = create(&mut c, r.clone()).await.unwrap();
+        assert_eq!(restored.capacity_bytes, 128 * MIB);
+        assert_eq!(restored.content_source, r.volume_content_source);
+        assert_eq!(create(&mut c, r).await.unwrap(), restored, "idempotent");
+        qemu_io_ok(&host.uri("pvc-restore"), &["read -P 0x11 0 1M", "read -P 0x22 63M 1M", "read -P 0 64M 64M"]);
+        // Clone of the volume: its data now.
+        let mut r = create_req("pvc-clone", 0);
+        r.capacity_range = None;
+        r.volume_content_source = source(None, Some(&v.volume_id));
+        let clone = create(&mut c, r).await.unwrap();
+        assert_eq!(clone.capacity_bytes, 64 * MIB, "a clone takes its source's size when none is asked");
+        qemu_io_ok(&host.uri("pvc-clone"), &["read -P 0x33 0 1M", "read -P 0x22 63M 1M"]);
+        // Smaller than the source, a source that is not there.
+        let mut r = create_req("pvc-small", 32 * MIB);
+        r.volume_content_source = source(Some(&s.snapshot_id), None);
+        assert_eq!(code(create(&mut c, r).await), Code::OutOfRange);
+        let mut r = create_req("pvc-nosrc", 64 * MIB);
+        r.volume_content_source = source(Some(&format!("{}x", s.snapshot_id)), None);
+        assert_eq!(code(create(&mut c, r).await), Code::NotFound);
+        let mut r = create_req("pvc-nosrc", 64 * MIB);
+        r.volume_content_source = source(Some("not-an-id"), None);
+        assert_eq!(code(create(&mut c, r).await), Code::NotFound);
+        // DeleteSnapshot: gone; again OK; the restore keeps its data.
+        for _ in 0..2 {
+            c.delete_snapshot(pb::DeleteSnapshotRequest { snapshot_id: s.snapshot_id.clone(), ..Default::default() })
+                .await
+                .unwrap();
+        }
+        let listed = c
+            .list_snapshots(pb::ListSnapshotsRequest { snapshot_id: s.snapshot_id.clone(), ..Default::default() })
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(listed.entries.is_empty());
+        qemu_io_ok(&host.uri("pvc-restore"), &["read -P 0x11 0 1M"]);
+    });
+}
+
+/// spec.md ControllerPublishVolume / ControllerUnpublishVolume: the publish_context
+/// opens the volume over NBD on a host that serves only attached nodes; another node
+/// of a single-node volume is FAILED_PRECONDITION; a node no ferrovol node plugin
+/// names is NOT_FOUND; unpublish cuts the node off and is idempotent; DeleteVolume of
+/// a published volume is FAILED_PRECONDITION.
+#[test]
+fn publish_opens_the_volume_over_nbd_and_unpublish_cuts_the_node_off() {
+    require("qemu-io");
+    let cl = Cluster::start("1GiB", "1GiB", &["--nbd-access", "attached"]);
+    rt().block_on(async {
+        let mut c = cl.controller().await;
+        let v = create(&mut c, create_req("pvc-pub", 16 * MIB)).await.unwrap();
+        let host = cl.host(&v);
+        let publish = |node: &str, mode: Mode, readonly: bool| pb::ControllerPublishVolumeRequest {
+            volume_id: v.volume_id.clone(),
+            node_id: node.into(),
+            volume_capability: Some(mount_cap(mode)),
+            readonly,
+            ..Default::default()
+        };
+        let ctx = c
+            .controller_publish_volume(publish("ferrovol:node-1", Mode::SingleNodeWriter, false))
+            .await
+            .unwrap()
+            .into_inner()
+            .publish_context;
+        assert_eq!(ctx["readOnly"], "false");
+        assert_eq!(ctx["nbdAddresses"], format!("127.0.0.1:{}", host.port));
+        let export = ctx["exportName"].clone();
+        assert!(export.starts_with("pvc-pub/"), "{export}");
+        let uri = format!("nbd://{}/{}", ctx["nbdAddresses"], export);
+        qemu_io_ok(&uri, &["write -P 0x5a 0 64k", "read -P 0x5a 0 64k"]);
+        // The plain name is refused on this host.
+        assert!(!qemu_io_succeeded(&qemu_io(&host.uri("pvc-pub"), &["read 0 4k"])));
+        // Idempotent; incompatible; another node; a stranger.
+        let again =
+            c.controller_publish_volume(publish("ferrovol:node-1", Mode::SingleNodeWriter, false)).await.unwrap();
+        assert_eq!(again.into_inner().publish_context["exportName"], export);
+        assert_eq!(
+            code(c.controller_publish_volume(publish("ferrovol:node-1", Mode::SingleNodeWriter, true)).await),
+            Code::AlreadyExists
+        );
+        assert_eq!(
+            code(c.controller_publish_volume(publish("ferrovol:node-2", Mode::SingleNodeWriter, false)).await),
+            Code::FailedPrecondition
+        );
+        assert_eq!(
+            code(c.controller_publish_volume(publish("node-1", Mode::SingleNodeWriter, false)).await),
+            Code::NotFound
+        );
+        let mut missing = publish("ferrovol:node-1", Mode::SingleNodeWriter, false);
+        missing.volume_id = format!("{}x", v.volume_id);
+        assert_eq!(code(c.controller_publish_volume(missing).await), Code::NotFound);
+        let got = c
+            .controller_get_volume(pb::ControllerGetVolumeRequest { volume_id: v.volume_id.clone() })
+            .await
+            .unwrap()
+            .into_inner();
+        let status = got.status.unwrap();
+        assert_eq!(status.published_node_ids, vec!["ferrovol:node-1".to_string()]);
+        assert!(!status.volume_condition.unwrap().abnormal);
+        assert_eq!(
+            code(
+                c.delete_volume(pb::DeleteVolumeRequest { volume_id: v.volume_id.clone(), ..Default::default() }).await
+            ),
+            Code::FailedPrecondition
+        );
+        // Unpublish: the key no longer opens the volume; again is OK.
+        for _ in 0..2 {
+            c.controller_unpublish_volume(pb::ControllerUnpublishVolumeRequest {
+                volume_id: v.volume_id.clone(),
+                node_id: "ferrovol:node-1".into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        }
+        assert!(!qemu_io_succeeded(&qemu_io(&uri, &["read 0 4k"])), "the old export name still opens the volume");
+        // Read-only publish to another node: reads work, writes do not.
+        let ctx = c
+            .controller_publish_volume(publish("ferrovol:node-2", Mode::SingleNodeReaderOnly, false))
+            .await
+            .unwrap()
+            .into_inner()
+            .publish_context;
+        assert_eq!(ctx["readOnly"], "true");
+        let uri = format!("nbd://{}/{}", ctx["nbdAddresses"], ctx["exportName"]);
+        let o = output(peer("qemu-io").args(["-r", "-f", "raw", "-c", "read -P 0x5a 0 64k", &uri]));
+        assert!(qemu_io_succeeded(&o), "{}", text(&o));
+        assert!(!qemu_io_succeeded(&qemu_io(&uri, &["write -P 1 0 4k"])), "a read-only node could write");
+        // Unpublish from every node (no node_id), then delete.
+        c.controller_unpublish_volume(pb::ControllerUnpublishVolumeRequest {
+            volume_id: v.volume_id.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        c.delete_volume(pb::DeleteVolumeRequest { volume_id: v.volume_id.clone(), ..Default::default() })
+            .await
+            .unwrap();
+    });
+}
+
+/// spec.md ListVolumes and ListSnapshots paging: every entry once, across hosts, in a
+/// stable order; a token this controller did not give is ABORTED.
+#[test]
+fn listing_pages_through_both_hosts() {
+    let cl = Cluster::start("1GiB", "1GiB", &[]);
+    rt().block_on(async {
+        let mut c = cl.controller().await;
+        let mut made = BTreeSet::new();
+        for (i, z) in ["zone-a", "zone-b", "zone-a", "zone-b", "zone-b"].iter().enumerate() {
+            let mut r = create_req(&format!("pvc-{i}"), MIB);
+            r.accessibility_requirements =
+                Some(pb::TopologyRequirement { requisite: vec![zone(z)], preferred: vec![] });
+            let v = create(&mut c, r).await.unwrap();
+            c.create_snapshot(pb::CreateSnapshotRequest {
+                source_volume_id: v.volume_id.clone(),
+                name: format!("snap-{i}"),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+            made.insert(v.volume_id);
+        }
+        let mut seen = Vec::new();
+        let mut token = String::new();
+        loop {
+            let page = c
+                .list_volumes(pb::ListVolumesRequest { max_entries: 2, starting_token: token.clone() })
+                .await
+                .unwrap()
+                .into_inner();
+            assert!(page.entries.len() <= 2);
+            seen.extend(page.entries.iter().map(|e| e.volume.as_ref().unwrap().volume_id.clone()));
+            if page.next_token.is_empty() {
+                break;
+            }
+            token = page.next_token;
+        }
+        assert_eq!(seen.len(), 5, "{seen:?}");
+        assert_eq!(seen.iter().cloned().collect::<BTreeSet<_>>(), made);
+        assert_eq!(
+            code(c.list_volumes(pb::ListVolumesRequest { max_entries: 1, starting_token: "bogus".into() }).await),
+            Code::Aborted
+        );
+        let snaps = c
+            .list_snapshots(pb::ListSnapshotsRequest { max_entries: 3, ..Default::default() })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(snaps.entries.len(), 3);
+        let rest = c
+            .list_snapshots(pb::ListSnapshotsRequest { starting_token: snaps.next_token, ..Default::default() })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(rest.entries.len(), 2);
+        assert!(rest.next_token.is_empty());
+        let one = made.iter().next().unwrap().clone();
+        let by_source = c
+            .list_snapshots(pb::ListSnapshotsRequest { source_volume_id: one.clone(), ..Default::default() })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(by_source.entries.len(), 1);
+        assert_eq!(by_source.entries[0].snapshot.as_ref().unwrap().source_volume_id, one);
+    });
+}
+
+/// spec.md ControllerExpandVolume: the new size is seen over NBD; node expansion is
+/// asked for mount volumes only. spec.md GetCapacity: per zone, the host's room.
+#[test]
+fn expansion_is_seen_over_nbd_and_capacity_is_per_zone() {
+    let cl = Cluster::start("1GiB", "2GiB", &[]);
+    rt().block_on(async {
+        let mut c = cl.controller().await;
+        let v = create(&mut c, create_req("pvc-grow", 16 * MIB)).await.unwrap();
+        let host = cl.host(&v);
+        let expand = |bytes: i64, cap: pb::VolumeCapability| pb::ControllerExpandVolumeRequest {
+            volume_id: v.volume_id.clone(),
+            capacity_range: Some(pb::CapacityRange { required_bytes: bytes, limit_bytes: 0 }),
+            volume_capability: Some(cap),
+            ..Default::default()
+        };
+        let r =
+            c.controller_expand_volume(expand(48 * MIB, mount_cap(Mode::SingleNodeWriter))).await.unwrap().into_inner();
+        assert_eq!((r.capacity_bytes, r.node_expansion_required), (48 * MIB, true));
+        let r =
+            c.controller_expand_volume(expand(48 * MIB, block_cap(Mode::SingleNodeWriter))).await.unwrap().into_inner();
+        assert_eq!((r.capacity_bytes, r.node_expansion_required), (48 * MIB, false));
+        qemu_io_ok(&host.uri("pvc-grow"), &["write -P 7 47M 1M", "read -P 7 47M 1M"]);
+        let mut missing = expand(64 * MIB, mount_cap(Mode::SingleNodeWriter));
+        missing.volume_id = "0123456789ab/nothing".into();
+        assert_eq!(code(c.controller_expand_volume(missing).await), Code::NotFound);
+        let cap = |z: Option<&str>| pb::GetCapacityRequest {
+            accessible_topology: z.map(zone),
+            volume_capabilities: vec![mount_cap(Mode::SingleNodeWriter)],
+            ..Default::default()
+        };
+        let a = c.get_capacity(cap(Some("zone-a"))).await.unwrap().into_inner();
+        let b = c.get_capacity(cap(Some("zone-b"))).await.unwrap().into_inner();
+        let all = c.get_capacity(cap(None)).await.unwrap().into_inner();
+        let room = |s: &Server| {
+            let st = s.pool_status();
+            (st["free_bytes"].as_u64().unwrap() - st["reserved_bytes"].as_u64().unwrap()) as i64 / 4096 * 4096
+        };
+        assert_eq!(a.available_capacity, room(&cl.a));
+        assert_eq!(b.available_capacity, room(&cl.b));
+        assert!(b.available_capacity > a.available_capacity);
+        assert_eq!(all.available_capacity, a.available_capacity + b.available_capacity);
+        assert_eq!(all.maximum_volume_size, Some(b.available_capacity));
+        let none = c.get_capacity(cap(Some("zone-x"))).await.unwrap().into_inner();
+        assert_eq!(none.available_capacity, 0);
+    });
+}
+
+/// spec.md "Concurrency": ten CreateVolume calls with one name at once, then ten
+/// CreateSnapshot calls: each answers OK or ABORTED, and exactly one volume and one
+/// snapshot exist, on one host.
+#[test]
+fn concurrent_creates_of_one_name_make_one_volume_and_one_snapshot() {
+    let cl = Cluster::start("1GiB", "1GiB", &[]);
+    rt().block_on(async {
+        let c = cl.controller().await;
+        let mut tasks = Vec::new();
+        for _ in 0..10 {
+            let mut c = c.clone();
+            tasks.push(tokio::spawn(async move { create(&mut c, create_req("pvc-race", 8 * MIB)).await }));
+        }
+        let mut ids = BTreeSet::new();
+        let mut aborted = 0;
+        for t in tasks {
+            match t.await.unwrap() {
+                Ok(v) => {
+                    ids.insert(v.volume_id);
+                }
+                Err(s) if s.code() == Code::Aborted => aborted += 1,
+                Err(s) => panic!("unexpected {s:?}"),
+            }
+        }
+        assert!(ids.len() <= 1, "{ids:?}");
+        let mut c2 = c.clone();
+        let v = create(&mut c2, create_req("pvc-race", 8 * MIB)).await.unwrap();
+        eprintln!("{aborted} of 10 calls were ABORTED");
+        let count = |s: &Server| s.volumes().as_array().unwrap().iter().filter(|x| x["name"] == "pvc-race").count();
+        assert_eq!(count(&cl.a) + count(&cl.b), 1);
+        let mut tasks = Vec::new();
+        for _ in 0..10 {
+            let mut c = c.clone();
+            let id = v.volume_id.clone();
+            tasks.push(tokio::spawn(async move {
+                c.create_snapshot(pb::CreateSnapshotRequest {
+                    source_volume_id: id,
+                    name: "snap-race".into(),
+                    ..Default::default()
+                })
+                .await
+            }));
+        }
+        let mut snaps = BTreeSet::new();
+        for t in tasks {
+            match t.await.unwrap() {
+                Ok(s) => {
+                    snaps.insert(s.into_inner().snapshot.unwrap().snapshot_id);
+                }
+                Err(s) => assert_eq!(s.code(), Code::Aborted, "{s:?}"),
+            }
+        }
+        assert!(snaps.len() <= 1);
+        let listed = c2.list_snapshots(pb::ListSnapshotsRequest::default()).await.unwrap().into_inner().entries;
+        assert_eq!(listed.len(), 1, "{listed:?}");
+    });
+}
+
+/// spec.md "Error Scheme" (UNAVAILABLE) and Probe: a storage host that is down makes
+/// calls on its volumes UNAVAILABLE (never NOT_FOUND, never OK for a delete), is
+/// skipped for placement, and is found again when it returns; a restarted controller
+/// loses nothing (it keeps no state).
+#[test]
+fn a_host_down_is_unavailable_for_its_volumes_and_skipped_for_placement() {
+    let mut cl = Cluster::start("1GiB", "1GiB", &[]);
+    rt().block_on(async {
+        let mut c = cl.controller().await;
+        let mut r = create_req("pvc-on-b", 8 * MIB);
+        r.accessibility_requirements =
+            Some(pb::TopologyRequirement { requisite: vec![zone("zone-b")], preferred: vec![] });
+        let on_b = create(&mut c, r).await.unwrap();
+        cl.b.kill9();
+        let get = pb::ControllerGetVolumeRequest { volume_id: on_b.volume_id.clone() };
+        assert_eq!(code(c.controller_get_volume(get.clone()).await), Code::Unavailable);
+        assert_eq!(
+            code(
+                c.delete_volume(pb::DeleteVolumeRequest { volume_id: on_b.volume_id.clone(), ..Default::default() })
+                    .await
+            ),
+            Code::Unavailable
+        );
+        assert_eq!(code(c.list_volumes(pb::ListVolumesRequest::default()).await), Code::Unavailable);
+        // Placement goes to the host that answers.
+        let v = create(&mut c, create_req("pvc-while-b-down", 8 * MIB)).await.unwrap();
+        assert_eq!(v.volume_context["ferrovol.io/host"], "host-a");
+        let mut id = IdentityClient::new(cl.channel().await);
+        assert_eq!(id.probe(pb::ProbeRequest {}).await.unwrap().into_inner().ready, Some(true));
+        // The host returns: its volume is there again, through a restarted controller.
+        cl.b.restart();
+        cl.stop_controller();
+        cl.start_controller();
+        let mut c = cl.controller().await;
+        let got = c.controller_get_volume(get).await.unwrap().into_inner();
+        assert_eq!(got.volume.unwrap().volume_id, on_b.volume_id);
+        assert_eq!(c.list_volumes(pb::ListVolumesRequest::default()).await.unwrap().into_inner().entries.len(), 2);
+        // Both hosts down: Probe is not ready, creates are UNAVAILABLE.
+        cl.a.kill9();
+        cl.b.kill9();
+        let mut id = IdentityClient::new(cl.channel().await);
+        assert_eq!(id.probe(pb::ProbeRequest {}).await.unwrap().into_inner().ready, Some(false));
+        assert_eq!(code(create(&mut c, create_req("pvc-nowhere", MIB)).await), Code::Unavailable);
+    });
+    assert!(cl.log_text().contains("CreateVolume"), "every call is logged:\n{}", cl.log_text());
+}
+
+/// The controller refuses a bad configuration at start, naming the line and why.
+#[test]
+fn a_bad_config_is_refused_with_its_line() {
+    let dir = TestDir::new();
+    let config = dir.path().join("csi.toml");
+    std::fs::write(&config, "[[host]]\nname = \"a\"\napi = \"10.0.0.1:7401\"\n").unwrap();
+    let o = Command::new(BIN)
+        .args(["csi", "controller", "--endpoint", "tcp://127.0.0.1:1", "--config"])
+        .arg(&config)
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(e.contains("line 1: host \"a\"") && e.contains("mutual TLS"), "{e}");
+}
+
+/// The standard conformance suite, csi-sanity (kubernetes-csi/csi-test), against the
+/// controller over two storage hosts: every Identity and Controller case passes. The
+/// Node cases are skipped: the node plugin does not attach volumes yet.
+#[test]
+fn csi_sanity_passes_the_controller_cases() {
+    let run = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/tools/csi-sanity/run.sh");
+    assert!(run.exists(), "{} is missing", run.display());
+    let cl = Cluster::start("4GiB", "4GiB", &[]);
+    let node_sock = cl.socket.with_file_name("node.sock");
+    let mut node = Command::new(BIN)
+        .args(["csi", "node", "--node-name", "sanity-node", "--zone", "zone-a", "--endpoint"])
+        .arg(format!("unix://{}", node_sock.display()))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while std::os::unix::net::UnixStream::connect(&node_sock).is_err() {
+        assert!(t.elapsed() < Duration::from_secs(20), "node not serving");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let o = Command::new("bash")
+        .arg(&run)
+        .arg(format!("unix://{}", node_sock.display()))
+        .arg("--controller-endpoint")
+        .arg(format!("unix://{}", cl.socket.display()))
+        .args(["-ginkgo.skip", "Node Service"])
+        .env("CSI_SANITY_VOLUME_SIZE", (64 * MIB).to_string())
+        .output()
+        .unwrap();
+    let _ = node.kill();
+    let _ = node.wait();
+    let out = String::from_utf8_lossy(&o.stdout);
+    let last = out.lines().rev().find(|l| l.starts_with("csi-sanity:")).unwrap_or("").to_string();
+    eprintln!("{last}");
+    assert!(o.status.success() && last.contains(" 0 failed"), "{out}\n{}", String::from_utf8_lossy(&o.stderr));
+    let passed: usize = last.split_whitespace().nth(1).and_then(|n| n.parse().ok()).unwrap_or(0);
+    assert!(passed >= 50, "only {passed} cases ran: {last}");
+}
