@@ -33,25 +33,28 @@ struct Cluster {
 }
 
 impl Cluster {
-    /// Hosts with pools of `size_a` and `size_b`, each started with `extra`.
+    /// Hosts with pools of `size_a` and `size_b`, each started with `extra`, both
+    /// reached over their management sockets.
     fn start(size_a: &str, size_b: &str, extra: &[&str]) -> Cluster {
         let dir = TestDir::new();
         let a = Server::start_with(&dir.path().join("a"), size_a, extra);
         let b = Server::start_with(&dir.path().join("b"), size_b, extra);
-        let config = dir.path().join("csi.toml");
-        std::fs::write(
-            &config,
-            format!(
-                "[[host]]\nname = \"host-a\"\napi = \"unix://{}\"\nzone = \"zone-a\"\n\n[[host]]\nname = \"host-b\"\napi = \
-                 \"unix://{}\"\nzone = \"zone-b\"\n",
-                a.dir.join("ferrovol.sock").display(),
-                b.dir.join("ferrovol.sock").display()
-            ),
-        )
-        .unwrap();
+        let config = format!(
+            "[[host]]\nname = \"host-a\"\napi = \"unix://{}\"\nzone = \"zone-a\"\n\n[[host]]\nname = \"host-b\"\napi = \
+             \"unix://{}\"\nzone = \"zone-b\"\n",
+            a.dir.join("ferrovol.sock").display(),
+            b.dir.join("ferrovol.sock").display()
+        );
+        Cluster::with_config(dir, a, b, &config)
+    }
+
+    /// A controller with configuration `config` over hosts `a` and `b`.
+    fn with_config(dir: TestDir, a: Server, b: Server, config: &str) -> Cluster {
+        let path = dir.path().join("csi.toml");
+        std::fs::write(&path, config).unwrap();
         let socket = dir.path().join("csi.sock");
         let log = dir.path().join("controller.log");
-        let mut c = Cluster { _dir: dir, a, b, config, socket, controller: None, log };
+        let mut c = Cluster { _dir: dir, a, b, config: path, socket, controller: None, log };
         c.start_controller();
         c
     }
@@ -653,6 +656,71 @@ fn a_host_down_is_unavailable_for_its_volumes_and_skipped_for_placement() {
         assert_eq!(code(create(&mut c, create_req("pvc-nowhere", MIB)).await), Code::Unavailable);
     });
     assert!(cl.log_text().contains("CreateVolume"), "every call is logged:\n{}", cl.log_text());
+}
+
+/// A storage host reached over TCP with mutual TLS (`[tls]` in the config) is managed
+/// like one on a socket; a controller whose certificate the host's CA did not sign
+/// finds it UNAVAILABLE (and places volumes elsewhere), never a wrong answer.
+#[test]
+fn a_host_over_mutual_tls_is_managed_and_a_stranger_controller_is_refused() {
+    use common::certs::{ca, leaf, write};
+    let dir = TestDir::new();
+    let p = dir.path().to_owned();
+    let (ours, other) = (ca("ferrovol test CA"), ca("another CA"));
+    let (scert, skey) = leaf(&ours, "storage-b", &["127.0.0.1"], false);
+    let (ccert, ckey) = leaf(&ours, "csi-controller", &[], true);
+    let (xcert, xkey) = leaf(&other, "csi-controller", &[], true);
+    let f = |name: &str, text: &str| write(&p, name, text).display().to_string();
+    let (sc, sk, ca_pem) = (f("server.pem", &scert), f("server-key.pem", &skey), f("ca.pem", &ours.pem));
+    let (cc, ck, xc, xk) = (f("ctl.pem", &ccert), f("ctl-key.pem", &ckey), f("x.pem", &xcert), f("x-key.pem", &xkey));
+    let addr = format!("127.0.0.1:{}", free_port());
+    let a = Server::start_with(&p.join("a"), "1GiB", &[]);
+    let b = Server::start_with(
+        &p.join("b"),
+        "1GiB",
+        &["--api-listen", &addr, "--tls-cert", &sc, "--tls-key", &sk, "--tls-client-ca", &ca_pem],
+    );
+    let a_sock = a.dir.join("ferrovol.sock");
+    let config = |cert: &str, key: &str| {
+        format!(
+            "[tls]\nca = \"{ca_pem}\"\ncert = \"{cert}\"\nkey = \"{key}\"\n\n[[host]]\nname = \"host-a\"\napi = \
+             \"unix://{}\"\nzone = \"zone-a\"\n\n[[host]]\nname = \"host-b\"\napi = \"{addr}\"\nzone = \"zone-b\"\n",
+            a_sock.display()
+        )
+    };
+    let stranger_config = config(&xc, &xk);
+    let mut cl = Cluster::with_config(dir, a, b, &config(&cc, &ck));
+    let in_b = |name: &str| {
+        let mut r = create_req(name, 8 * MIB);
+        r.accessibility_requirements =
+            Some(pb::TopologyRequirement { requisite: vec![zone("zone-b")], preferred: vec![] });
+        r
+    };
+    rt().block_on(async {
+        let mut c = cl.controller().await;
+        let v = create(&mut c, in_b("pvc-tls")).await.unwrap();
+        assert_eq!(v.volume_context["ferrovol.io/host"], "host-b");
+        assert!(cl.b.volumes().as_array().unwrap().iter().any(|x| x["name"] == "pvc-tls"));
+        let s = c
+            .create_snapshot(pb::CreateSnapshotRequest {
+                source_volume_id: v.volume_id.clone(),
+                name: "snap-tls".into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        assert!(s.into_inner().snapshot.unwrap().ready_to_use);
+    });
+    cl.stop_controller();
+    std::fs::write(&cl.config, stranger_config).unwrap();
+    cl.start_controller();
+    rt().block_on(async {
+        let mut c = cl.controller().await;
+        assert_eq!(code(create(&mut c, in_b("pvc-stranger")).await), Code::Unavailable);
+        let v = create(&mut c, create_req("pvc-stranger", 8 * MIB)).await.unwrap();
+        assert_eq!(v.volume_context["ferrovol.io/host"], "host-a");
+    });
+    assert!(cl.b.volumes().as_array().unwrap().iter().all(|x| x["name"] != "pvc-stranger"));
 }
 
 /// The controller refuses a bad configuration at start, naming the line and why.

@@ -8,45 +8,9 @@ mod common;
 use std::path::Path;
 use std::sync::Arc;
 
+use common::certs::{ca, leaf, write, Ca};
 use common::*;
 use mgmt_api::{Client, ClientTls, ErrorKind};
-use rcgen::{
-    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose,
-};
-
-/// A test CA: its certificate (PEM) and what signs with it.
-struct Ca {
-    pem: String,
-    issuer: Issuer<'static, KeyPair>,
-}
-
-fn ca(name: &str) -> Ca {
-    let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
-    p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    p.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-    p.distinguished_name.push(DnType::CommonName, name);
-    let key = KeyPair::generate().unwrap();
-    let pem = p.self_signed(&key).unwrap().pem();
-    Ca { pem, issuer: Issuer::new(p, key) }
-}
-
-/// A leaf certificate and key (PEM) signed by `ca`, for a server (SANs) or a client.
-fn leaf(ca: &Ca, cn: &str, sans: &[&str], client: bool) -> (String, String) {
-    let mut p = CertificateParams::new(sans.iter().map(|s| s.to_string()).collect::<Vec<_>>()).unwrap();
-    p.distinguished_name.push(DnType::CommonName, cn);
-    p.distinguished_name.push(DnType::OrganizationName, "ferrovol tests");
-    p.extended_key_usages =
-        vec![if client { ExtendedKeyUsagePurpose::ClientAuth } else { ExtendedKeyUsagePurpose::ServerAuth }];
-    let key = KeyPair::generate().unwrap();
-    let cert = p.signed_by(&key, &ca.issuer).unwrap();
-    (cert.pem(), key.serialize_pem())
-}
-
-fn write(dir: &Path, name: &str, text: &str) -> std::path::PathBuf {
-    let p = dir.join(name);
-    std::fs::write(&p, text).unwrap();
-    p
-}
 
 /// A client's files in `dir`, named after `tag`.
 fn client_files(dir: &Path, tag: &str, trust: &Ca, signer: &Ca, cn: &str) -> ClientTls {

@@ -6,6 +6,8 @@
 
 #![allow(dead_code)]
 
+pub mod certs;
+
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::unix::net::UnixStream;
