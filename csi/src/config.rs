@@ -139,8 +139,9 @@ impl Config {
     ///
     /// Errors: no host; a host name that is not 1 to 63 bytes of `a-z`, `0-9` and `-`,
     /// or given twice; an `api` that is neither `unix:///ABSOLUTE/PATH` nor `HOST:PORT`;
-    /// a TCP host without TLS files (its own `[host.tls]` or the top `[tls]`), or with
-    /// files that do not exist; an empty zone; `overcommit` below 1.
+    /// an `api` given twice; a TCP host without TLS files (its own `[host.tls]` or the
+    /// top `[tls]`), or with files that are not absolute paths or do not load as PEM;
+    /// `[host.tls]` on a unix socket; an empty zone; `overcommit` below 1.
     pub fn parse(text: &str, path: &str) -> Result<Config, ConfigError> {
         let err = |message: String| ConfigError { path: path.to_string(), message };
         let line_of = |offset: usize| text[..offset.min(text.len())].matches('\n').count() + 1;
@@ -183,9 +184,15 @@ impl Config {
             if h.zone.as_deref() == Some("") {
                 return Err(bad("zone is empty: leave it out or name the zone".into()));
             }
+            if let Some(first) = hosts.iter().find(|o| o.api.to_string() == h.api) {
+                return Err(bad(format!("api {} is the host {:?}'s too (line {})", h.api, first.name, first.line)));
+            }
             let api = if let Some(p) = h.api.strip_prefix("unix://") {
                 if !p.starts_with('/') {
                     return Err(bad(format!("api {:?}: a unix socket is unix:///ABSOLUTE/PATH", h.api)));
+                }
+                if h.tls.is_some() {
+                    return Err(bad("[host.tls] is for hosts reached over TCP; a unix socket takes none".into()));
                 }
                 Api::Unix(PathBuf::from(p))
             } else {
@@ -204,11 +211,16 @@ impl Config {
                     )));
                 };
                 for (what, p) in [("ca", &t.ca), ("cert", &t.cert), ("key", &t.key)] {
+                    if !p.is_absolute() {
+                        return Err(bad(format!("tls {what} {} is not an absolute path", p.display())));
+                    }
                     if !p.is_file() {
                         return Err(bad(format!("tls {what} {} is not a file", p.display())));
                     }
                 }
-                Api::Tls { addr: h.api.clone(), tls: mgmt_api::ClientTls { ca: t.ca, cert: t.cert, key: t.key } }
+                let tls = mgmt_api::ClientTls { ca: t.ca, cert: t.cert, key: t.key };
+                tls.check().map_err(|e| bad(format!("tls files: {}", e.message())))?;
+                Api::Tls { addr: h.api.clone(), tls }
             };
             hosts.push(HostConfig { name: h.name, api, zone: h.zone, line });
         }
@@ -255,6 +267,22 @@ mod tests {
             ),
             ("overcommit = 0.5\n[[host]]\nname = \"a\"\napi = \"unix:///a\"\n", "line 1: overcommit must be 1 or more"),
             ("[[host]]\nname = \"a\"\napi = \"unix:///a\"\nzone = \"\"\n", "zone is empty"),
+            (
+                "[[host]]\nname = \"a\"\napi = \"unix:///a\"\n[[host]]\nname = \"b\"\napi = \"unix:///a\"\n",
+                "line 4: host \"b\": api unix:///a is the host \"a\"'s too (line 1)",
+            ),
+            (
+                "[[host]]\nname = \"a\"\napi = \"unix:///a\"\n[host.tls]\nca = \"/c\"\ncert = \"/c\"\nkey = \"/k\"\n",
+                "[host.tls] is for hosts reached over TCP",
+            ),
+            (
+                "[tls]\nca = \"ca.pem\"\ncert = \"/x\"\nkey = \"/y\"\n[[host]]\nname = \"a\"\napi = \"h:1\"\n",
+                "tls ca ca.pem is not an absolute path",
+            ),
+            (
+                "[tls]\nca = \"/etc/hostname\"\ncert = \"/etc/hostname\"\nkey = \"/etc/hostname\"\n[[host]]\nname =                  \"a\"\napi = \"h:1\"\n",
+                "tls files: ",
+            ),
         ];
         for (text, want) in cases {
             let e = Config::parse(text, "f.toml").unwrap_err().to_string();

@@ -14,8 +14,10 @@ use std::sync::Arc;
 use mgmt_api::pb as api;
 use tonic::{Code, Request, Response, Status};
 
-use crate::hosts::{Conn, Host, Hosts};
-use crate::ids::{check_name, parse_snapshot_id, parse_volume_id, SnapshotId, VolumeId};
+use crate::hosts::{Conn, Host, Hosts, Surveyed};
+use crate::ids::{
+    check_name, parse_snapshot_id, parse_volume_id, snapshot_name, volume_name, SnapshotId, VolumeId, NAME_LABEL,
+};
 use crate::inflight::InFlight;
 use crate::pb;
 use crate::pb::volume_capability::access_mode::Mode;
@@ -27,6 +29,9 @@ pub const DEFAULT_VOLUME_SIZE: u64 = 1 << 30;
 
 /// Sizes are rounded up to this many bytes (the engine's block).
 pub const SIZE_ALIGN: u64 = 4096;
+
+/// The largest volume a storage host makes: 1 PiB (the engine's limit).
+pub const MAX_VOLUME_SIZE: u64 = 1 << 50;
 
 /// The label a storage host gives a clone: its source's full name (`VOLUME` or
 /// `VOLUME@SNAPSHOT`).
@@ -62,12 +67,20 @@ pub mod volume_context {
 pub struct Controller {
     hosts: Arc<Hosts>,
     inflight: InFlight,
+    /// `volume/NAME` and `snapshot/NAME` this controller created or began to create in
+    /// the last [`RECENT`], with the host's name.
+    recent: Arc<std::sync::Mutex<HashMap<String, (String, std::time::Instant)>>>,
 }
+
+/// How long a controller remembers where it created a name: a retry of CreateVolume
+/// or CreateSnapshot while that host does not answer gets UNAVAILABLE instead of a
+/// second copy on another host.
+pub const RECENT: std::time::Duration = std::time::Duration::from_secs(3600);
 
 impl Controller {
     /// A controller over `hosts`.
     pub fn new(hosts: Arc<Hosts>) -> Controller {
-        Controller { hosts, inflight: InFlight::default() }
+        Controller { hosts, inflight: InFlight::default(), recent: Default::default() }
     }
 }
 
@@ -164,6 +177,9 @@ fn size_for(range: Option<&pb::CapacityRange>) -> Res<u64> {
     } else {
         req.div_ceil(SIZE_ALIGN) * SIZE_ALIGN
     };
+    if size > MAX_VOLUME_SIZE {
+        return Err(oor(format!("{size} bytes is more than a volume can hold ({MAX_VOLUME_SIZE})")));
+    }
     if size == 0 || (lim > 0 && size > lim) {
         return Err(oor(format!(
             "no size in {req}..{lim} bytes is a multiple of {SIZE_ALIGN} (the required size is rounded up to it)"
@@ -191,7 +207,11 @@ fn need(what: &str, v: &str) -> Res<()> {
 /// Errors: NOT_FOUND for an ID no ferrovol node makes.
 fn check_node_id(node: &str) -> Res<()> {
     match node.strip_prefix(NODE_ID_PREFIX) {
-        Some(name) if !name.is_empty() && name.len() <= 253 && !name.chars().any(char::is_control) => Ok(()),
+        Some(name)
+            if !name.is_empty() && name.len() <= 256 - NODE_ID_PREFIX.len() && !name.chars().any(char::is_control) =>
+        {
+            Ok(())
+        }
         _ => Err(CsiError::not_found(format!(
             "node {node:?} is not a ferrovol node (its node plugin reports ids {NODE_ID_PREFIX}NODE-NAME)"
         ))),
@@ -221,11 +241,6 @@ fn allowed_by(req: Option<&pb::TopologyRequirement>, h: &Host) -> bool {
         Some(r) if !r.requisite.is_empty() => r.requisite.iter().any(|t| topology_matches(t, &h.config.segments())),
         _ => true,
     }
-}
-
-/// A host's room for new volumes: free minus reserved bytes.
-fn room(info: &api::HostInfo) -> u64 {
-    info.free_bytes.saturating_sub(info.reserved_bytes)
 }
 
 // ---- replies ----
@@ -334,20 +349,27 @@ impl Controller {
             .ok_or_else(|| CsiError::not_found(format!("{what} does not exist: no storage host {short}")))
     }
 
-    /// Finds volume `name` on every host that answers. `Ok(None)` when none has it.
-    async fn find_volume(&self, name: &str) -> Res<Option<(&Host, Conn, api::Volume)>> {
-        let survey = self.hosts.survey().await;
-        for s in survey {
-            let Ok((conn, _)) = s.answer else { continue };
-            let n = name.to_string();
-            match s.host.call("look up a volume", |c| async move { c.volume(&n).await }).await {
-                Ok(v) if !v.snapshot => return Ok(Some((s.host, conn, v))),
-                Ok(_) => {}
-                Err(e) if e.code == Code::NotFound => {}
-                Err(e) => return Err(e),
+    /// Remembers that this controller is creating `key` on host `host`, for
+    /// [`Controller::check_recent`], for [`RECENT`].
+    fn remember(&self, key: &str, host: &str) {
+        let mut m = self.recent.lock().unwrap_or_else(|p| p.into_inner());
+        m.retain(|_, (_, at)| at.elapsed() < RECENT);
+        m.insert(key.to_string(), (host.to_string(), std::time::Instant::now()));
+    }
+
+    /// UNAVAILABLE when this controller created (or tried to create) `key` on a host
+    /// among `down` in the last [`RECENT`]: a retry must not make it a second time
+    /// elsewhere (the first answer may have been lost).
+    fn check_recent(&self, key: &str, down: &[&Host]) -> Res<()> {
+        let m = self.recent.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((host, at)) = m.get(key) {
+            if at.elapsed() < RECENT && down.iter().any(|h| h.name() == host) {
+                return Err(CsiError::unavailable(format!(
+                    "{key} was being created on storage host {host}, which does not answer: retry when it does"
+                )));
             }
         }
-        Ok(None)
+        Ok(())
     }
 
     async fn create_volume(&self, r: pb::CreateVolumeRequest) -> Res<pb::CreateVolumeResponse> {
@@ -355,17 +377,33 @@ impl Controller {
         check_capabilities(&r.volume_capabilities)?;
         check_parameters(&r.parameters)?;
         let size = size_for(r.capacity_range.as_ref())?;
-        let _guard = self.inflight.take(format!("volume/{}", r.name))?;
-        let source = match r.volume_content_source.as_ref().and_then(|s| s.r#type.as_ref()) {
-            None => None,
-            Some(t) => Some(self.resolve_source(t).await?),
-        };
-        if let Some((h, conn, v)) = self.find_volume(&r.name).await? {
-            return self.existing_volume(h, conn, v, &r, size, source.as_ref()).await;
+        let key = format!("volume/{}", r.name);
+        let _guard = self.inflight.take(key.clone())?;
+        let name = volume_name(&r.name);
+        let survey = self.hosts.survey().await;
+        // The name first: a retry finds what an earlier call made, whatever became of
+        // its source since.
+        let mut down = Vec::new();
+        for s in &survey {
+            match &s.answer {
+                Ok(view) => {
+                    if let Some(v) = view.volumes.iter().find(|v| v.name == name) {
+                        return self.existing_volume(s.host, &view.conn, v.clone(), &r, size).await;
+                    }
+                }
+                Err(_) => down.push(s.host),
+            }
         }
-        let (h, conn, v) = match source {
-            Some(src) => self.create_clone(&r, size, src).await?,
-            None => self.create_fresh(&r, size).await?,
+        self.check_recent(&key, &down)?;
+        let mut labels = std::collections::HashMap::new();
+        labels.insert(NAME_LABEL.to_string(), r.name.clone());
+        let (h, conn, v) = match r.volume_content_source.as_ref().and_then(|s| s.r#type.as_ref()) {
+            Some(t) => {
+                let src = self.resolve_source(t).await?;
+                self.remember(&key, src.host.name());
+                self.create_clone(&r, &name, size, labels, src).await?
+            }
+            None => self.create_fresh(&r, &name, size, labels, &key, survey).await?,
         };
         Ok(pb::CreateVolumeResponse { volume: Some(csi_volume(h, &conn, &v)) })
     }
@@ -402,51 +440,59 @@ impl Controller {
     }
 
     /// CreateVolume for a name that exists: the same answer if it matches the request
-    /// (finishing a clone's growth that an earlier call did not), else ALREADY_EXISTS.
+    /// (its size in the range, the same content source, a host the topology allows;
+    /// finishing a clone's growth that an earlier call did not), else ALREADY_EXISTS.
     async fn existing_volume(
         &self,
         h: &Host,
-        conn: Conn,
+        conn: &Conn,
         v: api::Volume,
         r: &pb::CreateVolumeRequest,
         size: u64,
-        source: Option<&Source<'_>>,
     ) -> Res<pb::CreateVolumeResponse> {
+        let exists = |why: String| CsiError::new(Code::AlreadyExists, format!("volume {} exists {why}", r.name));
+        if v.labels.get(NAME_LABEL).is_some_and(|n| *n != r.name) {
+            return Err(exists(format!("under the host name {} for another CSI name", v.name)));
+        }
+        let wanted = r.volume_content_source.as_ref().and_then(|s| s.r#type.as_ref()).map(|t| {
+            use pb::volume_content_source::Type;
+            match t {
+                Type::Snapshot(s) => parse_snapshot_id(&s.snapshot_id).map(|id| (id.host.clone(), id.full_name())),
+                Type::Volume(v) => parse_volume_id(&v.volume_id).map(|id| (id.host, id.name)),
+            }
+        });
         let origin = v.labels.get(ORIGIN_LABEL);
-        let same_source = match source {
+        let same_source = match &wanted {
             None => origin.is_none(),
-            Some(s) => origin == Some(&s.full) && s.host.name() == h.name(),
+            Some(None) => false,
+            Some(Some((short, full))) => *short == conn.short && origin == Some(full),
         };
         if !same_source {
-            return Err(CsiError::new(
-                Code::AlreadyExists,
-                format!("volume {} exists with another content source", r.name),
-            ));
+            return Err(exists("with another content source".into()));
+        }
+        if !allowed_by(r.accessibility_requirements.as_ref(), h) {
+            return Err(exists(format!("on storage host {}, which the topology requirements exclude", h.name())));
         }
         let range = r.capacity_range.as_ref();
-        let want = match source {
-            Some(s) => clone_size(range, size, s)?,
-            None => size,
-        };
-        let v = if source.is_some() && v.size_bytes < want {
+        let required = range.map(|c| c.required_bytes).unwrap_or(0) > 0;
+        let v = if wanted.is_some() && required && v.size_bytes < size && size_meets(size, range) {
             let name = v.name.clone();
-            h.call("grow the clone", |c| async move { c.resize_volume(&name, want).await }).await?
+            h.call("grow the clone", |c| async move { c.resize_volume(&name, size).await }).await?
         } else {
             v
         };
         if !size_meets(v.size_bytes, range) {
-            return Err(CsiError::new(
-                Code::AlreadyExists,
-                format!("volume {} exists with {} bytes, outside the requested range", r.name, v.size_bytes),
-            ));
+            return Err(exists(format!("with {} bytes, outside the requested range", v.size_bytes)));
         }
-        Ok(pb::CreateVolumeResponse { volume: Some(csi_volume(h, &conn, &v)) })
+        Ok(pb::CreateVolumeResponse { volume: Some(csi_volume(h, conn, &v)) })
     }
 
     async fn create_clone<'a>(
         &'a self,
         r: &pb::CreateVolumeRequest,
+        name: &str,
         size: u64,
+        labels: std::collections::HashMap<String, String>,
         src: Source<'a>,
     ) -> Res<(&'a Host, Conn, api::Volume)> {
         let want = clone_size(r.capacity_range.as_ref(), size, &src)?;
@@ -459,12 +505,7 @@ impl Controller {
                 ),
             ));
         }
-        let req = api::CloneVolumeRequest {
-            source: src.full.clone(),
-            name: r.name.clone(),
-            labels: Default::default(),
-            exist_ok: true,
-        };
+        let req = api::CloneVolumeRequest { source: src.full.clone(), name: name.to_string(), labels, exist_ok: true };
         let v = src.host.call("clone", |c| async move { c.clone_volume_with(req).await }).await?;
         let v = if v.size_bytes < want {
             let name = v.name.clone();
@@ -476,42 +517,54 @@ impl Controller {
     }
 
     /// Places a new volume (spec.md CreateVolume `accessibility_requirements`): hosts
-    /// allowed by the requisite topologies with room for it; the first preferred
-    /// topology that has one; among those the host with the most room.
-    async fn create_fresh(&self, r: &pb::CreateVolumeRequest, size: u64) -> Res<(&Host, Conn, api::Volume)> {
+    /// allowed by the requisite topologies with room for it ([`View::available`]); the
+    /// first preferred topology that has one; among those the host with the most room
+    /// (then the fewest volumes, then the first in the configuration).
+    async fn create_fresh<'a>(
+        &'a self,
+        r: &pb::CreateVolumeRequest,
+        name: &str,
+        size: u64,
+        labels: std::collections::HashMap<String, String>,
+        key: &str,
+        survey: Vec<Surveyed<'a>>,
+    ) -> Res<(&'a Host, Conn, api::Volume)> {
         let req = r.accessibility_requirements.as_ref();
-        let survey = self.hosts.survey().await;
         let mut down = Vec::new();
         let mut full = Vec::new();
-        let mut fits: Vec<(&Host, Conn, u64)> = Vec::new();
-        for s in survey {
+        let mut fits: Vec<(usize, &Host, Conn, u64, usize)> = Vec::new();
+        for (i, s) in survey.into_iter().enumerate() {
+            if !allowed_by(req, s.host) {
+                continue;
+            }
             match s.answer {
                 Err(e) => down.push(e.message),
-                Ok((conn, info)) => {
-                    if !allowed_by(req, s.host) {
-                        continue;
-                    }
-                    let room = room(&info);
-                    if (room as f64) * self.hosts.overcommit >= size as f64 {
-                        fits.push((s.host, conn, room));
+                Ok(view) => {
+                    let avail = view.available(self.hosts.overcommit);
+                    if view.failed {
+                        full.push(format!("{}'s pool has failed", s.host.name()));
+                    } else if avail >= size {
+                        fits.push((i, s.host, view.conn.clone(), avail, view.volumes.len()));
                     } else {
-                        full.push(format!("{} has {room} bytes of room", s.host.name()));
+                        full.push(format!("{} has room for {avail} bytes", s.host.name()));
                     }
                 }
             }
         }
+        // Most room, then fewest volumes, then configuration order.
+        let best = |c: &[&(usize, &'a Host, Conn, u64, usize)]| -> Option<(usize, &'a Host, Conn, u64, usize)> {
+            c.iter().min_by_key(|(i, _, _, avail, n)| (std::cmp::Reverse(*avail), *n, *i)).map(|x| (*x).clone())
+        };
         let preferred = req.map(|r| r.preferred.as_slice()).unwrap_or_default();
         let pick = preferred
             .iter()
             .find_map(|t| {
-                fits.iter()
-                    .filter(|(h, _, _)| topology_matches(t, &h.config.segments()))
-                    .max_by_key(|(_, _, room)| *room)
+                best(&fits.iter().filter(|f| topology_matches(t, &f.1.config.segments())).collect::<Vec<_>>())
             })
-            .or_else(|| fits.iter().max_by_key(|(_, _, room)| *room));
-        let Some((h, conn, _)) = pick.cloned() else {
+            .or_else(|| best(&fits.iter().collect::<Vec<_>>()));
+        let Some((_, h, conn, _, _)) = pick else {
             if full.is_empty() && !down.is_empty() {
-                return Err(CsiError::unavailable(format!("no storage host answers: {}", down.join("; "))));
+                return Err(CsiError::unavailable(format!("no allowed storage host answers: {}", down.join("; "))));
             }
             let mut why = full;
             if !down.is_empty() {
@@ -525,12 +578,8 @@ impl Controller {
                 ),
             ));
         };
-        let req = api::CreateVolumeRequest {
-            name: r.name.clone(),
-            size_bytes: size,
-            labels: Default::default(),
-            exist_ok: true,
-        };
+        self.remember(key, h.name());
+        let req = api::CreateVolumeRequest { name: name.to_string(), size_bytes: size, labels, exist_ok: true };
         let v = h.call("create the volume", |c| async move { c.create_volume_with(req).await }).await?;
         Ok((h, conn, v))
     }
@@ -659,12 +708,11 @@ impl Controller {
         use pb::list_volumes_response::{Entry, VolumeStatus};
         let mut out = Vec::new();
         for s in self.hosts.survey().await {
-            let (conn, _) = s.answer?;
+            let view = s.answer?;
             let h = s.host;
-            let vols = h.call("list the volumes", |c| async move { c.list_volumes().await }).await?;
-            let failed = h.call("read the pool status", |c| async move { c.pool_status().await }).await?.failed;
-            for v in vols.iter().filter(|v| !v.snapshot) {
-                let vol = csi_volume(h, &conn, v);
+            let (conn, failed) = (&view.conn, view.failed);
+            for v in view.volumes.iter().filter(|v| !v.snapshot) {
+                let vol = csi_volume(h, conn, v);
                 out.push((
                     vol.volume_id.clone(),
                     Entry {
@@ -683,6 +731,12 @@ impl Controller {
     async fn list_volumes(&self, r: pb::ListVolumesRequest) -> Res<pb::ListVolumesResponse> {
         if r.max_entries < 0 {
             return Err(CsiError::invalid(format!("max_entries {} is negative", r.max_entries)));
+        }
+        if !r.starting_token.is_empty() && parse_volume_id(&r.starting_token).is_none() {
+            return Err(CsiError::new(
+                Code::Aborted,
+                format!("starting_token {:?} is not a token this controller gave", r.starting_token),
+            ));
         }
         let all = self.all_volumes().await?;
         let (entries, next_token) = page(all, r.max_entries, &r.starting_token, |t| parse_volume_id(t).is_some())?;
@@ -715,13 +769,13 @@ impl Controller {
         let mut total = 0u64;
         let mut largest = 0u64;
         for s in self.hosts.survey().await {
-            let Ok((_, info)) = s.answer else { continue };
+            let Ok(view) = s.answer else { continue };
             if let Some(t) = &r.accessible_topology {
                 if !topology_matches(t, &s.host.config.segments()) {
                     continue;
                 }
             }
-            let room = ((room(&info) as f64) * self.hosts.overcommit) as u64 / SIZE_ALIGN * SIZE_ALIGN;
+            let room = view.available(self.hosts.overcommit).min(MAX_VOLUME_SIZE) / SIZE_ALIGN * SIZE_ALIGN;
             total = total.saturating_add(room);
             largest = largest.max(room);
         }
@@ -738,6 +792,9 @@ impl Controller {
         if let Some(c) = &r.volume_capability {
             check_capability(c)?;
         }
+        if range.required_bytes <= 0 {
+            return Err(CsiError::invalid("capacity_range.required_bytes is missing: the size to grow to"));
+        }
         let size = size_for(Some(range))?;
         let (h, _conn, v) = self.volume_of(&r.volume_id).await?;
         let _guard = self.inflight.take(format!("volume/{}", v.name))?;
@@ -746,6 +803,17 @@ impl Controller {
         let v = if v.size_bytes >= size {
             v
         } else {
+            let view = h.view().await?;
+            let (grow, avail) = (size - v.size_bytes, view.available(self.hosts.overcommit));
+            if grow > avail {
+                return Err(CsiError::new(
+                    Code::ResourceExhausted,
+                    format!(
+                        "storage host {} has room for {avail} more bytes, not the {grow} this growth takes",
+                        h.name()
+                    ),
+                ));
+            }
             let name = v.name.clone();
             h.call("grow the volume", |c| async move { c.resize_volume(&name, size).await }).await?
         };
@@ -761,18 +829,6 @@ impl Controller {
         Ok(pb::ControllerExpandVolumeResponse { capacity_bytes: v.size_bytes as i64, node_expansion_required })
     }
 
-    /// Every snapshot named `name` (the part after `@`) on the hosts that answer.
-    async fn find_snapshot(&self, name: &str) -> Res<Option<(Conn, api::Volume)>> {
-        for s in self.hosts.survey().await {
-            let Ok((conn, _)) = s.answer else { continue };
-            let snaps = s.host.call("list the snapshots", |c| async move { c.list_snapshots(None).await }).await?;
-            if let Some(v) = snaps.into_iter().find(|v| v.name.split_once('@').is_some_and(|(_, n)| n == name)) {
-                return Ok(Some((conn, v)));
-            }
-        }
-        Ok(None)
-    }
-
     async fn create_snapshot(&self, r: pb::CreateSnapshotRequest) -> Res<pb::CreateSnapshotResponse> {
         need("source_volume_id", &r.source_volume_id)?;
         check_name("snapshot", &r.name)?;
@@ -781,23 +837,43 @@ impl Controller {
                 "unknown parameter {k:?}: ferrovol's snapshot classes take no parameters"
             )));
         }
-        let _guard = self.inflight.take(format!("snapshot/{}", r.name))?;
-        if let Some((conn, v)) = self.find_snapshot(&r.name).await? {
-            let snap =
-                csi_snapshot(&conn, &v).ok_or_else(|| CsiError::new(Code::Internal, "a snapshot without '@'"))?;
-            if snap.source_volume_id != r.source_volume_id {
-                return Err(CsiError::new(
-                    Code::AlreadyExists,
-                    format!("snapshot {} exists with source volume {}", r.name, snap.source_volume_id),
-                ));
+        let key = format!("snapshot/{}", r.name);
+        let _guard = self.inflight.take(key.clone())?;
+        let snap_name = snapshot_name(&r.name);
+        // The name first, on every host: the same name of another source is refused.
+        let mut down = Vec::new();
+        for s in self.hosts.survey().await {
+            let view = match s.answer {
+                Ok(v) => v,
+                Err(_) => {
+                    down.push(s.host);
+                    continue;
+                }
+            };
+            let snaps = s.host.call("list the snapshots", |c| async move { c.list_snapshots(None).await }).await?;
+            let found = snaps.into_iter().find(|v| {
+                v.name.split_once('@').is_some_and(|(_, n)| n == snap_name)
+                    && v.labels.get(NAME_LABEL).is_none_or(|n| *n == r.name)
+            });
+            if let Some(v) = found {
+                let snap = csi_snapshot(&view.conn, &v)
+                    .ok_or_else(|| CsiError::new(Code::Internal, "a snapshot without '@'"))?;
+                if snap.source_volume_id != r.source_volume_id {
+                    return Err(CsiError::new(
+                        Code::AlreadyExists,
+                        format!("snapshot {} exists with source volume {}", r.name, snap.source_volume_id),
+                    ));
+                }
+                return Ok(pb::CreateSnapshotResponse { snapshot: Some(snap) });
             }
-            return Ok(pb::CreateSnapshotResponse { snapshot: Some(snap) });
         }
+        self.check_recent(&key, &down)?;
         let (h, conn, v) = self.volume_of(&r.source_volume_id).await?;
+        self.remember(&key, h.name());
         let req = api::CreateSnapshotRequest {
             volume: v.name.clone(),
-            snapshot: r.name.clone(),
-            labels: Default::default(),
+            snapshot: snap_name,
+            labels: [(NAME_LABEL.to_string(), r.name.clone())].into_iter().collect(),
             exist_ok: true,
         };
         let s = h.call("create the snapshot", |c| async move { c.create_snapshot_with(req).await }).await?;
@@ -831,6 +907,12 @@ impl Controller {
     }
 
     async fn list_snapshots(&self, r: pb::ListSnapshotsRequest) -> Res<pb::ListSnapshotsResponse> {
+        if !r.starting_token.is_empty() && parse_snapshot_id(&r.starting_token).is_none() {
+            return Err(CsiError::new(
+                Code::Aborted,
+                format!("starting_token {:?} is not a token this controller gave", r.starting_token),
+            ));
+        }
         let items = if !r.snapshot_id.is_empty() {
             match parse_snapshot_id(&r.snapshot_id) {
                 None => Vec::new(),
@@ -854,8 +936,8 @@ impl Controller {
         } else {
             let mut all = Vec::new();
             for s in self.hosts.survey().await {
-                let (conn, _) = s.answer?;
-                all.extend(self.snapshots_on(s.host, &conn, None).await?);
+                let view = s.answer?;
+                all.extend(self.snapshots_on(s.host, &view.conn, None).await?);
             }
             all
         };
@@ -983,7 +1065,10 @@ impl pb::controller_server::Controller for Controller {
         req: Request<pb::GetCapacityRequest>,
     ) -> Result<Response<pb::GetCapacityResponse>, Status> {
         let r = req.into_inner();
-        let subject = format!("{:?}", r.accessible_topology.as_ref().map(|t| &t.segments));
+        let subject = match &r.accessible_topology {
+            Some(t) => t.segments.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(","),
+            None => "every host".to_string(),
+        };
         answer("GetCapacity", &subject, self.get_capacity(r).await)
     }
 

@@ -5,7 +5,6 @@
 //!
 //! Not here: what the CSI calls do with the hosts ([`crate::controller`]).
 
-use std::collections::BTreeMap;
 use std::future::Future;
 use std::time::Duration;
 
@@ -18,7 +17,12 @@ use crate::ids::short_host_id;
 use crate::CsiError;
 
 /// How long connecting to a host (and reading its host info) may take.
-pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// How long reading a host's view ([`Host::view`]: its info, pool state and volumes)
+/// may take: short, so that one hung host costs every call that looks at all hosts
+/// only this long (the sidecars' own timeout is 10 s by default).
+pub const VIEW_TIMEOUT: Duration = Duration::from_secs(4);
 
 /// How long one management call may take: longer than a storage host's own wait in
 /// UnpublishVolume (30 s) so that its `ABORTED` arrives rather than a timeout.
@@ -42,12 +46,44 @@ pub struct Conn {
     pub short: String,
 }
 
+/// What one host holds, read at once: for placement, capacity and name look-ups.
+#[derive(Clone)]
+pub struct View {
+    /// The connection it was read over.
+    pub conn: Conn,
+    /// Its host info (capacity, free and reserved bytes).
+    pub info: HostInfo,
+    /// Its pool has failed after an I/O error (it takes no writes).
+    pub failed: bool,
+    /// Its volumes (not snapshots).
+    pub volumes: Vec<mgmt_api::Volume>,
+}
+
+impl View {
+    /// Bytes its volumes may still write into units they do not hold yet: the sum of
+    /// each volume's size minus its allocated bytes (copies of shared units not
+    /// counted).
+    pub fn promised(&self) -> u64 {
+        self.volumes.iter().map(|v| v.size_bytes.saturating_sub(v.allocated_bytes)).sum()
+    }
+
+    /// Bytes new volumes (or growth) may be given: free minus reserved bytes, times
+    /// `overcommit`, minus what is [`View::promised`]; 0 for a failed pool.
+    pub fn available(&self, overcommit: f64) -> u64 {
+        if self.failed {
+            return 0;
+        }
+        let room = self.info.free_bytes.saturating_sub(self.info.reserved_bytes);
+        ((room as f64 * overcommit) as u64).saturating_sub(self.promised())
+    }
+}
+
 /// The answer of one host to [`Hosts::survey`].
 pub struct Surveyed<'a> {
     /// The host.
     pub host: &'a Host,
-    /// Its connection and host info, or why it did not answer.
-    pub answer: Result<(Conn, HostInfo), CsiError>,
+    /// What it holds, or why it did not answer.
+    pub answer: Result<View, CsiError>,
 }
 
 impl Host {
@@ -115,19 +151,48 @@ impl Host {
         }
     }
 
-    /// Its host info, read now.
+    /// Its host info, read now, over a connection to the pool the info names (a
+    /// connection to another pool that now answers at the address is replaced).
     ///
-    /// Errors: as [`Host::call`].
+    /// Errors: as [`Host::call`]; UNAVAILABLE after [`CONNECT_TIMEOUT`].
     pub async fn info(&self) -> Result<(Conn, HostInfo), CsiError> {
-        let conn = self.conn().await?;
-        let info = self.call("read the host info", |c| async move { c.host_info().await }).await?;
-        if info.host_id != conn.host_id {
-            // Another pool answers at this address now: start again with it.
-            *self.conn.lock().await = None;
+        let read = async {
             let conn = self.conn().await?;
-            return Ok((conn, info));
-        }
-        Ok((conn, info))
+            let info = self.call("read the host info", |c| async move { c.host_info().await }).await?;
+            if info.host_id != conn.host_id {
+                *self.conn.lock().await = None;
+                return Ok((self.conn().await?, info));
+            }
+            Ok((conn, info))
+        };
+        tokio::time::timeout(CONNECT_TIMEOUT, read).await.unwrap_or_else(|_| {
+            Err(CsiError::unavailable(format!(
+                "storage host {} ({}) does not answer within {} s",
+                self.config.name,
+                self.config.api,
+                CONNECT_TIMEOUT.as_secs()
+            )))
+        })
+    }
+
+    /// Its [`View`], read now.
+    ///
+    /// Errors: as [`Host::call`]; UNAVAILABLE after [`VIEW_TIMEOUT`].
+    pub async fn view(&self) -> Result<View, CsiError> {
+        let read = async {
+            let (conn, info) = self.info().await?;
+            let failed = self.call("read the pool status", |c| async move { c.pool_status().await }).await?.failed;
+            let volumes = self.call("list the volumes", |c| async move { c.list_volumes().await }).await?;
+            Ok(View { conn, info, failed, volumes })
+        };
+        tokio::time::timeout(VIEW_TIMEOUT, read).await.unwrap_or_else(|_| {
+            Err(CsiError::unavailable(format!(
+                "storage host {} ({}) does not answer within {} s",
+                self.config.name,
+                self.config.api,
+                VIEW_TIMEOUT.as_secs()
+            )))
+        })
     }
 }
 
@@ -152,29 +217,23 @@ impl Hosts {
         &self.hosts
     }
 
-    /// Asks every host for its host info, all at once.
+    /// Reads every host's [`View`], all at once.
     pub async fn survey(&self) -> Vec<Surveyed<'_>> {
-        let mut set = Vec::with_capacity(self.hosts.len());
-        for h in &self.hosts {
-            set.push(async move { Surveyed { host: h, answer: h.info().await } });
-        }
-        join_all(set).await
+        join_all(self.hosts.iter().map(|h| async move { Surveyed { host: h, answer: h.view().await } })).await
     }
 
     /// The host whose short id is `short` (from a volume or snapshot ID), with its
-    /// connection; `Ok(None)` when every host answered and none has that id.
+    /// connection; `Ok(None)` when every host answered and none has that id. Each
+    /// host's id is read now (a pool that replaced another at an address is seen).
     ///
     /// Errors: `UNAVAILABLE` when no answering host has it and some host does not
     /// answer (it may be the one: the caller must not say the volume is gone).
     pub async fn by_short_id(&self, short: &str) -> Result<Option<(&Host, Conn)>, CsiError> {
         let mut down = Vec::new();
-        let mut tries = Vec::with_capacity(self.hosts.len());
-        for h in &self.hosts {
-            tries.push(async move { (h, h.conn().await) });
-        }
-        for (h, r) in join_all(tries).await {
+        let tries = join_all(self.hosts.iter().map(|h| async move { (h, h.info().await) })).await;
+        for (h, r) in tries {
             match r {
-                Ok(c) if c.short == short => return Ok(Some((h, c))),
+                Ok((c, _)) if c.short == short => return Ok(Some((h, c))),
                 Ok(_) => {}
                 Err(e) => down.push(e.message),
             }
@@ -187,10 +246,5 @@ impl Hosts {
                 down.join("; ")
             )))
         }
-    }
-
-    /// The topology segments of host `h`.
-    pub fn segments(h: &Host) -> BTreeMap<String, String> {
-        h.config.segments()
     }
 }

@@ -8,6 +8,9 @@ use tonic::{Request, Response, Status};
 use crate::hosts::Hosts;
 use crate::pb;
 
+/// How long Probe waits for the storage hosts.
+pub const PROBE_TIMEOUT: std::time::Duration = std::time::Duration::from_millis(800);
+
 /// The Identity service of the controller.
 #[derive(Clone)]
 pub struct Identity {
@@ -46,13 +49,15 @@ impl pb::identity_server::Identity for Identity {
         use pb::plugin_capability::{service, volume_expansion, Service, Type, VolumeExpansion};
         let service =
             |t: service::Type| pb::PluginCapability { r#type: Some(Type::Service(Service { r#type: t as i32 })) };
-        let capabilities = vec![
-            service(service::Type::ControllerService),
-            service(service::Type::VolumeAccessibilityConstraints),
-            pb::PluginCapability {
-                r#type: Some(Type::VolumeExpansion(VolumeExpansion { r#type: volume_expansion::Type::Online as i32 })),
-            },
-        ];
+        let mut capabilities = vec![service(service::Type::ControllerService)];
+        // Topology only when the hosts have zones: a volume then names its zone, which
+        // the nodes must report too (`ferrovol csi node --zone`).
+        if self.hosts.all().iter().any(|h| h.config.zone.is_some()) {
+            capabilities.push(service(service::Type::VolumeAccessibilityConstraints));
+        }
+        capabilities.extend([pb::PluginCapability {
+            r#type: Some(Type::VolumeExpansion(VolumeExpansion { r#type: volume_expansion::Type::Online as i32 })),
+        }]);
         Ok(Response::new(pb::GetPluginCapabilitiesResponse { capabilities }))
     }
 

@@ -84,30 +84,71 @@ pub fn parse_snapshot_id(id: &str) -> Option<SnapshotId> {
     })
 }
 
-/// The longest volume or snapshot name the engine takes, in bytes.
-pub const MAX_NAME_LEN: usize = 128;
+/// The longest CSI name taken, in bytes (the value of [`NAME_LABEL`] on the host).
+pub const MAX_CSI_NAME_LEN: usize = 255;
 
-/// Checks that a CSI `name` can name a volume or snapshot on a storage host: 1 to 128
-/// bytes of ASCII letters, digits, `.`, `_` and `-`, not starting with `.` or `-`
-/// (Kubernetes' `pvc-<uid>` and `snapshot-<uid>` always are).
+/// The longest volume name kept as is on a host; a longer (or otherwise unusable) CSI
+/// name becomes `csi-` and 32 hex digits of its SHA-256. Keeps a volume ID within 77
+/// bytes.
+pub const MAX_PLAIN_VOLUME_NAME: usize = 64;
+
+/// As [`MAX_PLAIN_VOLUME_NAME`] for a snapshot's own name (24 hex digits when hashed):
+/// a snapshot ID stays within 126 bytes, under the 128 of spec.md "Size Limits".
+pub const MAX_PLAIN_SNAPSHOT_NAME: usize = 48;
+
+/// The label that holds a volume's or snapshot's CSI name on its host.
+pub const NAME_LABEL: &str = "csi.ferrovol.io/name";
+
+/// Whether the engine takes `name` as a volume or snapshot name: ASCII letters,
+/// digits, `.`, `_` and `-`, not starting with `.` or `-`.
+fn engine_valid(name: &str) -> bool {
+    !name.is_empty()
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'_' || b == b'-')
+        && !name.starts_with('.')
+        && !name.starts_with('-')
+}
+
+fn hashed(name: &str, hex_digits: usize) -> String {
+    let d = ring::digest::digest(&ring::digest::SHA256, name.as_bytes());
+    let hex: String = d.as_ref().iter().map(|b| format!("{b:02x}")).collect();
+    format!("csi-{}", &hex[..hex_digits])
+}
+
+/// The name on its host of the volume with CSI name `name`: the name itself when it is
+/// a valid engine name of at most [`MAX_PLAIN_VOLUME_NAME`] bytes (Kubernetes'
+/// `pvc-<uid>` always is), else `csi-` and 32 hex digits of its SHA-256.
+pub fn volume_name(name: &str) -> String {
+    if name.len() <= MAX_PLAIN_VOLUME_NAME && engine_valid(name) && !name.starts_with("csi-") {
+        name.to_string()
+    } else {
+        hashed(name, 32)
+    }
+}
+
+/// As [`volume_name`] for a snapshot's own name (at most [`MAX_PLAIN_SNAPSHOT_NAME`]
+/// bytes kept; else 24 hex digits).
+pub fn snapshot_name(name: &str) -> String {
+    if name.len() <= MAX_PLAIN_SNAPSHOT_NAME && engine_valid(name) && !name.starts_with("csi-") {
+        name.to_string()
+    } else {
+        hashed(name, 24)
+    }
+}
+
+/// Checks a CSI `name` (of a volume or snapshot): 1 to [`MAX_CSI_NAME_LEN`] bytes
+/// without control characters.
 ///
 /// Errors: `INVALID_ARGUMENT` naming the rule.
 pub fn check_name(what: &str, name: &str) -> Result<(), CsiError> {
     if name.is_empty() {
         return Err(CsiError::invalid(format!("{what} name is missing")));
     }
-    let ok = name.len() <= MAX_NAME_LEN
-        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'_' || b == b'-')
-        && !name.starts_with('.')
-        && !name.starts_with('-');
-    if ok {
-        Ok(())
-    } else {
-        Err(CsiError::invalid(format!(
-            "{what} name {name:?} is not valid: 1 to {MAX_NAME_LEN} bytes of letters, digits, '.', '_' and '-', not \
-             starting with '.' or '-'"
-        )))
+    if name.len() > MAX_CSI_NAME_LEN || name.chars().any(char::is_control) {
+        return Err(CsiError::invalid(format!(
+            "{what} name {name:?} is not valid: 1 to {MAX_CSI_NAME_LEN} bytes without control characters"
+        )));
     }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -131,5 +172,31 @@ mod tests {
         for bad in ["3f2504e04f89/pvc-1", "3f2504e04f89/@s", "3f2504e04f89/v@", "x/v@s", "3f2504e04f89/v@s@t"] {
             assert_eq!(parse_snapshot_id(bad), None, "{bad}");
         }
+    }
+
+    #[test]
+    fn long_or_odd_names_are_hashed_and_ids_stay_short() {
+        let pvc = "pvc-6f1c2d4e-1b2a-4c3d-9e8f-0a1b2c3d4e5f";
+        assert_eq!(volume_name(pvc), pvc);
+        assert_eq!(
+            snapshot_name("snapshot-6f1c2d4e-1b2a-4c3d-9e8f-0a1b2c3d4e5"),
+            "snapshot-6f1c2d4e-1b2a-4c3d-9e8f-0a1b2c3d4e5"
+        );
+        let long = "x".repeat(128);
+        for n in [long.as_str(), "has space", "csi-lookalike", "über"] {
+            let v = volume_name(n);
+            assert!(v.starts_with("csi-") && v.len() == 36, "{n}: {v}");
+            assert_eq!(v, volume_name(n), "stable");
+            let s = snapshot_name(n);
+            assert!(s.starts_with("csi-") && s.len() == 28, "{n}: {s}");
+        }
+        assert_ne!(volume_name("a b"), volume_name("a c"));
+        let id = SnapshotId { host: "3f2504e04f89".into(), volume: volume_name(&long), snapshot: snapshot_name(&long) };
+        assert!(id.to_string().len() <= 128);
+        let widest = SnapshotId { host: "3f2504e04f89".into(), volume: "v".repeat(64), snapshot: "s".repeat(48) };
+        assert!(widest.to_string().len() <= 128, "{}", widest.to_string().len());
+        assert!(check_name("volume", &"y".repeat(255)).is_ok());
+        assert!(check_name("volume", &"y".repeat(256)).is_err());
+        assert!(check_name("volume", "a\nb").is_err());
     }
 }

@@ -19,6 +19,28 @@ pub struct Node {
 }
 
 impl Node {
+    /// The node named `name` (a Kubernetes node name: 1 to 247 bytes of lowercase
+    /// letters, digits, `-` and `.`), in `zone`.
+    ///
+    /// Errors: a message naming the rule `name` or `zone` breaks.
+    pub fn new(name: String, zone: Option<String>) -> Result<Node, String> {
+        let ok = !name.is_empty()
+            && name.len() <= 256 - NODE_ID_PREFIX.len()
+            && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
+            && name.as_bytes()[0].is_ascii_alphanumeric();
+        if !ok {
+            return Err(format!(
+                "node name {name:?} is not a Kubernetes node name: 1 to {} bytes of lowercase letters, digits, '-' \
+                 and '.', starting with a letter or digit",
+                256 - NODE_ID_PREFIX.len()
+            ));
+        }
+        if zone.as_deref() == Some("") {
+            return Err("zone is empty: leave --zone out or name the zone".into());
+        }
+        Ok(Node { name, zone })
+    }
+
     /// The node ID this node reports: [`NODE_ID_PREFIX`] and its name.
     pub fn node_id(&self) -> String {
         format!("{NODE_ID_PREFIX}{}", self.name)

@@ -57,8 +57,7 @@ pub async fn serve_controller(
     let router = tonic::transport::Server::builder()
         .add_service(pb::identity_server::IdentityServer::new(Identity::new(hosts.clone())))
         .add_service(pb::controller_server::ControllerServer::new(Controller::new(hosts)));
-    tracing::info!(endpoint = ?endpoint, hosts = config.hosts.len(), "CSI controller serving");
-    serve(router, endpoint, shutdown).await
+    serve(router, endpoint, shutdown, &format!("CSI controller over {} storage hosts", config.hosts.len())).await
 }
 
 /// Serves Identity and Node for `node` on `endpoint` until `shutdown` resolves.
@@ -69,11 +68,11 @@ pub async fn serve_node(
     endpoint: &Endpoint,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> std::io::Result<()> {
-    tracing::info!(endpoint = ?endpoint, node_id = node.node_id(), "CSI node serving");
+    let what = format!("CSI node {}", node.node_id());
     let router = tonic::transport::Server::builder()
         .add_service(pb::identity_server::IdentityServer::new(NodeIdentity))
         .add_service(pb::node_server::NodeServer::new(node));
-    serve(router, endpoint, shutdown).await
+    serve(router, endpoint, shutdown, &what).await
 }
 
 /// The Identity service of a node plugin: no controller capabilities; always ready.
@@ -108,6 +107,7 @@ async fn serve(
     router: tonic::transport::server::Router,
     endpoint: &Endpoint,
     shutdown: impl std::future::Future<Output = ()> + Send,
+    what: &str,
 ) -> std::io::Result<()> {
     match endpoint {
         Endpoint::Unix(path) => {
@@ -120,6 +120,7 @@ async fn serve(
             }
             let l = tokio::net::UnixListener::bind(path)
                 .map_err(|e| std::io::Error::new(e.kind(), format!("bind {}: {e}", path.display())))?;
+            tracing::info!(endpoint = %path.display(), "{what} serving");
             router
                 .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(l), shutdown)
                 .await
@@ -129,6 +130,7 @@ async fn serve(
             let l = tokio::net::TcpListener::bind(addr)
                 .await
                 .map_err(|e| std::io::Error::new(e.kind(), format!("bind {addr}: {e}")))?;
+            tracing::info!(endpoint = %addr, "{what} serving");
             router
                 .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(l), shutdown)
                 .await

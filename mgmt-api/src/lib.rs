@@ -130,6 +130,13 @@ pub struct ClientTls {
 }
 
 impl ClientTls {
+    /// Loads the three files as a connect would, without connecting.
+    ///
+    /// Errors: [`ErrorKind::InvalidArgument`] naming the file that does not load.
+    pub fn check(&self) -> Result<()> {
+        self.config().map(|_| ())
+    }
+
     fn config(&self) -> Result<rustls::ClientConfig> {
         use rustls::pki_types::pem::PemObject;
         use rustls::pki_types::{CertificateDer, PrivateKeyDer};

@@ -223,13 +223,39 @@ fn create_volume_places_by_topology_and_is_idempotent() {
             })
             .collect();
         assert_eq!(names, ["pvc-in-b", "pvc-pref-a"].into_iter().map(String::from).collect());
-        // Without preferences volumes spread: the next goes to the host with more room.
+        assert_eq!(code(create(&mut c, create_req("pvc-too-big", 2 << 50)).await), Code::OutOfRange);
+        // Without preferences volumes spread: each goes to the host with the most room
+        // not yet promised to volumes (sizes minus what they hold).
         let v1 = create(&mut c, create_req("pvc-s1", 512 * MIB)).await.unwrap();
-        cl.host(&v1).cli_ok(&["volume", "create", "filler", "--size", "1GiB"]);
-        let uri = cl.host(&v1).uri("filler");
-        qemu_io_ok(&uri, &["write -P 1 0 900M"]);
         let v2 = create(&mut c, create_req("pvc-s2", 512 * MIB)).await.unwrap();
         assert_ne!(v1.volume_context["ferrovol.io/host"], v2.volume_context["ferrovol.io/host"]);
+        // Promises count: a 2 GiB host takes one 1.2 GiB volume, not two.
+        let in_a = |name: &str, bytes: i64| {
+            let mut r = create_req(name, bytes);
+            r.accessibility_requirements =
+                Some(pb::TopologyRequirement { requisite: vec![zone("zone-a")], preferred: vec![] });
+            r
+        };
+        create(&mut c, in_a("pvc-big-1", 1200 * MIB)).await.unwrap();
+        assert_eq!(code(create(&mut c, in_a("pvc-big-2", 1200 * MIB)).await), Code::ResourceExhausted);
+        // A name the engine would not take as is (long, odd characters) still works,
+        // and its IDs stay within 128 bytes (spec.md "Size Limits").
+        let long = format!("pvc-{}", "x".repeat(124));
+        let lv = create(&mut c, create_req(&long, MIB)).await.unwrap();
+        assert!(lv.volume_id.len() <= 128, "{}", lv.volume_id);
+        assert_eq!(create(&mut c, create_req(&long, MIB)).await.unwrap(), lv, "idempotent");
+        let ls = c
+            .create_snapshot(pb::CreateSnapshotRequest {
+                source_volume_id: lv.volume_id.clone(),
+                name: "s p a c e s".repeat(12),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .snapshot
+            .unwrap();
+        assert!(ls.snapshot_id.len() <= 128, "{}", ls.snapshot_id);
         // DeleteVolume: gone, and again OK; an ID no controller made is OK too.
         c.delete_volume(pb::DeleteVolumeRequest { volume_id: v.volume_id.clone(), ..Default::default() })
             .await
@@ -528,6 +554,14 @@ fn expansion_is_seen_over_nbd_and_capacity_is_per_zone() {
             c.controller_expand_volume(expand(48 * MIB, block_cap(Mode::SingleNodeWriter))).await.unwrap().into_inner();
         assert_eq!((r.capacity_bytes, r.node_expansion_required), (48 * MIB, false));
         qemu_io_ok(&host.uri("pvc-grow"), &["write -P 7 47M 1M", "read -P 7 47M 1M"]);
+        assert_eq!(
+            code(c.controller_expand_volume(expand(0, mount_cap(Mode::SingleNodeWriter))).await),
+            Code::InvalidArgument
+        );
+        assert_eq!(
+            code(c.controller_expand_volume(expand(3 * GIB, mount_cap(Mode::SingleNodeWriter))).await),
+            Code::ResourceExhausted
+        );
         let mut missing = expand(64 * MIB, mount_cap(Mode::SingleNodeWriter));
         missing.volume_id = "0123456789ab/nothing".into();
         assert_eq!(code(c.controller_expand_volume(missing).await), Code::NotFound);
@@ -539,9 +573,18 @@ fn expansion_is_seen_over_nbd_and_capacity_is_per_zone() {
         let a = c.get_capacity(cap(Some("zone-a"))).await.unwrap().into_inner();
         let b = c.get_capacity(cap(Some("zone-b"))).await.unwrap().into_inner();
         let all = c.get_capacity(cap(None)).await.unwrap().into_inner();
+        // Room: free minus reserved bytes, minus what volumes may still write.
         let room = |s: &Server| {
             let st = s.pool_status();
-            (st["free_bytes"].as_u64().unwrap() - st["reserved_bytes"].as_u64().unwrap()) as i64 / 4096 * 4096
+            let promised: u64 = s
+                .volumes()
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v["size_bytes"].as_u64().unwrap() - v["allocated_bytes"].as_u64().unwrap())
+                .sum();
+            (st["free_bytes"].as_u64().unwrap() - st["reserved_bytes"].as_u64().unwrap() - promised) as i64 / 4096
+                * 4096
         };
         assert_eq!(a.available_capacity, room(&cl.a));
         assert_eq!(b.available_capacity, room(&cl.b));
@@ -635,6 +678,11 @@ fn a_host_down_is_unavailable_for_its_volumes_and_skipped_for_placement() {
             Code::Unavailable
         );
         assert_eq!(code(c.list_volumes(pb::ListVolumesRequest::default()).await), Code::Unavailable);
+        // A retry of the create whose volume is on the host that is down must not make a
+        // second copy elsewhere (its first answer may have been lost).
+        let mut r = create_req("pvc-on-b", 8 * MIB);
+        r.accessibility_requirements = None;
+        assert_eq!(code(create(&mut c, r).await), Code::Unavailable);
         // Placement goes to the host that answers.
         let v = create(&mut c, create_req("pvc-while-b-down", 8 * MIB)).await.unwrap();
         assert_eq!(v.volume_context["ferrovol.io/host"], "host-a");
@@ -721,6 +769,36 @@ fn a_host_over_mutual_tls_is_managed_and_a_stranger_controller_is_refused() {
         assert_eq!(v.volume_context["ferrovol.io/host"], "host-a");
     });
     assert!(cl.b.volumes().as_array().unwrap().iter().all(|x| x["name"] != "pvc-stranger"));
+}
+
+/// A volume ID names its host's pool, not its address: when another pool answers at
+/// the address (a host rebuilt), the old ID finds nothing there, and a delete of it
+/// leaves the new pool's volume of the same name alone.
+#[test]
+fn an_id_never_reaches_another_pool_at_the_same_address() {
+    let mut cl = Cluster::start("1GiB", "1GiB", &[]);
+    rt().block_on(async {
+        let mut c = cl.controller().await;
+        let mut r = create_req("pvc-same", 8 * MIB);
+        r.accessibility_requirements =
+            Some(pb::TopologyRequirement { requisite: vec![zone("zone-a")], preferred: vec![] });
+        let v = create(&mut c, r).await.unwrap();
+        let get = pb::ControllerGetVolumeRequest { volume_id: v.volume_id.clone() };
+        c.controller_get_volume(get.clone()).await.unwrap();
+        cl.a.kill9();
+        let dir = cl.a.dir.clone();
+        std::fs::rename(&dir, dir.with_extension("old")).unwrap();
+        cl.a = Server::start_with(&dir, "1GiB", &[]);
+        cl.a.create_volume("pvc-same", "8MiB");
+        assert_eq!(code(c.controller_get_volume(get).await), Code::NotFound);
+        c.delete_volume(pb::DeleteVolumeRequest { volume_id: v.volume_id.clone(), ..Default::default() })
+            .await
+            .unwrap();
+        assert!(
+            cl.a.volumes().as_array().unwrap().iter().any(|x| x["name"] == "pvc-same"),
+            "the new pool's volume was deleted"
+        );
+    });
 }
 
 /// The controller refuses a bad configuration at start, naming the line and why.

@@ -102,7 +102,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Csi { cmd: CsiCmd::Node { endpoint, node_name, zone } } => {
-            let node = csi::node::Node { name: node_name, zone };
+            let node = csi::node::Node::new(node_name, zone).map_err(anyhow::Error::msg)?;
             csi::serve::serve_node(node, &endpoint, stop_signal()?).await?;
             Ok(ExitCode::SUCCESS)
         }
