@@ -18,6 +18,7 @@
 //! in-memory export and the fuzz targets' entry points.
 
 mod budget;
+pub mod client;
 mod config;
 pub mod error;
 pub mod export;

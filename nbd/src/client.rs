@@ -1,0 +1,354 @@
+//! An NBD client's handshake (proto.md "Fixed newstyle negotiation" and
+//! "NBD_OPT_GO"): connects over TCP or a unix socket, opens one export with
+//! `NBD_OPT_GO` and hands back the connected socket, positioned at the start of the
+//! transmission phase, with what the export offers. For a kernel attach (the socket is
+//! given to the kernel's NBD driver) and for reconnects.
+//!
+//! Blocking, on std sockets with timeouts: it runs once per connection, outside any
+//! data path. Not here: the transmission phase (the kernel does it; tests speak it
+//! themselves), TLS (`NBD_OPT_STARTTLS`), the old-style and non-fixed handshakes.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::os::fd::{AsRawFd, IntoRawFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::proto::*;
+
+/// Where an NBD server listens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Target {
+    /// `HOST:PORT` over TCP.
+    Tcp(String),
+    /// A unix socket.
+    Unix(PathBuf),
+}
+
+impl std::fmt::Display for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Target::Tcp(a) => f.write_str(a),
+            Target::Unix(p) => write!(f, "unix:{}", p.display()),
+        }
+    }
+}
+
+/// Block size constraints of an export (proto.md "Block size constraints"), in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockSize {
+    /// Smallest addressable block.
+    pub minimum: u32,
+    /// Preferred block size.
+    pub preferred: u32,
+    /// Largest request payload.
+    pub maximum: u32,
+}
+
+/// What an export offers, from the server's `NBD_INFO_EXPORT` and
+/// `NBD_INFO_BLOCK_SIZE` replies.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExportInfo {
+    /// The export name opened.
+    pub name: String,
+    /// Size in bytes.
+    pub size: u64,
+    /// Transmission flags (`NBD_FLAG_*`).
+    pub flags: u16,
+    /// Block size constraints, if the server gave them.
+    pub block_size: Option<BlockSize>,
+}
+
+impl ExportInfo {
+    /// `NBD_FLAG_READ_ONLY`.
+    pub fn read_only(&self) -> bool {
+        self.flags & NBD_FLAG_READ_ONLY != 0
+    }
+    /// `NBD_FLAG_CAN_MULTI_CONN`: several connections see each other's flushed writes.
+    pub fn multi_conn(&self) -> bool {
+        self.flags & NBD_FLAG_CAN_MULTI_CONN != 0
+    }
+    /// `NBD_FLAG_SEND_FLUSH`.
+    pub fn can_flush(&self) -> bool {
+        self.flags & NBD_FLAG_SEND_FLUSH != 0
+    }
+    /// `NBD_FLAG_SEND_FUA`.
+    pub fn can_fua(&self) -> bool {
+        self.flags & NBD_FLAG_SEND_FUA != 0
+    }
+    /// `NBD_FLAG_SEND_TRIM`.
+    pub fn can_trim(&self) -> bool {
+        self.flags & NBD_FLAG_SEND_TRIM != 0
+    }
+    /// `NBD_FLAG_SEND_WRITE_ZEROES`.
+    pub fn can_write_zeroes(&self) -> bool {
+        self.flags & NBD_FLAG_SEND_WRITE_ZEROES != 0
+    }
+}
+
+/// A connected socket in the transmission phase.
+#[derive(Debug)]
+pub enum Stream {
+    /// Over TCP (`TCP_NODELAY` set).
+    Tcp(TcpStream),
+    /// Over a unix socket.
+    Unix(UnixStream),
+}
+
+impl Stream {
+    fn set_timeout(&self, t: Option<Duration>) -> std::io::Result<()> {
+        match self {
+            Stream::Tcp(s) => s.set_read_timeout(t).and_then(|()| s.set_write_timeout(t)),
+            Stream::Unix(s) => s.set_read_timeout(t).and_then(|()| s.set_write_timeout(t)),
+        }
+    }
+}
+
+impl Read for Stream {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => s.read(buf),
+            Stream::Unix(s) => s.read(buf),
+        }
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => s.write(buf),
+            Stream::Unix(s) => s.write(buf),
+        }
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        match self {
+            Stream::Tcp(s) => s.flush(),
+            Stream::Unix(s) => s.flush(),
+        }
+    }
+}
+
+impl AsRawFd for Stream {
+    fn as_raw_fd(&self) -> RawFd {
+        match self {
+            Stream::Tcp(s) => s.as_raw_fd(),
+            Stream::Unix(s) => s.as_raw_fd(),
+        }
+    }
+}
+
+impl IntoRawFd for Stream {
+    fn into_raw_fd(self) -> RawFd {
+        match self {
+            Stream::Tcp(s) => s.into_raw_fd(),
+            Stream::Unix(s) => s.into_raw_fd(),
+        }
+    }
+}
+
+/// A handshake that did not open the export.
+#[derive(Debug, thiserror::Error)]
+pub enum HandshakeError {
+    /// Connecting, reading or writing failed (refused, reset, timed out).
+    #[error("{target}: {source}")]
+    Io {
+        /// Where.
+        target: String,
+        /// What.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The peer does not speak the newstyle NBD handshake (wrong magic, old style, or
+    /// not fixed newstyle).
+    #[error("{target} is not an NBD server of the fixed newstyle handshake: {why}")]
+    NotNbd {
+        /// Where.
+        target: String,
+        /// What was wrong.
+        why: String,
+    },
+    /// The server has no export of that name (`NBD_REP_ERR_UNKNOWN`).
+    #[error("{target} has no export {name:?}{}", shown(.message))]
+    UnknownExport {
+        /// Where.
+        target: String,
+        /// The name asked for.
+        name: String,
+        /// The server's message.
+        message: String,
+    },
+    /// The server refuses this client the export (`NBD_REP_ERR_POLICY`): for ferrovol,
+    /// an export name without a valid attachment key, or a node the volume is not
+    /// published to.
+    #[error("{target} refuses export {name:?} to this client{}", shown(.message))]
+    Refused {
+        /// Where.
+        target: String,
+        /// The name asked for.
+        name: String,
+        /// The server's message.
+        message: String,
+    },
+    /// The server requires TLS first (`NBD_REP_ERR_TLS_REQD`), which this client does not
+    /// speak.
+    #[error("{target} requires TLS, which this client does not do")]
+    TlsRequired {
+        /// Where.
+        target: String,
+    },
+    /// The server does not know `NBD_OPT_GO` (`NBD_REP_ERR_UNSUP`); this client needs it.
+    #[error("{target} does not support NBD_OPT_GO (proto.md; a server older than 2016?)")]
+    GoUnsupported {
+        /// Where.
+        target: String,
+    },
+    /// Any other error reply, or a reply this client cannot take.
+    #[error("{target}: {message}")]
+    Protocol {
+        /// Where.
+        target: String,
+        /// What.
+        message: String,
+    },
+}
+
+fn shown(message: &str) -> String {
+    if message.is_empty() {
+        String::new()
+    } else {
+        format!(": {message}")
+    }
+}
+
+/// The largest option reply this client reads, in bytes: far above any `NBD_REP_INFO`.
+const MAX_REPLY: u32 = 64 * 1024;
+
+/// Connects to `target`, opens export `name` with `NBD_OPT_GO` (asking for its block
+/// size constraints), and returns the socket in the transmission phase with what the
+/// export offers. Each read, write and the connect itself may take `timeout`; the
+/// socket is returned without timeouts.
+///
+/// Errors: [`HandshakeError`], one variant per way a handshake fails.
+pub fn connect(target: &Target, name: &str, timeout: Duration) -> Result<(Stream, ExportInfo), HandshakeError> {
+    let where_ = target.to_string();
+    let io = |source: std::io::Error| HandshakeError::Io { target: where_.clone(), source };
+    let mut s = match target {
+        Target::Tcp(addr) => {
+            use std::net::ToSocketAddrs;
+            let mut last = std::io::Error::new(std::io::ErrorKind::NotFound, "the address resolves to nothing");
+            let mut got = None;
+            for a in addr.to_socket_addrs().map_err(io)? {
+                match TcpStream::connect_timeout(&a, timeout) {
+                    Ok(s) => {
+                        got = Some(s);
+                        break;
+                    }
+                    Err(e) => last = e,
+                }
+            }
+            let s = got.ok_or_else(|| io(last))?;
+            s.set_nodelay(true).map_err(io)?;
+            Stream::Tcp(s)
+        }
+        Target::Unix(p) => Stream::Unix(UnixStream::connect(p).map_err(io)?),
+    };
+    s.set_timeout(Some(timeout)).map_err(io)?;
+    let info = handshake(&mut s, &where_, name)?;
+    s.set_timeout(None).map_err(io)?;
+    Ok((s, info))
+}
+
+/// The handshake on a connected stream `s` (any `Read + Write`), for export `name`.
+///
+/// Errors: as [`connect`].
+pub fn handshake<S: Read + Write>(s: &mut S, target: &str, name: &str) -> Result<ExportInfo, HandshakeError> {
+    let io = |source: std::io::Error| HandshakeError::Io { target: target.to_string(), source };
+    let not_nbd = |why: String| HandshakeError::NotNbd { target: target.to_string(), why };
+    let proto = |message: String| HandshakeError::Protocol { target: target.to_string(), message };
+    let mut greeting = [0u8; GREETING_LEN];
+    s.read_exact(&mut greeting).map_err(io)?;
+    let magic = u64::from_be_bytes(greeting[0..8].try_into().expect("8 bytes"));
+    if magic != NBDMAGIC {
+        return Err(not_nbd(format!("it greets with {magic:#018x}, not NBDMAGIC")));
+    }
+    let second = u64::from_be_bytes(greeting[8..16].try_into().expect("8 bytes"));
+    if second != IHAVEOPT {
+        return Err(not_nbd("it speaks the old-style handshake".into()));
+    }
+    let flags = u16::from_be_bytes([greeting[16], greeting[17]]);
+    if flags & NBD_FLAG_FIXED_NEWSTYLE == 0 {
+        return Err(not_nbd("it does not offer the fixed newstyle handshake".into()));
+    }
+    let client_flags =
+        NBD_FLAG_C_FIXED_NEWSTYLE | if flags & NBD_FLAG_NO_ZEROES != 0 { NBD_FLAG_C_NO_ZEROES } else { 0 };
+    let go = InfoRequest { name: name.to_string(), requests: vec![NBD_INFO_BLOCK_SIZE] }.encode();
+    let mut out = Vec::with_capacity(4 + OPTION_HEADER_LEN + go.len());
+    out.extend_from_slice(&client_flags.to_be_bytes());
+    out.extend_from_slice(&OptionHeader { option: NBD_OPT_GO, length: go.len() as u32 }.encode());
+    out.extend_from_slice(&go);
+    s.write_all(&out).map_err(io)?;
+    s.flush().map_err(io)?;
+    let (mut size_flags, mut block_size) = (None, None);
+    loop {
+        let mut h = [0u8; OPTION_REPLY_HEADER_LEN];
+        s.read_exact(&mut h).map_err(io)?;
+        let h = OptionReplyHeader::parse(&h).map_err(|e| proto(format!("option reply: {e}")))?;
+        if h.option != NBD_OPT_GO {
+            return Err(proto(format!("a reply to option {} while waiting for NBD_OPT_GO", h.option)));
+        }
+        if h.length > MAX_REPLY {
+            return Err(proto(format!("an option reply of {} bytes", h.length)));
+        }
+        let mut data = vec![0u8; h.length as usize];
+        s.read_exact(&mut data).map_err(io)?;
+        let message = || String::from_utf8_lossy(&data).into_owned();
+        match h.reply_type {
+            NBD_REP_INFO => {
+                if data.len() < 2 {
+                    return Err(proto("an NBD_REP_INFO without its type".into()));
+                }
+                match u16::from_be_bytes([data[0], data[1]]) {
+                    NBD_INFO_EXPORT if data.len() == 12 => {
+                        let size = u64::from_be_bytes(data[2..10].try_into().expect("8 bytes"));
+                        size_flags = Some((size, u16::from_be_bytes([data[10], data[11]])));
+                    }
+                    NBD_INFO_BLOCK_SIZE if data.len() == 14 => {
+                        let at = |i: usize| u32::from_be_bytes(data[i..i + 4].try_into().expect("4 bytes"));
+                        block_size = Some(BlockSize { minimum: at(2), preferred: at(6), maximum: at(10) });
+                    }
+                    NBD_INFO_EXPORT | NBD_INFO_BLOCK_SIZE => {
+                        return Err(proto(format!("an NBD_REP_INFO of the wrong length ({} bytes)", data.len())))
+                    }
+                    _ => {} // name, description and later types: not needed
+                }
+            }
+            NBD_REP_ACK => {
+                let Some((size, flags)) = size_flags else {
+                    return Err(proto("NBD_OPT_GO acknowledged without NBD_INFO_EXPORT".into()));
+                };
+                return Ok(ExportInfo { name: name.to_string(), size, flags, block_size });
+            }
+            NBD_REP_ERR_UNKNOWN => {
+                return Err(HandshakeError::UnknownExport {
+                    target: target.to_string(),
+                    name: name.to_string(),
+                    message: message(),
+                })
+            }
+            NBD_REP_ERR_POLICY => {
+                return Err(HandshakeError::Refused {
+                    target: target.to_string(),
+                    name: name.to_string(),
+                    message: message(),
+                })
+            }
+            NBD_REP_ERR_TLS_REQD => return Err(HandshakeError::TlsRequired { target: target.to_string() }),
+            NBD_REP_ERR_UNSUP => return Err(HandshakeError::GoUnsupported { target: target.to_string() }),
+            t if t & NBD_REP_FLAG_ERROR != 0 => {
+                return Err(proto(format!("the server refused NBD_OPT_GO with error {:#x}: {}", t, message())))
+            }
+            t => return Err(proto(format!("an unexpected reply type {t} to NBD_OPT_GO"))),
+        }
+    }
+}
