@@ -151,7 +151,7 @@ impl IntoRawFd for Stream {
 #[derive(Debug, thiserror::Error)]
 pub enum HandshakeError {
     /// Connecting, reading or writing failed (refused, reset, timed out).
-    #[error("{target}: {source}")]
+    #[error("NBD connection to {target} failed")]
     Io {
         /// Where.
         target: String,

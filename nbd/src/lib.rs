@@ -23,6 +23,7 @@ mod config;
 pub mod error;
 pub mod export;
 mod handshake;
+pub mod kernel;
 pub mod proto;
 mod reply;
 pub mod server;

@@ -121,9 +121,14 @@ fn kernel_client_ext4_survives_sigkill_and_trims() {
 /// the emulated CPUs patched kernel text during boot) never ran the script, so that
 /// boot is retried, at most twice; a VM that dies once the script has started fails.
 fn run_guest_env(script: &str, share: &Path, env: &[String]) {
+    run_guest_with(script, share, env, &[]);
+}
+
+/// [`run_guest_env`] with more arguments for run.sh (`-f HOST:GUEST` files, `-m`).
+fn run_guest_with(script: &str, share: &Path, env: &[String], extra: &[String]) {
     for attempt in 1..=3 {
         let mut c = Command::new("bash");
-        c.arg(nbd_vm()).args(["-t", "900", "-s", share.to_str().unwrap()]);
+        c.arg(nbd_vm()).args(["-t", "900", "-s", share.to_str().unwrap()]).args(extra);
         for e in env {
             c.args(["-e", e]);
         }
@@ -143,6 +148,27 @@ fn run_guest_env(script: &str, share: &Path, env: &[String]) {
         );
         return;
     }
+}
+
+/// `ferrovol nbd attach` in the guest, through the kernel's generic netlink interface
+/// (no nbd-client; the module loads on demand): a volume attached, formatted, written, listed with its backend identifier, detached; attached
+/// again with two connections on the device asked for, its file intact and e2fsck clean;
+/// a device in use and a missing export refused; nothing left attached.
+#[test]
+fn ferrovol_nbd_attach_uses_the_kernels_netlink_interface() {
+    let Setup { dir, share, port, mut server, _tmp } = setup("256MiB");
+    // The binary without its debug info travels into the guest's RAM.
+    let bin = dir.with_file_name("ferrovol");
+    let st = Command::new("objcopy").args(["--strip-debug", BIN, bin.to_str().unwrap()]).status().unwrap();
+    assert!(st.success(), "objcopy --strip-debug");
+    run_guest_with(
+        "guest-attach.sh",
+        &share,
+        &[format!("PORT={port}")],
+        &["-f".into(), format!("{}:/usr/bin/ferrovol", bin.display())],
+    );
+    server.kill().unwrap();
+    server.wait().unwrap();
 }
 
 /// ext4 on a volume, snapshot, more writes; the snapshot exported read-only passes

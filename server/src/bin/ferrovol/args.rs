@@ -102,6 +102,12 @@ pub(crate) enum Cmd {
         #[command(subcommand)]
         cmd: PoolCmd,
     },
+    /// Attach an NBD export as a local block device (/dev/nbdN) through the kernel's
+    /// netlink interface, detach it, list the devices. Needs root and the nbd module.
+    Nbd {
+        #[command(subcommand)]
+        cmd: NbdCmd,
+    },
     /// The CSI driver's services (Container Storage Interface, for Kubernetes).
     Csi {
         #[command(subcommand)]
@@ -350,6 +356,41 @@ pub(crate) enum SnapshotCmd {
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+pub(crate) enum NbdCmd {
+    /// Attach an export; prints the device. URI: nbd://HOST[:PORT]/EXPORT (a ferrovol
+    /// export name from `volume publish` is VOLUME/KEY) or nbd+unix:///EXPORT?socket=PATH.
+    Attach {
+        /// The export.
+        uri: String,
+        /// The device to use (/dev/nbdN); any free one by default.
+        #[arg(long)]
+        device: Option<String>,
+        /// Connections to open (more than 1 when the export allows several).
+        #[arg(long, default_value_t = 1)]
+        connections: u32,
+        /// Seconds the kernel keeps requests waiting for a reconnect once every
+        /// connection is dead, before it fails them; 0 fails them at once.
+        #[arg(long, default_value_t = 120)]
+        dead_timeout: u64,
+        /// The backend identifier the kernel keeps for the device (default: the
+        /// address and the export's volume, without any key).
+        #[arg(long)]
+        backend: Option<String>,
+    },
+    /// Detach a device: requests in flight end, the device goes away.
+    Detach {
+        /// /dev/nbdN.
+        device: String,
+    },
+    /// The attached devices with their backend identifiers (from the kernel).
+    List {
+        /// Free devices too.
+        #[arg(long)]
+        all: bool,
     },
 }
 

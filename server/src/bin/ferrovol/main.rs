@@ -33,10 +33,11 @@ macro_rules! say {
 
 mod admin;
 mod args;
+mod nbd_cmd;
 
 use std::process::ExitCode;
 
-use args::{Cli, Cmd, CsiCmd, HostCmd, PoolCmd};
+use args::{Cli, Cmd, CsiCmd, HostCmd, NbdCmd, PoolCmd};
 use clap::Parser;
 use ferrovol::host::Host;
 
@@ -95,6 +96,16 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Cmd::Pool { mgmt, cmd: PoolCmd::Status { json } } => {
             admin::pool_status(&mgmt.target(dir), json).await.map(|()| ExitCode::SUCCESS)
+        }
+        Cmd::Nbd { cmd } => {
+            match cmd {
+                NbdCmd::Attach { uri, device, connections, dead_timeout, backend } => {
+                    nbd_cmd::attach(&uri, device.as_deref(), connections, dead_timeout, backend)?
+                }
+                NbdCmd::Detach { device } => nbd_cmd::detach(&device)?,
+                NbdCmd::List { all } => nbd_cmd::list(all)?,
+            }
+            Ok(ExitCode::SUCCESS)
         }
         Cmd::Csi { cmd: CsiCmd::Controller { endpoint, config } } => {
             let config = csi::config::Config::load(&config)?;

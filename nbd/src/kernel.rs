@@ -1,0 +1,262 @@
+//! The Linux kernel's NBD driver, driven through its generic netlink family `nbd`
+//! (include/uapi/linux/nbd-netlink.h, drivers/block/nbd.c): [`connect`] hands it sockets
+//! in the transmission phase (from [`crate::client::connect`]) and makes `/dev/nbdN`,
+//! [`disconnect`] removes it, [`status`] lists the devices with their backend
+//! identifiers (read from sysfs, where the kernel shows them).
+//!
+//! Synchronous, through neli's netlink router. Not here: the handshake
+//! ([`crate::client`]), the reconnect watcher (`NBD_CMD_RECONFIGURE` on link-dead).
+
+use std::os::fd::RawFd;
+use std::time::Duration;
+
+use neli::consts::nl::NlmF;
+use neli::consts::socket::NlFamily;
+use neli::genl::{AttrTypeBuilder, Genlmsghdr, GenlmsghdrBuilder, Nlattr, NlattrBuilder};
+use neli::nl::NlPayload;
+use neli::router::synchronous::NlRouter;
+use neli::types::{Buffer, GenlBuffer};
+use neli::utils::Groups;
+
+/// The family's name and version.
+const FAMILY: &str = "nbd";
+const VERSION: u8 = 1;
+
+// Commands (enum of nbd-netlink.h).
+const CMD_CONNECT: u8 = 1;
+const CMD_DISCONNECT: u8 = 2;
+const CMD_STATUS: u8 = 5;
+
+// Attributes.
+const ATTR_INDEX: u16 = 1;
+const ATTR_SIZE_BYTES: u16 = 2;
+const ATTR_BLOCK_SIZE_BYTES: u16 = 3;
+const ATTR_SERVER_FLAGS: u16 = 5;
+const ATTR_CLIENT_FLAGS: u16 = 6;
+const ATTR_SOCKETS: u16 = 7;
+const ATTR_DEAD_CONN_TIMEOUT: u16 = 8;
+const ATTR_DEVICE_LIST: u16 = 9;
+const ATTR_BACKEND_IDENTIFIER: u16 = 10;
+const SOCK_ITEM: u16 = 1;
+const SOCK_FD: u16 = 1;
+const DEVICE_ITEM: u16 = 1;
+const DEVICE_INDEX: u16 = 1;
+const DEVICE_CONNECTED: u16 = 2;
+
+/// `NBD_CFLAG_DESTROY_ON_DISCONNECT`: the device goes away on disconnect.
+const CFLAG_DESTROY_ON_DISCONNECT: u64 = 1;
+
+/// What to attach.
+#[derive(Debug, Clone)]
+pub struct Attach {
+    /// `/dev/nbdN` to use, or any free one (the kernel picks or makes it).
+    pub index: Option<u32>,
+    /// Size in bytes (the export's).
+    pub size: u64,
+    /// Logical block size in bytes (512 to 4096, a power of two).
+    pub block_size: u64,
+    /// The export's transmission flags (`NBD_FLAG_*`): read-only, flush, FUA, trim...
+    pub server_flags: u16,
+    /// Sockets in the transmission phase, one per connection; the kernel takes its own
+    /// reference, so the caller may close them after.
+    pub sockets: Vec<RawFd>,
+    /// How long the kernel waits for a reconnect (`NBD_CMD_RECONFIGURE`) after every
+    /// connection is dead before it fails requests; `None`: it fails them at once.
+    /// No per-request timeout is set, so requests wait rather than fail while a
+    /// connection lives.
+    pub dead_conn_timeout: Option<Duration>,
+    /// The backend identifier: what the device is attached to (for ferrovol, the
+    /// storage host's id and the volume). The kernel refuses a reconfigure that names
+    /// another, and shows it in `/sys/block/nbdN/backend`.
+    pub backend: String,
+}
+
+/// A device of the NBD driver.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Device {
+    /// `N` of `/dev/nbdN`.
+    pub index: u32,
+    /// It has a live configuration (attached).
+    pub connected: bool,
+    /// Its backend identifier, if it was attached with one.
+    pub backend: Option<String>,
+}
+
+/// A kernel call that failed.
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    /// The kernel has no `nbd` netlink family: the module is not loaded (`modprobe
+    /// nbd`) or the kernel has no NBD driver.
+    #[error("the kernel's NBD driver is not there (no generic netlink family \"nbd\"): modprobe nbd")]
+    NoDriver,
+    /// The caller may not configure NBD devices (`EPERM`: it needs CAP_SYS_ADMIN).
+    #[error("not allowed to configure NBD devices (run as root, or with CAP_SYS_ADMIN)")]
+    Permission,
+    /// The device is attached already (`EBUSY`), or every device is.
+    #[error("/dev/nbd{0} is in use")]
+    Busy(String),
+    /// No such device (`ENOENT`, or `EINVAL` for an index past the last device).
+    #[error("no NBD device {0}")]
+    NoDevice(String),
+    /// Anything else the kernel or the netlink socket reported.
+    #[error("NBD netlink {what}: {message}")]
+    Netlink {
+        /// The command.
+        what: &'static str,
+        /// The error.
+        message: String,
+    },
+}
+
+type Router = NlRouter;
+
+fn open() -> Result<(Router, u16), KernelError> {
+    let (router, _) = NlRouter::connect(NlFamily::Generic, Some(0), Groups::empty())
+        .map_err(|e| KernelError::Netlink { what: "socket", message: e.to_string() })?;
+    let family = router.resolve_genl_family(FAMILY).map_err(|_| KernelError::NoDriver)?;
+    Ok((router, family))
+}
+
+fn attr<P: neli::ToBytes + neli::Size>(t: u16, payload: P) -> Result<Nlattr<u16, Buffer>, KernelError> {
+    let ser = |e: &dyn std::fmt::Display| KernelError::Netlink { what: "message", message: e.to_string() };
+    NlattrBuilder::default()
+        .nla_type(AttrTypeBuilder::default().nla_type(t).build().map_err(|e| ser(&e))?)
+        .nla_payload(payload)
+        .build()
+        .map_err(|e| ser(&e))
+}
+
+fn nested(t: u16, inner: &[Nlattr<u16, Buffer>]) -> Result<Nlattr<u16, Buffer>, KernelError> {
+    let mut a = attr(t, Vec::<u8>::new())?;
+    for i in inner {
+        a = a.nest(i).map_err(|e| KernelError::Netlink { what: "message", message: e.to_string() })?;
+    }
+    Ok(a)
+}
+
+/// Sends `cmd` with `attrs` and collects the replies' attributes.
+fn call(
+    what: &'static str,
+    cmd: u8,
+    attrs: Vec<Nlattr<u16, Buffer>>,
+    on_errno: impl Fn(i32) -> Option<KernelError>,
+) -> Result<Vec<Genlmsghdr<u8, u16>>, KernelError> {
+    let (router, family) = open()?;
+    let msg = GenlmsghdrBuilder::default()
+        .cmd(cmd)
+        .version(VERSION)
+        .attrs(attrs.into_iter().collect::<GenlBuffer<u16, Buffer>>())
+        .build()
+        .map_err(|e| KernelError::Netlink { what, message: e.to_string() })?;
+    let replies = router
+        .send::<_, _, u16, Genlmsghdr<u8, u16>>(family, NlmF::ACK, NlPayload::Payload(msg))
+        .map_err(|e| KernelError::Netlink { what, message: e.to_string() })?;
+    let mut out = Vec::new();
+    for r in replies {
+        match r {
+            Ok(m) => {
+                if let NlPayload::Payload(p) = m.nl_payload() {
+                    out.push(p.clone());
+                }
+            }
+            Err(neli::err::RouterError::Nlmsgerr(e)) => {
+                let errno = -*e.error();
+                return Err(on_errno(errno).unwrap_or_else(|| match errno {
+                    libc::EPERM | libc::EACCES => KernelError::Permission,
+                    _ => KernelError::Netlink { what, message: std::io::Error::from_raw_os_error(errno).to_string() },
+                }));
+            }
+            Err(e) => return Err(KernelError::Netlink { what, message: e.to_string() }),
+        }
+    }
+    Ok(out)
+}
+
+/// Attaches `a.sockets` as an NBD device (`NBD_CMD_CONNECT`); returns its index `N`
+/// (`/dev/nbdN`). The device is removed again when it is disconnected.
+///
+/// Errors: [`KernelError::NoDriver`], [`KernelError::Permission`],
+/// [`KernelError::Busy`] (the device asked for is attached), [`KernelError::Netlink`]
+/// (a refused configuration: bad size or block size, a socket that is not one).
+pub fn connect(a: &Attach) -> Result<u32, KernelError> {
+    let mut attrs = vec![
+        attr(ATTR_SIZE_BYTES, a.size)?,
+        attr(ATTR_BLOCK_SIZE_BYTES, a.block_size)?,
+        attr(ATTR_SERVER_FLAGS, u64::from(a.server_flags))?,
+        attr(ATTR_CLIENT_FLAGS, CFLAG_DESTROY_ON_DISCONNECT)?,
+        attr(ATTR_BACKEND_IDENTIFIER, a.backend.as_str())?,
+    ];
+    if let Some(i) = a.index {
+        attrs.push(attr(ATTR_INDEX, i)?);
+    }
+    if let Some(t) = a.dead_conn_timeout {
+        attrs.push(attr(ATTR_DEAD_CONN_TIMEOUT, t.as_secs().max(1))?);
+    }
+    let mut items = Vec::new();
+    for fd in &a.sockets {
+        items.push(nested(SOCK_ITEM, &[attr(SOCK_FD, *fd as u32)?])?);
+    }
+    attrs.push(nested(ATTR_SOCKETS, &items)?);
+    let shown = a.index.map(|i| i.to_string()).unwrap_or_else(|| "N".into());
+    let replies = call("connect", CMD_CONNECT, attrs, |errno| match errno {
+        libc::EBUSY => Some(KernelError::Busy(shown.clone())),
+        _ => None,
+    })?;
+    for r in &replies {
+        let h = r.attrs().get_attr_handle();
+        if let Ok(i) = h.get_attr_payload_as::<u32>(ATTR_INDEX) {
+            return Ok(i);
+        }
+    }
+    Err(KernelError::Netlink { what: "connect", message: "the kernel answered without the device's index".into() })
+}
+
+/// Detaches `/dev/nbd{index}` (`NBD_CMD_DISCONNECT`): requests in flight end, the
+/// device goes away.
+///
+/// Errors: [`KernelError::NoDevice`]; as [`connect`].
+pub fn disconnect(index: u32) -> Result<(), KernelError> {
+    call("disconnect", CMD_DISCONNECT, vec![attr(ATTR_INDEX, index)?], |errno| match errno {
+        libc::ENOENT | libc::EINVAL => Some(KernelError::NoDevice(index.to_string())),
+        _ => None,
+    })
+    .map(|_| ())
+}
+
+/// The NBD devices (`NBD_CMD_STATUS`), or only `index`; with each one's backend
+/// identifier from `/sys/block/nbdN/backend`.
+///
+/// Errors: [`KernelError::NoDevice`] for an `index` the kernel does not know; as
+/// [`connect`].
+pub fn status(index: Option<u32>) -> Result<Vec<Device>, KernelError> {
+    let attrs = match index {
+        Some(i) => vec![attr(ATTR_INDEX, i)?],
+        None => Vec::new(),
+    };
+    let shown = index.map(|i| i.to_string()).unwrap_or_default();
+    let replies = call("status", CMD_STATUS, attrs, |errno| match errno {
+        libc::ENOENT | libc::EINVAL => Some(KernelError::NoDevice(shown.clone())),
+        _ => None,
+    })?;
+    let bad = |e: &dyn std::fmt::Display| KernelError::Netlink { what: "status", message: e.to_string() };
+    let mut out = Vec::new();
+    for r in &replies {
+        let h = r.attrs().get_attr_handle();
+        let Ok(list) = h.get_nested_attributes::<u16>(ATTR_DEVICE_LIST) else { continue };
+        for item in list.iter() {
+            if *item.nla_type().nla_type() != DEVICE_ITEM {
+                continue;
+            }
+            let dev = item.get_attr_handle::<u16>().map_err(|e| bad(&e))?;
+            let index: u32 = dev.get_attr_payload_as(DEVICE_INDEX).map_err(|e| bad(&e))?;
+            let connected: u8 = dev.get_attr_payload_as(DEVICE_CONNECTED).unwrap_or(0);
+            let backend = std::fs::read_to_string(format!("/sys/block/nbd{index}/backend"))
+                .ok()
+                .map(|s| s.trim_end().to_string())
+                .filter(|s| !s.is_empty());
+            out.push(Device { index, connected: connected != 0, backend });
+        }
+    }
+    out.sort_by_key(|d| d.index);
+    Ok(out)
+}
