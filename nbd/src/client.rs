@@ -224,6 +224,9 @@ fn shown(message: &str) -> String {
 /// The largest option reply this client reads, in bytes: far above any `NBD_REP_INFO`.
 const MAX_REPLY: u32 = 64 * 1024;
 
+/// The most replies to `NBD_OPT_GO` this client reads before it gives up.
+const MAX_REPLIES: usize = 64;
+
 /// Connects to `target`, opens export `name` with `NBD_OPT_GO` (asking for its block
 /// size constraints), and returns the socket in the transmission phase with what the
 /// export offers. Each read, write and the connect itself may take `timeout`; the
@@ -249,6 +252,16 @@ pub fn connect(target: &Target, name: &str, timeout: Duration) -> Result<(Stream
             }
             let s = got.ok_or_else(|| io(last))?;
             s.set_nodelay(true).map_err(io)?;
+            // A peer that vanishes without a word (a host powered off, a cut network)
+            // is noticed: keepalive probes after 30 s of silence, and unacknowledged data
+            // fails the socket after 60 s.
+            let sock = socket2::SockRef::from(&s);
+            let ka = socket2::TcpKeepalive::new()
+                .with_time(Duration::from_secs(30))
+                .with_interval(Duration::from_secs(10))
+                .with_retries(3);
+            sock.set_tcp_keepalive(&ka).map_err(io)?;
+            sock.set_tcp_user_timeout(Some(Duration::from_secs(60))).map_err(io)?;
             Stream::Tcp(s)
         }
         Target::Unix(p) => Stream::Unix(UnixStream::connect(p).map_err(io)?),
@@ -290,7 +303,7 @@ pub fn handshake<S: Read + Write>(s: &mut S, target: &str, name: &str) -> Result
     s.write_all(&out).map_err(io)?;
     s.flush().map_err(io)?;
     let (mut size_flags, mut block_size) = (None, None);
-    loop {
+    for _ in 0..MAX_REPLIES {
         let mut h = [0u8; OPTION_REPLY_HEADER_LEN];
         s.read_exact(&mut h).map_err(io)?;
         let h = OptionReplyHeader::parse(&h).map_err(|e| proto(format!("option reply: {e}")))?;
@@ -311,11 +324,29 @@ pub fn handshake<S: Read + Write>(s: &mut S, target: &str, name: &str) -> Result
                 match u16::from_be_bytes([data[0], data[1]]) {
                     NBD_INFO_EXPORT if data.len() == 12 => {
                         let size = u64::from_be_bytes(data[2..10].try_into().expect("8 bytes"));
-                        size_flags = Some((size, u16::from_be_bytes([data[10], data[11]])));
+                        let got = (size, u16::from_be_bytes([data[10], data[11]]));
+                        if size > i64::MAX as u64 {
+                            return Err(proto(format!("an export of {size} bytes")));
+                        }
+                        if size_flags.is_some_and(|f| f != got) {
+                            return Err(proto("two different NBD_INFO_EXPORT replies".into()));
+                        }
+                        size_flags = Some(got);
                     }
                     NBD_INFO_BLOCK_SIZE if data.len() == 14 => {
                         let at = |i: usize| u32::from_be_bytes(data[i..i + 4].try_into().expect("4 bytes"));
-                        block_size = Some(BlockSize { minimum: at(2), preferred: at(6), maximum: at(10) });
+                        let b = BlockSize { minimum: at(2), preferred: at(6), maximum: at(10) };
+                        // proto.md "Block size constraints".
+                        let sane = b.minimum.is_power_of_two()
+                            && b.minimum <= 65536
+                            && b.preferred.is_power_of_two()
+                            && b.preferred >= b.minimum
+                            && (b.maximum == u32::MAX || b.maximum.is_multiple_of(b.minimum))
+                            && b.maximum >= b.minimum;
+                        if !sane {
+                            return Err(proto(format!("block size constraints that break proto.md: {b:?}")));
+                        }
+                        block_size = Some(b);
                     }
                     NBD_INFO_EXPORT | NBD_INFO_BLOCK_SIZE => {
                         return Err(proto(format!("an NBD_REP_INFO of the wrong length ({} bytes)", data.len())))
@@ -351,4 +382,5 @@ pub fn handshake<S: Read + Write>(s: &mut S, target: &str, name: &str) -> Result
             t => return Err(proto(format!("an unexpected reply type {t} to NBD_OPT_GO"))),
         }
     }
+    Err(proto(format!("more than {MAX_REPLIES} replies to NBD_OPT_GO")))
 }

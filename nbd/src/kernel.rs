@@ -1,7 +1,7 @@
 //! The Linux kernel's NBD driver, driven through its generic netlink family `nbd`
 //! (include/uapi/linux/nbd-netlink.h, drivers/block/nbd.c): [`connect`] hands it sockets
 //! in the transmission phase (from [`crate::client::connect`]) and makes `/dev/nbdN`,
-//! [`disconnect`] removes it, [`status`] lists the devices with their backend
+//! [`disconnect`] detaches it, [`status`] lists the devices with their backend
 //! identifiers (read from sysfs, where the kernel shows them).
 //!
 //! Synchronous, through neli's netlink router. Not here: the handshake
@@ -31,6 +31,7 @@ const CMD_STATUS: u8 = 5;
 const ATTR_INDEX: u16 = 1;
 const ATTR_SIZE_BYTES: u16 = 2;
 const ATTR_BLOCK_SIZE_BYTES: u16 = 3;
+const ATTR_TIMEOUT: u16 = 4;
 const ATTR_SERVER_FLAGS: u16 = 5;
 const ATTR_CLIENT_FLAGS: u16 = 6;
 const ATTR_SOCKETS: u16 = 7;
@@ -43,8 +44,8 @@ const DEVICE_ITEM: u16 = 1;
 const DEVICE_INDEX: u16 = 1;
 const DEVICE_CONNECTED: u16 = 2;
 
-/// `NBD_CFLAG_DESTROY_ON_DISCONNECT`: the device goes away on disconnect.
-const CFLAG_DESTROY_ON_DISCONNECT: u64 = 1;
+/// The longest dead-connection timeout taken: one day.
+pub const MAX_DEAD_CONN_TIMEOUT: Duration = Duration::from_secs(86_400);
 
 /// What to attach.
 #[derive(Debug, Clone)]
@@ -60,10 +61,13 @@ pub struct Attach {
     /// Sockets in the transmission phase, one per connection; the kernel takes its own
     /// reference, so the caller may close them after.
     pub sockets: Vec<RawFd>,
-    /// How long the kernel waits for a reconnect (`NBD_CMD_RECONFIGURE`) after every
-    /// connection is dead before it fails requests; `None`: it fails them at once.
-    /// No per-request timeout is set, so requests wait rather than fail while a
-    /// connection lives.
+    /// How long new requests wait for a reconnect (`NBD_CMD_RECONFIGURE`) once every
+    /// connection is dead, before they fail with EIO; `None`: they fail at once. At
+    /// most [`MAX_DEAD_CONN_TIMEOUT`]. The per-request timeout is 0 (`NBD_ATTR_TIMEOUT`):
+    /// with one connection a request in flight waits for as long as it takes (the
+    /// kernel logs it every 30 s); with several, a request unanswered for 30 s marks
+    /// its connection dead and is sent again on another (drivers/block/nbd.c,
+    /// `nbd_xmit_timeout`).
     pub dead_conn_timeout: Option<Duration>,
     /// The backend identifier: what the device is attached to (for ferrovol, the
     /// storage host's id and the volume). The kernel refuses a reconfigure that names
@@ -92,8 +96,9 @@ pub enum KernelError {
     /// The caller may not configure NBD devices (`EPERM`: it needs CAP_SYS_ADMIN).
     #[error("not allowed to configure NBD devices (run as root, or with CAP_SYS_ADMIN)")]
     Permission,
-    /// The device is attached already (`EBUSY`), or every device is.
-    #[error("/dev/nbd{0} is in use")]
+    /// The device is attached already (`EBUSY`), or still being removed after a
+    /// detach (`EINVAL` for a device asked for by index: retry).
+    #[error("/dev/nbd{0} is in use (or still being removed: retry)")]
     Busy(String),
     /// No such device (`ENOENT`, or `EINVAL` for an index past the last device).
     #[error("no NBD device {0}")]
@@ -183,14 +188,15 @@ pub fn connect(a: &Attach) -> Result<u32, KernelError> {
         attr(ATTR_SIZE_BYTES, a.size)?,
         attr(ATTR_BLOCK_SIZE_BYTES, a.block_size)?,
         attr(ATTR_SERVER_FLAGS, u64::from(a.server_flags))?,
-        attr(ATTR_CLIENT_FLAGS, CFLAG_DESTROY_ON_DISCONNECT)?,
+        attr(ATTR_CLIENT_FLAGS, 0u64)?,
+        attr(ATTR_TIMEOUT, 0u64)?,
         attr(ATTR_BACKEND_IDENTIFIER, a.backend.as_str())?,
     ];
     if let Some(i) = a.index {
         attrs.push(attr(ATTR_INDEX, i)?);
     }
     if let Some(t) = a.dead_conn_timeout {
-        attrs.push(attr(ATTR_DEAD_CONN_TIMEOUT, t.as_secs().max(1))?);
+        attrs.push(attr(ATTR_DEAD_CONN_TIMEOUT, t.min(MAX_DEAD_CONN_TIMEOUT).as_secs().max(1))?);
     }
     let mut items = Vec::new();
     for fd in &a.sockets {
@@ -198,8 +204,10 @@ pub fn connect(a: &Attach) -> Result<u32, KernelError> {
     }
     attrs.push(nested(ATTR_SOCKETS, &items)?);
     let shown = a.index.map(|i| i.to_string()).unwrap_or_else(|| "N".into());
+    let asked = a.index.is_some();
     let replies = call("connect", CMD_CONNECT, attrs, |errno| match errno {
         libc::EBUSY => Some(KernelError::Busy(shown.clone())),
+        libc::EINVAL if asked => Some(KernelError::Busy(shown.clone())),
         _ => None,
     })?;
     for r in &replies {
@@ -208,14 +216,25 @@ pub fn connect(a: &Attach) -> Result<u32, KernelError> {
             return Ok(i);
         }
     }
+    // The kernel attached the device but its answer (best effort) did not say which:
+    // find it by its backend and detach it rather than leave it behind.
+    if let Ok(devs) = status(a.index) {
+        for d in devs.iter().filter(|d| d.connected && d.backend.as_deref() == Some(a.backend.as_str())) {
+            let _ = disconnect(d.index);
+        }
+    }
     Err(KernelError::Netlink { what: "connect", message: "the kernel answered without the device's index".into() })
 }
 
-/// Detaches `/dev/nbd{index}` (`NBD_CMD_DISCONNECT`): requests in flight end, the
-/// device goes away.
+/// Detaches `/dev/nbd{index}` (`NBD_CMD_DISCONNECT`): requests in flight end; the
+/// device stays, free.
 ///
-/// Errors: [`KernelError::NoDevice`]; as [`connect`].
+/// Errors: [`KernelError::NoDevice`] (no such device, or not attached); as
+/// [`connect`].
 pub fn disconnect(index: u32) -> Result<(), KernelError> {
+    if !status(Some(index))?.iter().any(|d| d.connected) {
+        return Err(KernelError::NoDevice(format!("{index} attached")));
+    }
     call("disconnect", CMD_DISCONNECT, vec![attr(ATTR_INDEX, index)?], |errno| match errno {
         libc::ENOENT | libc::EINVAL => Some(KernelError::NoDevice(index.to_string())),
         _ => None,
@@ -224,7 +243,9 @@ pub fn disconnect(index: u32) -> Result<(), KernelError> {
 }
 
 /// The NBD devices (`NBD_CMD_STATUS`), or only `index`; with each one's backend
-/// identifier from `/sys/block/nbdN/backend`.
+/// identifier from `/sys/block/nbdN/backend`. A device counts as attached when the
+/// kernel has a configuration for it and it has a receiving task (`/sys/block/nbdN/pid`):
+/// a device merely held open (by udev, blkid) has a configuration but no task.
 ///
 /// Errors: [`KernelError::NoDevice`] for an `index` the kernel does not know; as
 /// [`connect`].
@@ -254,8 +275,12 @@ pub fn status(index: Option<u32>) -> Result<Vec<Device>, KernelError> {
                 .ok()
                 .map(|s| s.trim_end().to_string())
                 .filter(|s| !s.is_empty());
-            out.push(Device { index, connected: connected != 0, backend });
+            let running = std::path::Path::new(&format!("/sys/block/nbd{index}/pid")).exists();
+            out.push(Device { index, connected: connected != 0 && running, backend });
         }
+    }
+    if let (Some(i), true) = (index, out.is_empty()) {
+        return Err(KernelError::NoDevice(i.to_string()));
     }
     out.sort_by_key(|d| d.index);
     Ok(out)

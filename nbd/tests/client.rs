@@ -181,3 +181,68 @@ fn an_old_style_server_is_told_apart() {
         other => panic!("{other:?}"),
     }
 }
+
+/// A scripted server: greets, reads the client's flags and its option, then sends
+/// `replies` (type, data) to NBD_OPT_GO (or to `option` when given) and closes.
+fn scripted(replies: Vec<(u32, Vec<u8>)>, option: u32) -> Target {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        let (mut c, _) = l.accept().unwrap();
+        let _ = c.write_all(&encode_greeting(NBD_FLAG_FIXED_NEWSTYLE | NBD_FLAG_NO_ZEROES));
+        let mut flags = [0u8; 4];
+        let mut header = [0u8; OPTION_HEADER_LEN];
+        if c.read_exact(&mut flags).is_err() || c.read_exact(&mut header).is_err() {
+            return;
+        }
+        let h = OptionHeader::parse(&header).unwrap();
+        let mut data = vec![0u8; h.length as usize];
+        let _ = c.read_exact(&mut data);
+        for (t, d) in replies {
+            if c.write_all(&encode_option_reply(option, t, &d)).is_err() {
+                return;
+            }
+        }
+    });
+    Target::Tcp(addr)
+}
+
+#[test]
+fn a_hostile_or_odd_server_is_refused_with_a_reason() {
+    let export = |size: u64| encode_info_export(size, NBD_FLAG_HAS_FLAGS).to_vec();
+    let protocol =
+        |replies: Vec<(u32, Vec<u8>)>, option: u32, want: &str| match connect(&scripted(replies, option), "x", T) {
+            Err(e @ HandshakeError::Protocol { .. }) => assert!(e.to_string().contains(want), "{e}: want {want:?}"),
+            other => panic!("want a protocol error with {want:?}, got {other:?}"),
+        };
+    protocol(
+        vec![(NBD_REP_INFO, export(1 << 20)), (NBD_REP_INFO, export(2 << 20)), (NBD_REP_ACK, vec![])],
+        NBD_OPT_GO,
+        "two different NBD_INFO_EXPORT",
+    );
+    protocol(vec![(NBD_REP_INFO, vec![0, 99, 1, 2]); 100], NBD_OPT_GO, "more than 64 replies");
+    protocol(vec![(NBD_REP_ACK, vec![])], NBD_OPT_GO, "without NBD_INFO_EXPORT");
+    protocol(vec![(NBD_REP_ACK, vec![])], NBD_OPT_LIST, "while waiting for NBD_OPT_GO");
+    protocol(vec![(NBD_REP_INFO, export(u64::MAX)), (NBD_REP_ACK, vec![])], NBD_OPT_GO, "an export of");
+    protocol(
+        vec![(NBD_REP_INFO, encode_info_block_size(3, 4096, 1 << 20).to_vec()), (NBD_REP_ACK, vec![])],
+        NBD_OPT_GO,
+        "block size constraints",
+    );
+    assert!(matches!(
+        connect(&scripted(vec![(NBD_REP_ERR_TLS_REQD, vec![])], NBD_OPT_GO), "x", T),
+        Err(HandshakeError::TlsRequired { .. })
+    ));
+    assert!(matches!(
+        connect(&scripted(vec![(NBD_REP_ERR_UNSUP, vec![])], NBD_OPT_GO), "x", T),
+        Err(HandshakeError::GoUnsupported { .. })
+    ));
+    // Unknown info types are skipped; a good answer after them opens the export.
+    let (_, info) = connect(
+        &scripted(vec![(NBD_REP_INFO, vec![0, 99]), (NBD_REP_INFO, export(4096)), (NBD_REP_ACK, vec![])], NBD_OPT_GO),
+        "x",
+        T,
+    )
+    .unwrap();
+    assert_eq!(info.size, 4096);
+}

@@ -25,15 +25,19 @@ pub(crate) fn parse_uri(uri: &str) -> anyhow::Result<(Target, String)> {
     let rest = uri
         .strip_prefix("nbd://")
         .ok_or_else(|| anyhow::anyhow!("{uri}: not nbd://HOST[:PORT]/EXPORT or nbd+unix:///EXPORT?socket=PATH"))?;
+    let rest = rest.split(['?', '#']).next().unwrap_or_default();
     let (authority, export) = rest.split_once('/').unwrap_or((rest, ""));
-    if authority.is_empty() {
-        anyhow::bail!("{uri}: no host");
+    if authority.is_empty() || authority.contains('@') {
+        anyhow::bail!("{uri}: not nbd://HOST[:PORT]/EXPORT");
     }
-    let addr = if authority.rsplit_once(':').is_some_and(|(_, p)| p.parse::<u16>().is_ok()) && !authority.ends_with(']')
-    {
-        authority.to_string()
-    } else {
-        format!("{authority}:10809")
+    let addr = match authority.rsplit_once(':') {
+        Some((host, port)) if !authority.ends_with(']') => {
+            if host.is_empty() || !port.parse::<u16>().is_ok_and(|p| p != 0) {
+                anyhow::bail!("{uri}: {port:?} is not a port");
+            }
+            authority.to_string()
+        }
+        _ => format!("{authority}:10809"),
     };
     Ok((Target::Tcp(addr), export.to_string()))
 }
@@ -59,21 +63,20 @@ pub(crate) fn attach(
         anyhow::bail!("--connections {connections}: 1 to 16");
     }
     let mut streams = Vec::new();
-    let mut info = None;
+    let mut info: Option<client::ExportInfo> = None;
     for _ in 0..connections {
         let (s, i) = client::connect(&target, &export, HANDSHAKE_TIMEOUT)?;
         if connections > 1 && !i.multi_conn() {
             anyhow::bail!("{uri} does not allow several connections (no NBD_FLAG_CAN_MULTI_CONN): use --connections 1");
         }
+        if info.as_ref().is_some_and(|first| *first != i) {
+            anyhow::bail!("{uri} answered two connections differently (size, flags or block sizes)");
+        }
         streams.push(s);
         info = Some(i);
     }
     let info = info.expect("one connection at least");
-    let block_size = info
-        .block_size
-        .map(|b| u64::from(b.preferred).clamp(512, 4096))
-        .filter(|b| b.is_power_of_two())
-        .unwrap_or(4096);
+    let block_size = kernel_block_size(&info)?;
     // The backend identifier names the export without any key after its first '/'.
     let volume = export.split('/').next().unwrap_or_default();
     let backend = backend.unwrap_or_else(|| format!("{target}/{volume}"));
@@ -84,13 +87,42 @@ pub(crate) fn attach(
         block_size,
         server_flags: info.flags,
         sockets,
-        dead_conn_timeout: (dead_timeout > 0).then(|| Duration::from_secs(dead_timeout)),
+        dead_conn_timeout: (dead_timeout > 0)
+            .then(|| Duration::from_secs(dead_timeout).min(kernel::MAX_DEAD_CONN_TIMEOUT)),
         backend,
     })?;
     // The kernel holds its own references to the sockets.
     drop(streams);
     out!("/dev/nbd{n}");
     Ok(())
+}
+
+/// The kernel device's logical block size for an export (proto.md "Block size
+/// constraints": the client MUST honour the minimum): its preferred size, at least its
+/// minimum and 512, at most 4096.
+///
+/// Errors: an export whose minimum is above 4096 (the kernel's largest logical block
+/// size), or whose size is not a multiple of the block size.
+fn kernel_block_size(info: &client::ExportInfo) -> anyhow::Result<u64> {
+    let (min, pref, max) = match info.block_size {
+        Some(b) => (u64::from(b.minimum), u64::from(b.preferred), u64::from(b.maximum)),
+        None => (1, 4096, u64::from(u32::MAX)),
+    };
+    if min > 4096 {
+        anyhow::bail!("export {:?} takes blocks of {min} bytes at least; the kernel's are 4096 at most", info.name);
+    }
+    let bs = pref.clamp(min.max(512), 4096);
+    if !info.size.is_multiple_of(bs) {
+        anyhow::bail!("export {:?} is {} bytes, not a multiple of its block size {bs}", info.name, info.size);
+    }
+    // The kernel sends requests of up to 32 MiB.
+    if max < 32 << 20 {
+        eprintln!(
+            "ferrovol: warning: export {:?} takes requests of {max} bytes at most; the kernel may send larger ones",
+            info.name
+        );
+    }
+    Ok(bs)
 }
 
 /// Detaches `device`.
@@ -126,7 +158,9 @@ mod tests {
         assert_eq!((t, e.as_str()), (Target::Tcp("host:10809".into()), "vol"));
         let (t, e) = parse_uri("nbd+unix:///vol?socket=/run/nbd.sock").unwrap();
         assert_eq!((t, e.as_str()), (Target::Unix("/run/nbd.sock".into()), "vol"));
-        for bad in ["http://x/y", "nbd:///vol", "nbd+unix:///vol"] {
+        let (t, e) = parse_uri("nbd://[::1]:7000/vol?tls=off").unwrap();
+        assert_eq!((t, e.as_str()), (Target::Tcp("[::1]:7000".into()), "vol"));
+        for bad in ["http://x/y", "nbd:///vol", "nbd+unix:///vol", "nbd://host:/v", "nbd://host:0/v", "nbd://u@h/v"] {
             assert!(parse_uri(bad).is_err(), "{bad}");
         }
         assert_eq!(parse_device("/dev/nbd3").unwrap(), 3);
