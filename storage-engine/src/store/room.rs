@@ -36,10 +36,10 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use super::{worker_gone, Store};
+use super::Store;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{PageEntry, PageRec, PageRefRec, RecordHeader, VolumeRec, BLOCK_SIZE};
-use crate::io::{self, AlignedBuf, Dir, Segment};
+use crate::io::{self, AlignedBuf};
 use crate::journal::{checkpoint_bytes_bound, checkpoint_units_bound};
 use crate::meta::{Allocator, MapTable};
 
@@ -285,33 +285,26 @@ impl Store {
     }
 
     /// Writes zeros over each of `units` (whole units), so that the host file system
-    /// holds blocks for them; one result per unit. Units are written 16 at a time.
-    /// Refuses at once (`ENOSPC` for all) when the host reports less room than they
-    /// take.
+    /// holds blocks for them; one result per unit. Refuses at once (`ENOSPC` for all)
+    /// when the host reports less room than they take.
+    ///
+    /// Plain writes from the calling thread (the opening thread, or the committer), not
+    /// the ring: at open these are a new ring's first writes, into holes of the pool
+    /// file, and such writes were seen never to complete (two hangs of `Pool::open` in
+    /// the tests, the kernel holding the entries with no completion). Backing units is
+    /// rare and off the data path, so nothing is lost by writing them one by one.
     fn back_units(&self, units: &[u32]) -> Vec<std::io::Result<()>> {
         let us = self.geo.unit_size;
         let enospc = || Err(std::io::Error::from_raw_os_error(libc::ENOSPC));
         if io::available_bytes(&self.file).is_ok_and(|room| room < units.len() as u64 * us) {
             return units.iter().map(|_| enospc()).collect();
         }
-        let mut out = Vec::with_capacity(units.len());
-        for batch in units.chunks(16) {
-            let rxs: Vec<_> = batch
-                .iter()
-                .map(|&u| {
-                    let seg =
-                        Segment { file_offset: self.geo.unit_offset(u64::from(u)), buf_offset: 0, len: us as usize };
-                    self.ring.rw(Dir::Write { dsync: false }, AlignedBuf::zeroed(us as usize), vec![seg])
-                })
-                .collect();
-            for rx in rxs {
-                out.push(match rx.blocking_recv() {
-                    Ok((_, r)) => r,
-                    Err(_) => Err(std::io::Error::other(worker_gone().to_string())),
-                });
-            }
-        }
-        out
+        let zeros = AlignedBuf::zeroed(us as usize);
+        let zeros = &zeros.full()[..us as usize];
+        units
+            .iter()
+            .map(|&u| std::os::unix::fs::FileExt::write_all_at(&*self.file, zeros, self.geo.unit_offset(u64::from(u))))
+            .collect()
     }
 
     /// Before the checkpoint at open: writes zeros into the holes of the superblocks
