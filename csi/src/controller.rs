@@ -141,17 +141,16 @@ fn mode_of(c: &pb::VolumeCapability) -> Mode {
     c.access_mode.as_ref().map(|m| m.mode()).unwrap_or(Mode::Unknown)
 }
 
-/// Checks StorageClass parameters: ferrovol takes none of its own; the keys the
-/// external-provisioner adds (`csi.storage.k8s.io/...`) pass.
-fn check_parameters(p: &HashMap<String, String>) -> Res<()> {
+/// Checks the parameters of a storage or snapshot class (`classes`, for the message):
+/// ferrovol takes none of its own; the keys the external-provisioner and -snapshotter
+/// add (`csi.storage.k8s.io/...`) pass.
+fn check_parameters(p: &HashMap<String, String>, classes: &str) -> Res<()> {
     let mut unknown: Vec<&str> =
         p.keys().map(String::as_str).filter(|k| !k.starts_with("csi.storage.k8s.io/")).collect();
     unknown.sort_unstable();
     match unknown.first() {
         None => Ok(()),
-        Some(k) => {
-            Err(CsiError::invalid(format!("unknown parameter {k:?}: ferrovol's storage classes take no parameters")))
-        }
+        Some(k) => Err(CsiError::invalid(format!("unknown parameter {k:?}: ferrovol's {classes} take no parameters"))),
     }
 }
 
@@ -228,12 +227,7 @@ fn topology_matches(t: &pb::Topology, segs: &BTreeMap<String, String>) -> bool {
 /// node reaches every storage host over the network), or from anywhere when the host
 /// has no zone. The host's own segment is for choosing a host, never a node.
 fn volume_topology(h: &Host) -> Vec<pb::Topology> {
-    h.config
-        .zone
-        .as_ref()
-        .map(|z| pb::Topology { segments: [(crate::ZONE_KEY.to_string(), z.clone())].into_iter().collect() })
-        .into_iter()
-        .collect()
+    h.config.zone.as_ref().map(|z| crate::zone_topology(z)).into_iter().collect()
 }
 
 fn allowed_by(req: Option<&pb::TopologyRequirement>, h: &Host) -> bool {
@@ -375,7 +369,7 @@ impl Controller {
     async fn create_volume(&self, r: pb::CreateVolumeRequest) -> Res<pb::CreateVolumeResponse> {
         check_name("volume", &r.name)?;
         check_capabilities(&r.volume_capabilities)?;
-        check_parameters(&r.parameters)?;
+        check_parameters(&r.parameters, "storage classes")?;
         let size = size_for(r.capacity_range.as_ref())?;
         let key = format!("volume/{}", r.name);
         let _guard = self.inflight.take(key.clone())?;
@@ -623,7 +617,7 @@ impl Controller {
         need("node_id", &r.node_id)?;
         let cap = r.volume_capability.as_ref().ok_or_else(|| CsiError::invalid("volume_capability is missing"))?;
         check_capability(cap)?;
-        let (h, conn, v) = self.volume_of(&r.volume_id).await?;
+        let (h, _conn, v) = self.volume_of(&r.volume_id).await?;
         check_node_id(&r.node_id)?;
         let _guard = self.inflight.take(format!("volume/{}", v.name))?;
         let mode = mode_of(cap);
@@ -638,7 +632,6 @@ impl Controller {
         let req =
             api::PublishVolumeRequest { volume: v.name.clone(), node_id: r.node_id.clone(), read_only, exclusive };
         let a = h.call("publish the volume", |c| async move { c.publish(req).await }).await?;
-        let _ = conn;
         let ctx = [
             (publish_context::NBD_ADDRESSES.to_string(), a.nbd_addresses.join(",")),
             (publish_context::EXPORT_NAME.to_string(), a.export_name),
@@ -685,7 +678,7 @@ impl Controller {
             .volume_capabilities
             .iter()
             .find_map(|c| check_capability(c).err())
-            .or_else(|| check_parameters(&r.parameters).err());
+            .or_else(|| check_parameters(&r.parameters, "storage classes").err());
         Ok(match bad {
             Some(e) => pb::ValidateVolumeCapabilitiesResponse { confirmed: None, message: e.message },
             None => pb::ValidateVolumeCapabilitiesResponse {
@@ -758,7 +751,7 @@ impl Controller {
 
     async fn get_capacity(&self, r: pb::GetCapacityRequest) -> Res<pb::GetCapacityResponse> {
         if r.volume_capabilities.iter().any(|c| check_capability(c).is_err())
-            || check_parameters(&r.parameters).is_err()
+            || check_parameters(&r.parameters, "storage classes").is_err()
         {
             return Ok(pb::GetCapacityResponse {
                 available_capacity: 0,
@@ -832,11 +825,7 @@ impl Controller {
     async fn create_snapshot(&self, r: pb::CreateSnapshotRequest) -> Res<pb::CreateSnapshotResponse> {
         need("source_volume_id", &r.source_volume_id)?;
         check_name("snapshot", &r.name)?;
-        if let Some(k) = r.parameters.keys().find(|k| !k.starts_with("csi.storage.k8s.io/")) {
-            return Err(CsiError::invalid(format!(
-                "unknown parameter {k:?}: ferrovol's snapshot classes take no parameters"
-            )));
-        }
+        check_parameters(&r.parameters, "snapshot classes")?;
         let key = format!("snapshot/{}", r.name);
         let _guard = self.inflight.take(key.clone())?;
         let snap_name = snapshot_name(&r.name);

@@ -37,6 +37,11 @@ pub const DRIVER_NAME: &str = "csi.ferrovol.io";
 /// The topology key of a storage host's zone (spec.md "Topology").
 pub const ZONE_KEY: &str = "topology.ferrovol.io/zone";
 
+/// The topology of one zone: the single segment [`ZONE_KEY`] = `zone`.
+pub fn zone_topology(zone: &str) -> pb::Topology {
+    pb::Topology { segments: [(ZONE_KEY.to_string(), zone.to_string())].into_iter().collect() }
+}
+
 /// The topology key of one storage host, by its configured name.
 pub const HOST_KEY: &str = "topology.ferrovol.io/host";
 

@@ -136,10 +136,7 @@ impl pb::node_server::Node for Node {
         &self,
         _r: Request<pb::NodeGetInfoRequest>,
     ) -> Result<Response<pb::NodeGetInfoResponse>, Status> {
-        let accessible_topology = self
-            .zone
-            .as_ref()
-            .map(|z| pb::Topology { segments: [(crate::ZONE_KEY.to_string(), z.clone())].into_iter().collect() });
+        let accessible_topology = self.zone.as_deref().map(crate::zone_topology);
         Ok(Response::new(pb::NodeGetInfoResponse {
             node_id: self.node_id(),
             max_volumes_per_node: 0,

@@ -71,11 +71,7 @@ impl Cluster {
             .stderr(log)
             .spawn()
             .expect("spawn ferrovol csi controller");
-        let t = Instant::now();
-        while std::os::unix::net::UnixStream::connect(&self.socket).is_err() {
-            assert!(t.elapsed() < Duration::from_secs(20), "controller not serving:\n{}", self.log_text());
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        wait_listening(&self.socket, || format!("controller not serving:\n{}", self.log_text()));
         self.controller = Some(child);
     }
 
@@ -121,6 +117,16 @@ impl Cluster {
 impl Drop for Cluster {
     fn drop(&mut self) {
         self.stop_controller();
+    }
+}
+
+/// Waits (up to 20 s) until something accepts connections on the unix socket `path`;
+/// panics with `why()` otherwise.
+fn wait_listening(path: &Path, why: impl Fn() -> String) {
+    let t = Instant::now();
+    while std::os::unix::net::UnixStream::connect(path).is_err() {
+        assert!(t.elapsed() < Duration::from_secs(20), "{}", why());
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
@@ -833,11 +839,7 @@ fn csi_sanity_passes_the_controller_cases() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let t = Instant::now();
-    while std::os::unix::net::UnixStream::connect(&node_sock).is_err() {
-        assert!(t.elapsed() < Duration::from_secs(20), "node not serving");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_listening(&node_sock, || "node not serving".into());
     let o = Command::new("bash")
         .arg(&run)
         .arg(format!("unix://{}", node_sock.display()))
