@@ -3,9 +3,9 @@
 //! service, which places volumes on the storage hosts of its configuration and talks to
 //! them only through their management API (`mgmt-api`).
 //!
-//! The Node service ([`node`]) so far says who the node is; attaching, formatting and
-//! mounting come with the node's attach path. Not here: the storage engine and the NBD
-//! server (the controller never links them).
+//! The Node service ([`node`]) attaches published volumes through the kernel's NBD
+//! client ([`nbd::attach`]), formats and mounts them ([`mounter`]). Not here: the
+//! storage engine and the NBD server (neither service links them).
 //! gRPC types stay at the edge: [`controller`] turns each request into calls on
 //! [`hosts::Hosts`] and maps one error type, [`CsiError`], to a status once.
 
@@ -16,6 +16,7 @@ pub mod hosts;
 pub mod identity;
 pub mod ids;
 mod inflight;
+pub mod mounter;
 pub mod node;
 pub mod serve;
 

@@ -1,13 +1,53 @@
-//! The CSI Node service (spec.md "Node Service RPC"), so far only who the node is:
-//! NodeGetInfo (its node ID, `ferrovol:NODE-NAME`, and its zone) and
-//! NodeGetCapabilities (none yet); unstage and unpublish of paths where nothing is
-//! mounted (idempotent cleanup). Attaching over NBD, formatting, mounting and expanding
-//! come with the node's attach path; until then those calls answer UNIMPLEMENTED.
+//! The CSI Node service (spec.md "Node Service RPC"): a published volume becomes a
+//! block device through the kernel's NBD client ([`nbd::attach`]), formatted once when
+//! the storage host says it was never written and it holds no signature, mounted on the
+//! staging path (NodeStageVolume), bind-mounted into pods (NodePublishVolume), grown
+//! (NodeExpandVolume) and watched (NodeGetVolumeStats with its volume condition).
+//!
+//! No state of its own: the kernel knows which NBD device serves which volume (its
+//! backend identifier is `csi:VOLUME_ID`), mountinfo knows what is mounted where, and the
+//! reconnect records (`/run/ferrovol/nbd`, shared with `ferrovol nbd watch`, a process of
+//! its own) hold the export keys; so the plugin may restart at any time, and I/O goes on
+//! meanwhile. Every call checks its arguments first, and changes nothing when it fails.
+//! One call at a time per volume (`ABORTED` for a second).
+//!
+//! Not here: the OS tools ([`crate::mounter`]), the controller.
 
-use tonic::{Request, Response, Status};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
 
-use crate::controller::NODE_ID_PREFIX;
-use crate::pb;
+use nbd::attach::{self, AttachError, Health};
+use tonic::{Code, Request, Response, Status};
+
+use crate::controller::{publish_context, NODE_ID_PREFIX};
+use crate::inflight::InFlight;
+use crate::mounter::{self, Mount, Probe, FS_TYPES};
+use crate::{pb, CsiError};
+
+/// How the node attaches volumes.
+#[derive(Debug, Clone)]
+pub struct AttachOptions {
+    /// Where the reconnect records live (shared with the watcher).
+    pub run_dir: PathBuf,
+    /// How long the kernel keeps requests waiting for a reconnect once every
+    /// connection of a device is dead.
+    pub dead_timeout: Duration,
+    /// NBD connections per volume (more than 1 only if the export allows several).
+    pub connections: u32,
+    /// The most volumes this node takes (NodeGetInfo `max_volumes_per_node`; 0: no limit).
+    pub max_volumes: i64,
+}
+
+impl Default for AttachOptions {
+    fn default() -> Self {
+        AttachOptions {
+            run_dir: attach::DEFAULT_RUN_DIR.into(),
+            dead_timeout: Duration::from_secs(120),
+            connections: 1,
+            max_volumes: 0,
+        }
+    }
+}
 
 /// The Node service of one node.
 #[derive(Debug, Clone)]
@@ -16,6 +56,9 @@ pub struct Node {
     pub name: String,
     /// Its zone ([`crate::ZONE_KEY`]), if the cluster has zones.
     pub zone: Option<String>,
+    /// How it attaches volumes.
+    pub attach: AttachOptions,
+    inflight: InFlight,
 }
 
 impl Node {
@@ -38,98 +81,586 @@ impl Node {
         if zone.as_deref() == Some("") {
             return Err("zone is empty: leave --zone out or name the zone".into());
         }
-        Ok(Node { name, zone })
+        Ok(Node { name, zone, attach: AttachOptions::default(), inflight: InFlight::default() })
+    }
+
+    /// The same node attaching with `o`.
+    pub fn with_attach(mut self, o: AttachOptions) -> Node {
+        self.attach = o;
+        self
     }
 
     /// The node ID this node reports: [`NODE_ID_PREFIX`] and its name.
     pub fn node_id(&self) -> String {
         format!("{NODE_ID_PREFIX}{}", self.name)
     }
+
+    /// Runs `f` on the blocking pool holding the volume's in-flight guard.
+    async fn run<T: Send + 'static>(
+        &self,
+        volume_id: &str,
+        f: impl FnOnce(&Node) -> Result<T, CsiError> + Send + 'static,
+    ) -> Result<T, Status> {
+        let guard = self.inflight.take(format!("volume/{volume_id}"))?;
+        let node = self.clone();
+        let out = tokio::task::spawn_blocking(move || f(&node))
+            .await
+            .map_err(|e| Status::internal(format!("the call's task failed: {e}")))?;
+        drop(guard);
+        out.map_err(Status::from)
+    }
 }
 
-/// Checks the arguments of an unstage or unpublish, and that nothing is mounted at
-/// `path` (this plugin mounts nothing yet, so whatever is there is not its own).
-///
-/// Errors: INVALID_ARGUMENT for a missing volume ID or path; FAILED_PRECONDITION when
-/// something is mounted there.
-fn nothing_mounted(volume_id: &str, what: &str, path: &str) -> Result<(), Status> {
-    if volume_id.is_empty() {
-        return Err(Status::invalid_argument("volume_id is missing"));
+/// The backend identifier of a volume's device.
+pub fn backend_of(volume_id: &str) -> String {
+    format!("csi:{volume_id}")
+}
+
+fn dev_path(index: u32) -> PathBuf {
+    PathBuf::from(format!("/dev/nbd{index}"))
+}
+
+fn internal(m: impl Into<String>) -> CsiError {
+    CsiError::new(Code::Internal, m)
+}
+
+fn required<'a>(what: &str, v: &'a str) -> Result<&'a str, CsiError> {
+    if v.is_empty() {
+        return Err(CsiError::invalid(format!("{what} is missing")));
     }
-    if path.is_empty() {
-        return Err(Status::invalid_argument(format!("{what} is missing")));
-    }
-    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-    // mountinfo's fifth field is the mount point (spaces written as \040).
-    let shown = path.trim_end_matches('/').replace(' ', "\\040");
-    if mounts.lines().any(|l| l.split(' ').nth(4) == Some(shown.as_str())) {
-        return Err(Status::failed_precondition(format!(
-            "{path} is a mount point, and this node plugin unmounts nothing yet"
+    Ok(v)
+}
+
+/// A volume capability as this node serves it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Cap {
+    /// A file system of this type, mounted with these flags.
+    Mount { fs: String, flags: Vec<String> },
+    /// A raw block device.
+    Block,
+}
+
+/// Checks a capability: single-node access modes only; ext4 or xfs.
+fn capability(c: Option<&pb::VolumeCapability>) -> Result<(Cap, bool), CsiError> {
+    use pb::volume_capability::access_mode::Mode;
+    use pb::volume_capability::AccessType;
+    let c = c.ok_or_else(|| CsiError::invalid("volume_capability is missing"))?;
+    let mode = c.access_mode.as_ref().map(|m| m.mode()).unwrap_or(Mode::Unknown);
+    let read_only = match mode {
+        Mode::SingleNodeWriter | Mode::SingleNodeSingleWriter | Mode::SingleNodeMultiWriter => false,
+        Mode::SingleNodeReaderOnly => true,
+        Mode::Unknown => return Err(CsiError::invalid("volume_capability has no access mode")),
+        other => {
+            return Err(CsiError::invalid(format!(
+                "access mode {other:?}: a ferrovol volume is attached to one node at a time"
+            )))
+        }
+    };
+    let cap = match &c.access_type {
+        Some(AccessType::Block(_)) => Cap::Block,
+        Some(AccessType::Mount(m)) => {
+            let fs = if m.fs_type.is_empty() { "ext4".to_string() } else { m.fs_type.clone() };
+            if !FS_TYPES.contains(&fs.as_str()) {
+                return Err(CsiError::invalid(format!("fs_type {fs:?}: this driver makes {}", FS_TYPES.join(" or "))));
+            }
+            Cap::Mount { fs, flags: m.mount_flags.clone() }
+        }
+        None => return Err(CsiError::invalid("volume_capability has no access type (mount or block)")),
+    };
+    Ok((cap, read_only))
+}
+
+/// The export URIs of a publish_context, one per address.
+fn uris(ctx: &std::collections::HashMap<String, String>) -> Result<Vec<String>, CsiError> {
+    let addrs = ctx.get(publish_context::NBD_ADDRESSES).filter(|a| !a.is_empty());
+    let export = ctx.get(publish_context::EXPORT_NAME).filter(|e| !e.is_empty());
+    let (Some(addrs), Some(export)) = (addrs, export) else {
+        return Err(CsiError::invalid(format!(
+            "publish_context lacks {} or {}: was the volume published by ferrovol's controller?",
+            publish_context::NBD_ADDRESSES,
+            publish_context::EXPORT_NAME
         )));
-    }
-    Ok(())
+    };
+    Ok(addrs.split(',').map(|a| format!("nbd://{}/{export}", a.trim())).collect())
 }
 
-fn not_yet(call: &str) -> Status {
-    Status::unimplemented(format!("{call}: this node plugin does not attach volumes yet"))
+/// Maps an attach error for volume `id`.
+fn attach_error(id: &str, e: AttachError) -> CsiError {
+    use nbd::client::HandshakeError as H;
+    match e {
+        AttachError::Handshake(H::Refused { message, .. }) => CsiError::new(
+            Code::FailedPrecondition,
+            format!("volume {id} is not published to this node (the storage host refused: {message})"),
+        ),
+        AttachError::Handshake(H::UnknownExport { .. }) => {
+            CsiError::not_found(format!("volume {id} does not exist on its storage host"))
+        }
+        AttachError::Handshake(h @ H::Io { .. }) => CsiError::unavailable(format!("volume {id}: {h}")),
+        AttachError::Kernel(k @ (nbd::kernel::KernelError::Permission | nbd::kernel::KernelError::NoDriver)) => {
+            CsiError::new(
+                Code::FailedPrecondition,
+                format!("{k} (the node plugin runs privileged, with the nbd module)"),
+            )
+        }
+        other => internal(format!("volume {id}: {other}")),
+    }
+}
+
+/// The attached device of `volume_id`, if any (none on a kernel without the NBD
+/// driver, where nothing can be attached).
+fn device_of(volume_id: &str) -> Result<Option<u32>, CsiError> {
+    match attach::find(&backend_of(volume_id)) {
+        Ok(d) => Ok(d),
+        Err(AttachError::Kernel(nbd::kernel::KernelError::NoDriver)) => Ok(None),
+        Err(e) => Err(internal(format!("volume {volume_id}: {e}"))),
+    }
+}
+
+/// Mounts of `dev` other than at `except`.
+fn other_mounts(all: &[Mount], dev: &Path, except: &Path) -> Vec<PathBuf> {
+    let except = mounter::normalize(except);
+    all.iter().filter(|m| m.device().as_deref() == Some(dev) && m.target != except).map(|m| m.target.clone()).collect()
+}
+
+impl Node {
+    fn stage(&self, r: pb::NodeStageVolumeRequest) -> Result<(), CsiError> {
+        let id = r.volume_id.as_str();
+        let staging = PathBuf::from(&r.staging_target_path);
+        let (cap, mut read_only) = capability(r.volume_capability.as_ref())?;
+        read_only |= r.publish_context.get(publish_context::READ_ONLY).is_some_and(|v| v == "true");
+        let all = mounter::mounts().map_err(internal)?;
+        let staged = mounter::mount_at(&all, &staging);
+        let existing = device_of(id)?;
+        if let Some(m) = &staged {
+            let same_dev = existing.is_some_and(|i| m.device() == Some(dev_path(i)));
+            let same = match &cap {
+                Cap::Mount { fs, .. } => same_dev && m.fs_type == *fs && m.read_only() == read_only,
+                Cap::Block => false,
+            };
+            if same {
+                return Ok(());
+            }
+            return Err(CsiError::new(
+                Code::AlreadyExists,
+                format!(
+                    "{} already has {} ({}{}) mounted: volume {id} was staged there with another capability, or \
+                     another volume was",
+                    staging.display(),
+                    m.source,
+                    m.fs_type,
+                    if m.read_only() { ", read-only" } else { "" }
+                ),
+            ));
+        }
+        let uris = uris(&r.publish_context)?;
+        if !staging.is_dir() && matches!(cap, Cap::Mount { .. }) {
+            return Err(CsiError::not_found(format!(
+                "staging_target_path {} is not a directory (the CO makes it)",
+                staging.display()
+            )));
+        }
+        let (index, info, attached_now) = match existing {
+            Some(i) => {
+                if cap == Cap::Block {
+                    return Ok(());
+                }
+                let info = attach::export_info(&self.attach.run_dir, i).map_err(|e| attach_error(id, e))?;
+                (i, info, false)
+            }
+            None => {
+                let mut last = None;
+                let mut done = None;
+                for uri in &uris {
+                    let o = attach::Options {
+                        uri: uri.clone(),
+                        device: None,
+                        connections: self.attach.connections,
+                        dead_timeout: Some(self.attach.dead_timeout),
+                        backend: Some(backend_of(id)),
+                        run_dir: self.attach.run_dir.clone(),
+                    };
+                    match attach::attach(&o) {
+                        Ok(a) => {
+                            done = Some(a);
+                            break;
+                        }
+                        Err(e) => {
+                            let e = attach_error(id, e);
+                            let retry_next = e.code == Code::Unavailable;
+                            last = Some(e);
+                            if !retry_next {
+                                break;
+                            }
+                        }
+                    }
+                }
+                let Some(a) = done else { return Err(last.unwrap_or_else(|| internal("no NBD address"))) };
+                tracing::info!(volume_id = id, device = a.index, "attached");
+                (a.index, a.info, true)
+            }
+        };
+        let Cap::Mount { fs, flags } = cap else { return Ok(()) };
+        let undo = |e: CsiError| {
+            if attached_now {
+                let _ = attach::detach(&self.attach.run_dir, index);
+            }
+            e
+        };
+        let dev = dev_path(index);
+        match mounter::probe(&dev).map_err(internal).map_err(undo)? {
+            Probe::FileSystem(t) if t == fs => {}
+            Probe::FileSystem(t) => {
+                return Err(undo(CsiError::new(
+                    Code::FailedPrecondition,
+                    format!("volume {id} holds a {t} file system, not {fs}: not mounted, not formatted"),
+                )))
+            }
+            Probe::Other(what) => {
+                return Err(undo(CsiError::new(
+                    Code::FailedPrecondition,
+                    format!("volume {id} holds {what}: not formatted"),
+                )))
+            }
+            Probe::Empty if !info.never_written() => {
+                return Err(undo(CsiError::new(
+                    Code::FailedPrecondition,
+                    format!(
+                        "volume {id} was written but shows no file system signature (damaged, or written raw): \
+                         it is never formatted; check it"
+                    ),
+                )))
+            }
+            Probe::Empty if read_only || info.read_only() => {
+                return Err(undo(CsiError::new(
+                    Code::FailedPrecondition,
+                    format!("volume {id} is empty and attached read-only: nothing to mount"),
+                )))
+            }
+            Probe::Empty => {
+                tracing::info!(volume_id = id, fs, "formatting a volume never written");
+                mounter::mkfs(&dev, &fs).map_err(internal).map_err(undo)?;
+            }
+        }
+        let mut options = flags;
+        if read_only || info.read_only() {
+            options.push("ro".into());
+        }
+        if fs == "xfs" {
+            // Clones and restored snapshots carry their origin's UUID.
+            options.push("nouuid".into());
+        }
+        mounter::mount(&dev, &staging, &fs, &options).map_err(internal).map_err(undo)?;
+        Ok(())
+    }
+
+    fn unstage(&self, r: pb::NodeUnstageVolumeRequest) -> Result<(), CsiError> {
+        let id = r.volume_id.as_str();
+        let staging = PathBuf::from(&r.staging_target_path);
+        let all = mounter::mounts().map_err(internal)?;
+        let device = device_of(id)?;
+        if let Some(i) = device {
+            let others = other_mounts(&all, &dev_path(i), &staging);
+            if !others.is_empty() {
+                return Err(CsiError::new(
+                    Code::FailedPrecondition,
+                    format!(
+                        "volume {id} (/dev/nbd{i}) is still mounted at {}: unpublish it first",
+                        others.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+                    ),
+                ));
+            }
+        }
+        if let Some(m) = mounter::mount_at(&all, &staging) {
+            if device.is_none_or(|i| m.device() != Some(dev_path(i))) {
+                return Err(CsiError::new(
+                    Code::FailedPrecondition,
+                    format!("{} holds {} ({}), not volume {id}", staging.display(), m.source, m.fs_type),
+                ));
+            }
+            mounter::umount(&staging).map_err(|e| {
+                CsiError::new(Code::FailedPrecondition, format!("volume {id} is in use at {}: {e}", staging.display()))
+            })?;
+        }
+        if let Some(i) = device {
+            attach::detach(&self.attach.run_dir, i).map_err(|e| internal(format!("detach /dev/nbd{i}: {e}")))?;
+            tracing::info!(volume_id = id, device = i, "detached");
+        }
+        Ok(())
+    }
+
+    fn publish(&self, r: pb::NodePublishVolumeRequest) -> Result<(), CsiError> {
+        let id = r.volume_id.as_str();
+        let target = PathBuf::from(&r.target_path);
+        let staging = PathBuf::from(&r.staging_target_path);
+        let (cap, read_only) = capability(r.volume_capability.as_ref())?;
+        let read_only = read_only || r.readonly;
+        let Some(index) = device_of(id)? else {
+            return Err(CsiError::new(Code::FailedPrecondition, format!("volume {id} is not staged on this node")));
+        };
+        let dev = dev_path(index);
+        let all = mounter::mounts().map_err(internal)?;
+        if let Some(m) = mounter::mount_at(&all, &target) {
+            if m.device() == Some(dev.clone()) && m.read_only() == read_only {
+                return Ok(());
+            }
+            return Err(CsiError::new(
+                Code::AlreadyExists,
+                format!("{} is already a mount point of something else, or read-only differs", target.display()),
+            ));
+        }
+        match cap {
+            Cap::Mount { .. } => {
+                let staged = mounter::mount_at(&all, &staging);
+                if staged.as_ref().and_then(Mount::device) != Some(dev.clone()) {
+                    return Err(CsiError::new(
+                        Code::FailedPrecondition,
+                        format!("volume {id} is not staged at {} as a mount volume", staging.display()),
+                    ));
+                }
+                std::fs::create_dir_all(&target).map_err(|e| internal(format!("create {}: {e}", target.display())))?;
+                mounter::bind(&staging, &target, read_only).map_err(internal)?;
+            }
+            Cap::Block => {
+                if mounter::mount_at(&all, &staging).is_some() {
+                    return Err(CsiError::new(
+                        Code::FailedPrecondition,
+                        format!("volume {id} is staged as a mount volume, not as a block volume"),
+                    ));
+                }
+                if let Some(parent) = target.parent() {
+                    std::fs::create_dir_all(parent)
+                        .map_err(|e| internal(format!("create {}: {e}", parent.display())))?;
+                }
+                if !target.exists() {
+                    std::fs::File::create(&target)
+                        .map_err(|e| internal(format!("create {}: {e}", target.display())))?;
+                }
+                mounter::bind(&dev, &target, read_only).map_err(internal)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn unpublish(&self, r: pb::NodeUnpublishVolumeRequest) -> Result<(), CsiError> {
+        let target = PathBuf::from(&r.target_path);
+        loop {
+            let all = mounter::mounts().map_err(internal)?;
+            if mounter::mount_at(&all, &target).is_none() {
+                break;
+            }
+            mounter::umount(&target).map_err(|e| {
+                CsiError::new(Code::Internal, format!("volume {}: unmount {}: {e}", r.volume_id, target.display()))
+            })?;
+        }
+        let gone = match std::fs::symlink_metadata(&target) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(e),
+            Ok(m) if m.is_dir() => std::fs::remove_dir(&target),
+            Ok(_) => std::fs::remove_file(&target),
+        };
+        gone.map_err(|e| internal(format!("remove {}: {e}", target.display())))
+    }
+
+    /// The device and the mount (if a file system) behind a volume path: a publish
+    /// target, a staging path, or the device.
+    fn behind(&self, id: &str, path: &Path) -> Result<(u32, Option<Mount>), CsiError> {
+        let Some(index) = device_of(id)? else {
+            return Err(CsiError::not_found(format!("volume {id} is not attached on this node")));
+        };
+        let dev = dev_path(index);
+        if mounter::normalize(path) == dev {
+            return Ok((index, None));
+        }
+        if !path.exists() {
+            return Err(CsiError::not_found(format!("{} does not exist", path.display())));
+        }
+        let all = mounter::mounts().map_err(internal)?;
+        match mounter::mount_at(&all, path) {
+            Some(m) if m.device() == Some(dev.clone()) => {
+                let fs = (m.fs_type != "devtmpfs").then_some(m);
+                Ok((index, fs))
+            }
+            _ => Err(CsiError::not_found(format!("{} is not where volume {id} is mounted", path.display()))),
+        }
+    }
+
+    fn expand(&self, r: pb::NodeExpandVolumeRequest) -> Result<i64, CsiError> {
+        let id = r.volume_id.as_str();
+        let (index, mount) = self.behind(id, Path::new(&r.volume_path))?;
+        let size = attach::resize(&self.attach.run_dir, index).map_err(|e| match e {
+            AttachError::Export(m) => CsiError::new(Code::FailedPrecondition, format!("volume {id}: {m}")),
+            other => attach_error(id, other),
+        })?;
+        let required = r.capacity_range.as_ref().map_or(0, |c| c.required_bytes.max(0) as u64);
+        if size < required {
+            return Err(CsiError::new(
+                Code::OutOfRange,
+                format!("volume {id} is {size} bytes on its storage host, below the {required} asked"),
+            ));
+        }
+        let block = matches!(
+            r.volume_capability.as_ref().and_then(|c| c.access_type.as_ref()),
+            Some(pb::volume_capability::AccessType::Block(_))
+        );
+        if let (Some(m), false) = (mount, block) {
+            mounter::grow(&dev_path(index), &m.target, &m.fs_type).map_err(internal)?;
+        }
+        Ok(size as i64)
+    }
+
+    fn stats(&self, r: pb::NodeGetVolumeStatsRequest) -> Result<pb::NodeGetVolumeStatsResponse, CsiError> {
+        use pb::volume_usage::Unit;
+        let id = r.volume_id.as_str();
+        let (index, mount) = self.behind(id, Path::new(&r.volume_path))?;
+        let usage = match mount {
+            Some(m) => {
+                let (b, i) = mounter::usage(&m.target).map_err(internal)?;
+                vec![
+                    pb::VolumeUsage {
+                        total: b[0] as i64,
+                        available: b[1] as i64,
+                        used: b[2] as i64,
+                        unit: Unit::Bytes as i32,
+                    },
+                    pb::VolumeUsage {
+                        total: i[0] as i64,
+                        available: i[1] as i64,
+                        used: i[2] as i64,
+                        unit: Unit::Inodes as i32,
+                    },
+                ]
+            }
+            None => {
+                let sectors: u64 = std::fs::read_to_string(format!("/sys/block/nbd{index}/size"))
+                    .ok()
+                    .and_then(|s| s.trim().parse().ok())
+                    .unwrap_or(0);
+                vec![pb::VolumeUsage { total: (sectors * 512) as i64, unit: Unit::Bytes as i32, ..Default::default() }]
+            }
+        };
+        let condition = match attach::health(&self.attach.run_dir, index) {
+            Some(Health::Alive) => pb::VolumeCondition { abnormal: false, message: "attached".into() },
+            Some(Health::Reconnecting(since)) => pb::VolumeCondition {
+                abnormal: true,
+                message: format!("every NBD connection is dead (since {since}, seconds since the epoch); reconnecting"),
+            },
+            Some(Health::Fenced(why)) => pb::VolumeCondition { abnormal: true, message: why },
+            None => pb::VolumeCondition {
+                abnormal: true,
+                message: "the device has no reconnect record: it will not be reconnected".into(),
+            },
+        };
+        Ok(pb::NodeGetVolumeStatsResponse { usage, volume_condition: Some(condition) })
+    }
 }
 
 #[tonic::async_trait]
 impl pb::node_server::Node for Node {
+    /// Attaches the volume (its publish_context: NBD addresses and the export name with
+    /// its key), then for a mount volume makes a file system only if the storage host
+    /// says the volume was never written and `blkid -p` finds no signature, and mounts it
+    /// on the staging path. Idempotent; another capability on a staged path is
+    /// ALREADY_EXISTS; a volume not published to this node is FAILED_PRECONDITION.
     async fn node_stage_volume(
         &self,
-        _r: Request<pb::NodeStageVolumeRequest>,
+        r: Request<pb::NodeStageVolumeRequest>,
     ) -> Result<Response<pb::NodeStageVolumeResponse>, Status> {
-        Err(not_yet("NodeStageVolume"))
+        let r = r.into_inner();
+        required("volume_id", &r.volume_id)?;
+        required("staging_target_path", &r.staging_target_path)?;
+        capability(r.volume_capability.as_ref())?;
+        let id = r.volume_id.clone();
+        self.run(&id, move |n| n.stage(r)).await?;
+        Ok(Response::new(pb::NodeStageVolumeResponse {}))
     }
 
-    /// Nothing this plugin staged can be there yet: OK when nothing is mounted at the
-    /// staging path (spec.md NodeUnstageVolume is idempotent).
+    /// Unmounts the staging path and detaches the device; OK when already done; a volume
+    /// still mounted elsewhere (published) is FAILED_PRECONDITION naming where.
     async fn node_unstage_volume(
         &self,
         r: Request<pb::NodeUnstageVolumeRequest>,
     ) -> Result<Response<pb::NodeUnstageVolumeResponse>, Status> {
         let r = r.into_inner();
-        nothing_mounted(&r.volume_id, "staging_target_path", &r.staging_target_path)?;
+        required("volume_id", &r.volume_id)?;
+        required("staging_target_path", &r.staging_target_path)?;
+        let id = r.volume_id.clone();
+        self.run(&id, move |n| n.unstage(r)).await?;
         Ok(Response::new(pb::NodeUnstageVolumeResponse {}))
     }
 
+    /// Bind-mounts the staged file system on the target directory, or the device on the
+    /// target file for a block volume (read-only when asked). Idempotent.
     async fn node_publish_volume(
         &self,
-        _r: Request<pb::NodePublishVolumeRequest>,
+        r: Request<pb::NodePublishVolumeRequest>,
     ) -> Result<Response<pb::NodePublishVolumeResponse>, Status> {
-        Err(not_yet("NodePublishVolume"))
+        let r = r.into_inner();
+        required("volume_id", &r.volume_id)?;
+        required("target_path", &r.target_path)?;
+        required("staging_target_path", &r.staging_target_path)?;
+        capability(r.volume_capability.as_ref())?;
+        let id = r.volume_id.clone();
+        self.run(&id, move |n| n.publish(r)).await?;
+        Ok(Response::new(pb::NodePublishVolumeResponse {}))
     }
 
-    /// As [`Node::node_unstage_volume`], for the target path.
+    /// Unmounts and removes the target path; OK when it is gone already.
     async fn node_unpublish_volume(
         &self,
         r: Request<pb::NodeUnpublishVolumeRequest>,
     ) -> Result<Response<pb::NodeUnpublishVolumeResponse>, Status> {
         let r = r.into_inner();
-        nothing_mounted(&r.volume_id, "target_path", &r.target_path)?;
+        required("volume_id", &r.volume_id)?;
+        required("target_path", &r.target_path)?;
+        let id = r.volume_id.clone();
+        self.run(&id, move |n| n.unpublish(r)).await?;
         Ok(Response::new(pb::NodeUnpublishVolumeResponse {}))
     }
 
+    /// Bytes and inodes of a mounted volume, the size of a block one, and its condition
+    /// (abnormal while its connections are dead or after it was fenced).
     async fn node_get_volume_stats(
         &self,
-        _r: Request<pb::NodeGetVolumeStatsRequest>,
+        r: Request<pb::NodeGetVolumeStatsRequest>,
     ) -> Result<Response<pb::NodeGetVolumeStatsResponse>, Status> {
-        Err(not_yet("NodeGetVolumeStats"))
+        let r = r.into_inner();
+        required("volume_id", &r.volume_id)?;
+        required("volume_path", &r.volume_path)?;
+        let id = r.volume_id.clone();
+        Ok(Response::new(self.run(&id, move |n| n.stats(r)).await?))
     }
 
+    /// The device takes the volume's new size (NBD reconfigure), then its file system
+    /// grows online (resize2fs, xfs_growfs). `volume_path` may be a publish target, the
+    /// staging path or the device.
     async fn node_expand_volume(
         &self,
-        _r: Request<pb::NodeExpandVolumeRequest>,
+        r: Request<pb::NodeExpandVolumeRequest>,
     ) -> Result<Response<pb::NodeExpandVolumeResponse>, Status> {
-        Err(not_yet("NodeExpandVolume"))
+        let r = r.into_inner();
+        required("volume_id", &r.volume_id)?;
+        required("volume_path", &r.volume_path)?;
+        let id = r.volume_id.clone();
+        let capacity_bytes = self.run(&id, move |n| n.expand(r)).await?;
+        Ok(Response::new(pb::NodeExpandVolumeResponse { capacity_bytes }))
     }
 
     async fn node_get_capabilities(
         &self,
         _r: Request<pb::NodeGetCapabilitiesRequest>,
     ) -> Result<Response<pb::NodeGetCapabilitiesResponse>, Status> {
-        Ok(Response::new(pb::NodeGetCapabilitiesResponse { capabilities: Vec::new() }))
+        use pb::node_service_capability::{rpc::Type, Rpc, Type as T};
+        let capabilities = [
+            Type::StageUnstageVolume,
+            Type::ExpandVolume,
+            Type::GetVolumeStats,
+            Type::VolumeCondition,
+            Type::SingleNodeMultiWriter,
+        ]
+        .into_iter()
+        .map(|t| pb::NodeServiceCapability { r#type: Some(T::Rpc(Rpc { r#type: t as i32 })) })
+        .collect();
+        Ok(Response::new(pb::NodeGetCapabilitiesResponse { capabilities }))
     }
 
     async fn node_get_info(
@@ -139,7 +670,7 @@ impl pb::node_server::Node for Node {
         let accessible_topology = self.zone.as_deref().map(crate::zone_topology);
         Ok(Response::new(pb::NodeGetInfoResponse {
             node_id: self.node_id(),
-            max_volumes_per_node: 0,
+            max_volumes_per_node: self.attach.max_volumes,
             accessible_topology,
         }))
     }

@@ -58,9 +58,76 @@ pub struct ExportInfo {
     pub flags: u16,
     /// Block size constraints, if the server gave them.
     pub block_size: Option<BlockSize>,
+    /// The server's description of the export (`NBD_INFO_DESCRIPTION`), if it gave one.
+    pub description: Option<String>,
 }
 
+/// What a ferrovol storage host tells of its past in each export's description: its
+/// pool and its *crash generation*, a number that grows each time the server starts
+/// after a run that did not stop cleanly. Within one generation every write the server
+/// acknowledged is still there after a restart (a clean stop commits everything); across
+/// generations, writes acknowledged but not yet flushed may be lost. The reconnect
+/// watcher hands a device new sockets only within its generation.
+///
+/// Written as `crash-generation POOL.N` (the pool's 12-hex-digit id) at the end of the
+/// description; servers that are not ferrovol give none.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CrashGeneration {
+    /// The pool's short id.
+    pub pool: String,
+    /// Unclean restarts of this pool's server so far.
+    pub generation: u64,
+}
+
+impl CrashGeneration {
+    const TAG: &'static str = "crash-generation ";
+
+    /// The text the server appends to its descriptions.
+    pub fn tag(&self) -> String {
+        format!("{}{}.{}", Self::TAG, self.pool, self.generation)
+    }
+
+    /// Finds the tag in a description.
+    pub fn find(description: &str) -> Option<CrashGeneration> {
+        let at = description.rfind(Self::TAG)? + Self::TAG.len();
+        let word = description[at..].split_whitespace().next()?;
+        let (pool, generation) = word.rsplit_once('.')?;
+        if pool.is_empty() || !pool.chars().all(|c| c.is_ascii_hexdigit()) {
+            return None;
+        }
+        Some(CrashGeneration { pool: pool.to_string(), generation: generation.parse().ok()? })
+    }
+
+    /// Parses `POOL.N`, as [`std::fmt::Display`] writes it.
+    pub fn parse(s: &str) -> Option<CrashGeneration> {
+        CrashGeneration::find(&format!("{}{s}", Self::TAG))
+    }
+}
+
+impl std::fmt::Display for CrashGeneration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}.{}", self.pool, self.generation)
+    }
+}
+
+/// What a ferrovol storage host writes in the description of a volume created empty
+/// and never written since (it reads as zeros and holds no file system, so a node may
+/// format it).
+pub const NEVER_WRITTEN: &str = "never written";
+
 impl ExportInfo {
+    /// The server says the export was created empty and never written since
+    /// ([`NEVER_WRITTEN`] in its description; only a ferrovol storage host says it).
+    pub fn never_written(&self) -> bool {
+        self.description
+            .as_deref()
+            .is_some_and(|d| d.split(';').next().unwrap_or_default().contains(&format!(", {NEVER_WRITTEN}")))
+    }
+
+    /// The server's crash generation, if it tells it (a ferrovol storage host does).
+    pub fn crash_generation(&self) -> Option<CrashGeneration> {
+        self.description.as_deref().and_then(CrashGeneration::find)
+    }
     /// `NBD_FLAG_READ_ONLY`.
     pub fn read_only(&self) -> bool {
         self.flags & NBD_FLAG_READ_ONLY != 0
@@ -295,14 +362,14 @@ pub fn handshake<S: Read + Write>(s: &mut S, target: &str, name: &str) -> Result
     }
     let client_flags =
         NBD_FLAG_C_FIXED_NEWSTYLE | if flags & NBD_FLAG_NO_ZEROES != 0 { NBD_FLAG_C_NO_ZEROES } else { 0 };
-    let go = InfoRequest { name: name.to_string(), requests: vec![NBD_INFO_BLOCK_SIZE] }.encode();
+    let go = InfoRequest { name: name.to_string(), requests: vec![NBD_INFO_BLOCK_SIZE, NBD_INFO_DESCRIPTION] }.encode();
     let mut out = Vec::with_capacity(4 + OPTION_HEADER_LEN + go.len());
     out.extend_from_slice(&client_flags.to_be_bytes());
     out.extend_from_slice(&OptionHeader { option: NBD_OPT_GO, length: go.len() as u32 }.encode());
     out.extend_from_slice(&go);
     s.write_all(&out).map_err(io)?;
     s.flush().map_err(io)?;
-    let (mut size_flags, mut block_size) = (None, None);
+    let (mut size_flags, mut block_size, mut description) = (None, None, None);
     for _ in 0..MAX_REPLIES {
         let mut h = [0u8; OPTION_REPLY_HEADER_LEN];
         s.read_exact(&mut h).map_err(io)?;
@@ -351,14 +418,15 @@ pub fn handshake<S: Read + Write>(s: &mut S, target: &str, name: &str) -> Result
                     NBD_INFO_EXPORT | NBD_INFO_BLOCK_SIZE => {
                         return Err(proto(format!("an NBD_REP_INFO of the wrong length ({} bytes)", data.len())))
                     }
-                    _ => {} // name, description and later types: not needed
+                    NBD_INFO_DESCRIPTION => description = Some(String::from_utf8_lossy(&data[2..]).into_owned()),
+                    _ => {} // the name and later types: not needed
                 }
             }
             NBD_REP_ACK => {
                 let Some((size, flags)) = size_flags else {
                     return Err(proto("NBD_OPT_GO acknowledged without NBD_INFO_EXPORT".into()));
                 };
-                return Ok(ExportInfo { name: name.to_string(), size, flags, block_size });
+                return Ok(ExportInfo { name: name.to_string(), size, flags, block_size, description });
             }
             NBD_REP_ERR_UNKNOWN => {
                 return Err(HandshakeError::UnknownExport {

@@ -59,10 +59,28 @@ pub struct ServerConfig {
     /// long while none was in flight. `None` (the default) never closes: the kernel's
     /// client keeps idle connections open for as long as a device is attached.
     pub idle_timeout: Option<Duration>,
-    /// After [`Server::shut_down`], how long a connection keeps reading requests
-    /// (answering each new one with `NBD_ESHUTDOWN`, finishing those in flight) before
-    /// the server closes it. Default 2 s.
+    /// After [`Server::shut_down`], how long a connection may take to finish the
+    /// requests in flight (and, with [`SoftDisconnect::Eshutdown`], keeps reading new
+    /// ones) before the server closes it. Default 2 s.
     pub shutdown_grace: Duration,
+    /// What a connection does with requests that arrive after [`Server::shut_down`].
+    pub soft_disconnect: SoftDisconnect,
+}
+
+/// How a shutting-down server treats requests it has not started (proto.md
+/// "Terminating the transmission phase", soft disconnect).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SoftDisconnect {
+    /// Stop reading requests, answer those in flight, close the connection. A request
+    /// the client sent meanwhile is never run and never answered: a client that
+    /// reconnects (the Linux kernel's with a reconnect watcher, qemu's) sends it again to
+    /// the next server, and no file system sees an error. The default.
+    #[default]
+    Close,
+    /// Keep reading, answer each new request `NBD_ESHUTDOWN`, close after the grace
+    /// period: proto.md's soft disconnect. The kernel's client takes `NBD_ESHUTDOWN` for
+    /// an I/O error.
+    Eshutdown,
 }
 
 impl Default for ServerConfig {
@@ -79,6 +97,7 @@ impl Default for ServerConfig {
             max_connections_per_export: 128,
             idle_timeout: None,
             shutdown_grace: Duration::from_secs(2),
+            soft_disconnect: SoftDisconnect::Close,
         }
     }
 }

@@ -2,10 +2,12 @@
 //! (include/uapi/linux/nbd-netlink.h, drivers/block/nbd.c): [`connect`] hands it sockets
 //! in the transmission phase (from [`crate::client::connect`]) and makes `/dev/nbdN`,
 //! [`disconnect`] detaches it, [`status`] lists the devices with their backend
-//! identifiers (read from sysfs, where the kernel shows them).
+//! identifiers (read from sysfs, where the kernel shows them), [`reconfigure`] hands a
+//! live device new sockets (for a reconnect) or a new size, and [`LinkDeadEvents`]
+//! receives the family's multicast `NBD_CMD_LINK_DEAD` messages.
 //!
 //! Synchronous, through neli's netlink router. Not here: the handshake
-//! ([`crate::client`]), the reconnect watcher (`NBD_CMD_RECONFIGURE` on link-dead).
+//! ([`crate::client`]), the reconnect policy ([`crate::attach`]).
 
 use std::os::fd::RawFd;
 use std::time::Duration;
@@ -25,7 +27,11 @@ const VERSION: u8 = 1;
 // Commands (enum of nbd-netlink.h).
 const CMD_CONNECT: u8 = 1;
 const CMD_DISCONNECT: u8 = 2;
+const CMD_RECONFIGURE: u8 = 3;
+const CMD_LINK_DEAD: u8 = 4;
 const CMD_STATUS: u8 = 5;
+/// The family's multicast group, where `NBD_CMD_LINK_DEAD` goes.
+const MCAST_GROUP: &str = "nbd_mc_group";
 
 // Attributes.
 const ATTR_INDEX: u16 = 1;
@@ -103,6 +109,10 @@ pub enum KernelError {
     /// No such device (`ENOENT`, or `EINVAL` for an index past the last device).
     #[error("no NBD device {0}")]
     NoDevice(String),
+    /// A reconfiguration the kernel refused: the device is attached to another backend,
+    /// or not attached.
+    #[error("the kernel refused to reconfigure /dev/nbd{0}: it is attached to another backend, or not attached")]
+    OtherBackend(u32),
     /// Anything else the kernel or the netlink socket reported.
     #[error("NBD netlink {what}: {message}")]
     Netlink {
@@ -114,12 +124,17 @@ pub enum KernelError {
 }
 
 type Router = NlRouter;
+type Multicast = neli::router::synchronous::NlRouterReceiverHandle<u16, Genlmsghdr<u8, u16>>;
 
 fn open() -> Result<(Router, u16), KernelError> {
-    let (router, _) = NlRouter::connect(NlFamily::Generic, Some(0), Groups::empty())
+    open_with_multicast().map(|(r, f, _)| (r, f))
+}
+
+fn open_with_multicast() -> Result<(Router, u16, Multicast), KernelError> {
+    let (router, multicast) = NlRouter::connect(NlFamily::Generic, Some(0), Groups::empty())
         .map_err(|e| KernelError::Netlink { what: "socket", message: e.to_string() })?;
     let family = router.resolve_genl_family(FAMILY).map_err(|_| KernelError::NoDriver)?;
-    Ok((router, family))
+    Ok((router, family, multicast))
 }
 
 fn attr<P: neli::ToBytes + neli::Size>(t: u16, payload: P) -> Result<Nlattr<u16, Buffer>, KernelError> {
@@ -224,6 +239,95 @@ pub fn connect(a: &Attach) -> Result<u32, KernelError> {
         }
     }
     Err(KernelError::Netlink { what: "connect", message: "the kernel answered without the device's index".into() })
+}
+
+/// What to change on an attached device (`NBD_CMD_RECONFIGURE`).
+#[derive(Debug, Clone)]
+pub struct Reconfigure {
+    /// `N` of `/dev/nbdN`.
+    pub index: u32,
+    /// The device's backend identifier as given at attach: the kernel refuses the
+    /// change if it names another backend (drivers/block/nbd.c, `nbd_genl_reconfigure`).
+    pub backend: String,
+    /// Sockets in the transmission phase; each takes the place of one dead connection
+    /// (the kernel drops any beyond the dead ones, and the caller may close them after).
+    pub sockets: Vec<RawFd>,
+    /// A new size in bytes, seen at once by the device (and its users, through a
+    /// capacity change uevent).
+    pub size: Option<u64>,
+}
+
+/// Reconfigures an attached device (`NBD_CMD_RECONFIGURE`): new sockets for dead
+/// connections, a new size.
+///
+/// Errors: [`KernelError::OtherBackend`] when the device is attached to another backend
+/// (or to none, or not attached at all: the kernel answers both with `EINVAL`);
+/// [`KernelError::NoDevice`]; as [`connect`].
+pub fn reconfigure(r: &Reconfigure) -> Result<(), KernelError> {
+    let mut attrs = vec![attr(ATTR_INDEX, r.index)?, attr(ATTR_BACKEND_IDENTIFIER, r.backend.as_str())?];
+    if let Some(size) = r.size {
+        attrs.push(attr(ATTR_SIZE_BYTES, size)?);
+    }
+    if !r.sockets.is_empty() {
+        let mut items = Vec::new();
+        for fd in &r.sockets {
+            items.push(nested(SOCK_ITEM, &[attr(SOCK_FD, *fd as u32)?])?);
+        }
+        attrs.push(nested(ATTR_SOCKETS, &items)?);
+    }
+    let index = r.index;
+    call("reconfigure", CMD_RECONFIGURE, attrs, |errno| match errno {
+        libc::EINVAL => Some(KernelError::OtherBackend(index)),
+        libc::ENOENT => Some(KernelError::NoDevice(index.to_string())),
+        _ => None,
+    })
+    .map(|_| ())
+}
+
+/// The kernel's `NBD_CMD_LINK_DEAD` messages: a connection of device `N` died (its
+/// socket failed or timed out). Subscribed to the `nbd_mc_group` multicast group.
+pub struct LinkDeadEvents {
+    // Keeps the socket and its processing thread alive.
+    _router: Router,
+    multicast: Multicast,
+}
+
+impl LinkDeadEvents {
+    /// Joins the multicast group.
+    ///
+    /// Errors: as [`connect`].
+    pub fn subscribe() -> Result<LinkDeadEvents, KernelError> {
+        let (router, _, multicast) = open_with_multicast()?;
+        let group = router
+            .resolve_nl_mcast_group(FAMILY, MCAST_GROUP)
+            .map_err(|e| KernelError::Netlink { what: "multicast group", message: e.to_string() })?;
+        router
+            .add_mcast_membership(Groups::new_groups(&[group]))
+            .map_err(|e| KernelError::Netlink { what: "multicast membership", message: e.to_string() })?;
+        Ok(LinkDeadEvents { _router: router, multicast })
+    }
+
+    /// Blocks for the next link-dead message; returns the device's index.
+    ///
+    /// Errors: [`KernelError::Netlink`] when the socket fails (messages may have been
+    /// lost, `ENOBUFS`): subscribe again and look at every device.
+    pub fn wait(&mut self) -> Result<u32, KernelError> {
+        loop {
+            match self.multicast.next_typed::<u16, Genlmsghdr<u8, u16>>() {
+                None => return Err(KernelError::Netlink { what: "multicast", message: "the socket closed".into() }),
+                Some(Err(e)) => return Err(KernelError::Netlink { what: "multicast", message: e.to_string() }),
+                Some(Ok(m)) => {
+                    let NlPayload::Payload(p) = m.nl_payload() else { continue };
+                    if *p.cmd() != CMD_LINK_DEAD {
+                        continue;
+                    }
+                    if let Ok(i) = p.attrs().get_attr_handle().get_attr_payload_as::<u32>(ATTR_INDEX) {
+                        return Ok(i);
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// Detaches `/dev/nbd{index}` (`NBD_CMD_DISCONNECT`): requests in flight end; the

@@ -17,6 +17,7 @@
 //! that clients and tests can speak it too; `testing` (feature `test-utils`) holds an
 //! in-memory export and the fuzz targets' entry points.
 
+pub mod attach;
 mod budget;
 pub mod client;
 mod config;
@@ -33,6 +34,7 @@ mod stream;
 pub mod testing;
 mod transmission;
 
+pub use config::SoftDisconnect;
 pub use error::Error;
 pub use export::{BlockSizes, Client, Errno, Export, ExportFlags, ExportRegistry, Extent, ReadData, Refusal};
 pub use server::{serve_connection, serve_tcp, serve_unix, Server, ServerConfig};

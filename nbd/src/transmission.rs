@@ -27,7 +27,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, BufReader};
 use tokio::sync::{mpsc, watch, Semaphore};
 
 use crate::budget::{budget_unless_interrupted, Budget, TotalBudget, Waited, SHUTTING_DOWN};
-use crate::config::ServerConfig;
+use crate::config::{ServerConfig, SoftDisconnect};
 use crate::error::Error;
 use crate::export::{Errno, Export};
 use crate::handshake::{Negotiated, Params};
@@ -445,6 +445,10 @@ impl<E: Export, R: AsyncRead + Unpin> RequestReader<'_, E, R> {
             }
         };
         if shutdown_began {
+            if self.config.soft_disconnect == SoftDisconnect::Close {
+                tracing::info!("closing a connection: the server is shutting down");
+                return Intake::Stop(Ok(()));
+            }
             self.begin_closing();
             return Intake::Next;
         }
@@ -492,6 +496,11 @@ impl<E: Export, R: AsyncRead + Unpin> RequestReader<'_, E, R> {
             Waited::Got(permits) => permits,
             Waited::Gone => return Intake::Stop(Ok(())),
             // Not run yet: the request is answered as one sent after the shutdown began.
+            Waited::ShuttingDown if self.config.soft_disconnect == SoftDisconnect::Close => {
+                // Read but not run, and not answered: a reconnecting client sends it again.
+                tracing::info!("closing a connection: the server is shutting down");
+                return Intake::Stop(Ok(()));
+            }
             Waited::ShuttingDown => {
                 self.begin_closing();
                 checked = Err(SHUTTING_DOWN);

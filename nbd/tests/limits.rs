@@ -381,6 +381,7 @@ async fn requests_waiting_for_the_server_budget_get_eshutdown_at_shutdown() {
     let config = ServerConfig {
         max_total_in_flight_bytes: 8 << 20,
         shutdown_grace: Duration::from_secs(30),
+        soft_disconnect: nbd::SoftDisconnect::Eshutdown,
         ..Default::default()
     };
     let (addr, server, registry) = start_big_server(config).await;

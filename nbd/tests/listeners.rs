@@ -106,7 +106,11 @@ async fn unix_socket() {
 async fn shut_down_answers_eshutdown_then_closes() {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let config = ServerConfig { shutdown_grace: Duration::from_millis(500), ..Default::default() };
+    let config = ServerConfig {
+        shutdown_grace: Duration::from_millis(500),
+        soft_disconnect: nbd::SoftDisconnect::Eshutdown,
+        ..Default::default()
+    };
     let server = nbd::Server::new(registry(), config);
     tokio::spawn(server.clone().serve_tcp(listener, std::future::pending::<()>()));
     let mut c = TcpStream::connect(addr).await.unwrap();
@@ -129,6 +133,35 @@ async fn shut_down_answers_eshutdown_then_closes() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     panic!("the closed connection is still counted");
+}
+
+/// The default soft disconnect closes: after `Server::shut_down` a request is neither
+/// run nor answered (a reconnecting client sends it again elsewhere) and the connection
+/// closes at once, well before a long grace period; earlier writes stay.
+#[tokio::test]
+async fn shut_down_closes_without_running_new_requests() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let config = ServerConfig { shutdown_grace: Duration::from_secs(30), ..Default::default() };
+    let registry = registry();
+    let server = nbd::Server::new(registry.clone(), config);
+    tokio::spawn(server.clone().serve_tcp(listener, std::future::pending::<()>()));
+    let mut c = TcpStream::connect(addr).await.unwrap();
+    connect(&mut c, "disk", false, false).await;
+    round_trip(&mut c, 1).await;
+
+    server.shut_down();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let started = tokio::time::Instant::now();
+    // The server may close before or after the WRITE is sent.
+    let mut w = Request { flags: 0, command: Command::Write, handle: 7, offset: 4096, length: 4096 }.encode().to_vec();
+    w.extend_from_slice(&[9; 4096]);
+    let _ = c.write_all(&w).await;
+    expect_closed(&mut c).await;
+    assert!(started.elapsed() < Duration::from_secs(5), "not closed at once");
+    let disk = registry.get("disk");
+    assert_eq!(disk.snapshot(4096..8192), vec![0; 4096], "a WRITE sent after the shutdown ran");
+    assert_eq!(disk.snapshot(64..128), vec![1; 64], "the write before the shutdown is gone");
 }
 
 /// Starts a current-thread runtime on a thread named `name`; returns its handle and the

@@ -35,6 +35,8 @@ pub struct VolumeExport {
     m: VolumeMetrics,
     read_only: bool,
     fence: Option<watch::Receiver<bool>>,
+    /// Appended to the description: the server's crash generation.
+    tag: Arc<str>,
 }
 
 impl VolumeExport {
@@ -67,7 +69,7 @@ impl Export for VolumeExport {
     }
 
     fn description(&self) -> String {
-        describe(&self.vol)
+        format!("{}{}", describe(&self.vol), self.tag)
     }
 
     fn alloc_write_buf(&self, offset: u64, len: u32) -> AlignedBuf {
@@ -156,6 +158,7 @@ pub struct PoolRegistry {
     metrics: Arc<Metrics>,
     access: NbdAccess,
     fences: Arc<Fences>,
+    tag: Arc<str>,
 }
 
 /// Told to a TCP client that names a volume without a key under [`NbdAccess::Attached`].
@@ -169,18 +172,33 @@ impl PoolRegistry {
     /// `metrics`, to the clients `access` allows; keyed connections watch their key's
     /// signal in `fences`.
     pub fn new(pool: Pool, metrics: Arc<Metrics>, access: NbdAccess, fences: Arc<Fences>) -> PoolRegistry {
-        PoolRegistry { pool, metrics, access, fences }
+        PoolRegistry { pool, metrics, access, fences, tag: "".into() }
+    }
+
+    /// Tells `generation` at the end of every export's description (`NBD_INFO_DESCRIPTION`
+    /// and `NBD_OPT_LIST`), where a reconnecting client finds it
+    /// ([`nbd::client::CrashGeneration`]).
+    pub fn with_crash_generation(mut self, generation: &nbd::client::CrashGeneration) -> PoolRegistry {
+        self.tag = format!("; {}", generation.tag()).into();
+        self
     }
 
     fn export(&self, vol: Volume, read_only: bool, fence: Option<watch::Receiver<bool>>) -> Arc<VolumeExport> {
-        Arc::new(VolumeExport { m: self.metrics.volume(vol.name(), vol.id()), vol, read_only, fence })
+        Arc::new(VolumeExport {
+            m: self.metrics.volume(vol.name(), vol.id()),
+            vol,
+            read_only,
+            fence,
+            tag: Arc::clone(&self.tag),
+        })
     }
 }
 
 /// The export description, the same in `NBD_OPT_LIST` and `NBD_INFO_DESCRIPTION`.
 fn describe(vol: &Volume) -> String {
     let kind = if vol.is_snapshot() { "read-only snapshot" } else { "thin volume" };
-    format!("ferrovol {kind} {}, {} bytes, {} KiB data units", vol.name(), vol.size(), vol.unit_size() / 1024)
+    let fresh = if vol.is_pristine() { format!(", {}", nbd::client::NEVER_WRITTEN) } else { String::new() };
+    format!("ferrovol {kind} {}, {} bytes, {} KiB data units{fresh}", vol.name(), vol.size(), vol.unit_size() / 1024)
 }
 
 impl ExportRegistry for PoolRegistry {
@@ -226,7 +244,10 @@ impl ExportRegistry for PoolRegistry {
             return Vec::new();
         }
         let names = self.pool.names();
-        names.into_iter().filter_map(|n| self.pool.volume(&n).ok().map(|v| (n, describe(&v)))).collect()
+        names
+            .into_iter()
+            .filter_map(|n| self.pool.volume(&n).ok().map(|v| (n, format!("{}{}", describe(&v), self.tag))))
+            .collect()
     }
 
     fn shown_name(&self, name: &str) -> String {

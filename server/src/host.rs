@@ -122,6 +122,7 @@ pub struct Host {
     tls: Option<Arc<MtlsAcceptor>>,
     metrics_task: Option<tokio::task::JoinHandle<()>>,
     dataplane: DataPlane,
+    generation: CrashGenerationFile,
 }
 
 impl Host {
@@ -199,6 +200,15 @@ impl Host {
                 return Err(anyhow::anyhow!("pool {}: {e}", pool_path.display()));
             }
         };
+        let generation = match CrashGenerationFile::start(data_dir, &pool.status().uuid) {
+            Ok(g) => g,
+            Err(e) => {
+                let _ = std::fs::remove_file(&nbd_socket);
+                let _ = std::fs::remove_file(&mgmt_socket);
+                let _ = pool.close();
+                return Err(e);
+            }
+        };
         let nbd_addr = tcp.local_addr()?;
         let endpoints = vec![format!("nbd://{nbd_addr}"), format!("nbd+unix:///?socket={}", nbd_socket.display())];
         let nbd_access = opts.nbd_access.resolve(nbd_addr);
@@ -214,7 +224,11 @@ impl Host {
         let identity = mgmt::HostIdentity { endpoints, nbd_addresses, access: nbd_access, fences: Arc::clone(&fences) };
 
         let metrics = Arc::new(metrics::Metrics::new());
-        let registry = Arc::new(exports::PoolRegistry::new(pool.clone(), metrics.clone(), nbd_access, fences));
+        let registry = Arc::new(
+            exports::PoolRegistry::new(pool.clone(), metrics.clone(), nbd_access, fences)
+                .with_crash_generation(&generation.current),
+        );
+        tracing::info!(crash_generation = %generation.current, "pool generation");
         let nbd_server = nbd::Server::new_on(registry, opts.nbd.clone(), dataplane.handles.clone());
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
@@ -278,7 +292,13 @@ impl Host {
             tls,
             metrics_task,
             dataplane,
+            generation,
         })
+    }
+
+    /// The crash generation served (see [`nbd::client::CrashGeneration`]).
+    pub fn crash_generation(&self) -> &nbd::client::CrashGeneration {
+        &self.generation.current
     }
 
     /// The NBD TCP address the host listens on.
@@ -353,9 +373,73 @@ impl Host {
         }
         let pool = self.pool;
         tokio::task::spawn_blocking(move || pool.close()).await??;
+        // Every acknowledged write is in the pool's metadata now: the next start keeps
+        // the generation.
+        self.generation.stopped_cleanly()?;
         self.dataplane.stop();
         tracing::info!("pool closed cleanly");
         Ok(())
+    }
+}
+
+/// `<data_dir>/crash-generation`: the pool's crash generation and whether a server
+/// runs on it (`running`) or stopped cleanly (`stopped`). A start that finds `running`
+/// (the last server crashed or was killed) takes the next generation: writes it
+/// acknowledged without a flush may be gone, and reconnecting clients must know. A
+/// missing file starts at generation 0; a file of another pool (the pool was replaced)
+/// starts over from the old number plus one.
+struct CrashGenerationFile {
+    path: PathBuf,
+    current: nbd::client::CrashGeneration,
+}
+
+impl CrashGenerationFile {
+    /// Reads the file, takes this run's generation and records it as running
+    /// (written and synced before any client is served).
+    ///
+    /// Errors: the file cannot be written or synced, or holds something else.
+    fn start(data_dir: &Path, pool_uuid: &str) -> anyhow::Result<CrashGenerationFile> {
+        let path = data_dir.join("crash-generation");
+        let pool: String =
+            pool_uuid.chars().filter(char::is_ascii_hexdigit).take(12).collect::<String>().to_lowercase();
+        let generation = match std::fs::read_to_string(&path) {
+            Ok(text) => {
+                let mut words = text.split_whitespace();
+                let (Some(g), Some(state)) = (words.next().and_then(nbd::client::CrashGeneration::parse), words.next())
+                else {
+                    anyhow::bail!("{} holds {text:?}, not \"POOL.GENERATION running|stopped\"", path.display());
+                };
+                if g.pool != pool || state != "stopped" {
+                    g.generation + 1
+                } else {
+                    g.generation
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
+            Err(e) => return Err(anyhow::anyhow!("read {}: {e}", path.display())),
+        };
+        let file = CrashGenerationFile { path, current: nbd::client::CrashGeneration { pool, generation } };
+        file.write("running")?;
+        Ok(file)
+    }
+
+    fn write(&self, state: &str) -> anyhow::Result<()> {
+        let tmp = self.path.with_extension("tmp");
+        let ctx = || format!("write {}", self.path.display());
+        {
+            let mut f = std::fs::File::create(&tmp).with_context(ctx)?;
+            std::io::Write::write_all(&mut f, format!("{} {state}\n", self.current).as_bytes()).with_context(ctx)?;
+            f.sync_all().with_context(ctx)?;
+        }
+        std::fs::rename(&tmp, &self.path).with_context(ctx)?;
+        if let Some(dir) = self.path.parent() {
+            std::fs::File::open(dir).and_then(|d| d.sync_all()).with_context(ctx)?;
+        }
+        Ok(())
+    }
+
+    fn stopped_cleanly(&self) -> anyhow::Result<()> {
+        self.write("stopped")
     }
 }
 

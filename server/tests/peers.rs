@@ -108,11 +108,16 @@ fn nbdinfo_lists_volumes() {
     let mut want: Vec<String> = vols.iter().map(|v| v.0.to_owned()).collect();
     want.sort();
     assert_eq!(names, want, "exports listed by nbdinfo");
+    // The server's crash generation, as it wrote it before serving.
+    let generation = std::fs::read_to_string(td.data().join("crash-generation")).unwrap();
+    let generation = generation.split_whitespace().next().unwrap().to_owned();
     for (n, _, size) in vols {
         let e = exports.iter().find(|e| e["export-name"] == n).unwrap();
         assert_eq!(e["export-size"].as_u64(), Some(size), "size of export {n}");
         // The same description in the list (NBD_OPT_LIST) and for one export (NBD_OPT_INFO).
-        let want = format!("ferrovol thin volume {n}, {size} bytes, 64 KiB data units");
+        let want = format!(
+            "ferrovol thin volume {n}, {size} bytes, 64 KiB data units, never written; crash-generation {generation}"
+        );
         assert_eq!(e["description"].as_str(), Some(want.as_str()), "listed description of {n}");
         let one = json(&text(&output(peer("nbdinfo").args(["--json", &s.uri(n)]))));
         assert_eq!(one["exports"][0]["description"].as_str(), Some(want.as_str()), "INFO description of {n}");

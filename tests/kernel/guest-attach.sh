@@ -17,7 +17,7 @@ gone() {
 }
 DEV=$(ferrovol nbd attach "$URI")
 echo "attached $DEV"
-ferrovol nbd list | grep "^$DEV	attached	.*/kvol$" || { ferrovol nbd list; echo "not listed"; exit 1; }
+ferrovol nbd list | grep "^$DEV	attached	.*/kvol	alive$" || { ferrovol nbd list; echo "not listed"; exit 1; }
 [ "$(blockdev --getsize64 "$DEV")" = "$((256 * 1024 * 1024))" ] || { echo "wrong size"; exit 1; }
 [ "$(blockdev --getss "$DEV")" = 4096 ] || { echo "logical block size $(blockdev --getss "$DEV")"; exit 1; }
 mkfs.ext4 -q -F -E lazy_itable_init=1,lazy_journal_init=1 "$DEV"

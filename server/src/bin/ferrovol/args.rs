@@ -208,9 +208,16 @@ pub(crate) struct ServeArgs {
     #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
     pub(crate) stall_timeout: u64,
     /// Seconds connections get, once the server is told to stop, to finish requests in
-    /// flight and disconnect; requests they send meanwhile get NBD_ESHUTDOWN.
+    /// flight (and, with --soft-disconnect eshutdown, to disconnect).
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(0..=86_400))]
     pub(crate) shutdown_grace: u64,
+    /// What a stopping server does with requests it has not started: `close` (read no
+    /// more, answer those in flight, close: a reconnecting client sends the rest to the
+    /// next server, and the kernel's file systems see no error) or `eshutdown` (answer
+    /// them NBD_ESHUTDOWN, the NBD spec's soft disconnect, which the kernel's client
+    /// takes for an I/O error).
+    #[arg(long, value_enum, default_value_t = SoftDisconnectArg::Close)]
+    pub(crate) soft_disconnect: SoftDisconnectArg,
     /// Open the pool even if one superblock slot is damaged and may have held the newer
     /// generation: the pool is opened from the other slot, losing whatever was committed
     /// after it. Without it such a pool is refused (the error says so).
@@ -359,10 +366,20 @@ pub(crate) enum SnapshotCmd {
     },
 }
 
+/// `--soft-disconnect`.
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub(crate) enum SoftDisconnectArg {
+    /// Close without running or answering new requests.
+    Close,
+    /// Answer new requests NBD_ESHUTDOWN.
+    Eshutdown,
+}
+
 #[derive(Subcommand)]
 pub(crate) enum NbdCmd {
     /// Attach an export; prints the device. URI: nbd://HOST[:PORT]/EXPORT (a ferrovol
     /// export name from `volume publish` is VOLUME/KEY) or nbd+unix:///EXPORT?socket=PATH.
+    /// Writes the device's reconnect record in --run-dir for `nbd watch`.
     Attach {
         /// The export.
         uri: String,
@@ -380,17 +397,61 @@ pub(crate) enum NbdCmd {
         /// address and the export's volume, without any key).
         #[arg(long)]
         backend: Option<String>,
+        /// Where reconnect records live (root only: they hold export keys).
+        #[arg(long, env = "FERROVOL_NBD_RUN_DIR", default_value = nbd::attach::DEFAULT_RUN_DIR)]
+        run_dir: PathBuf,
     },
-    /// Detach a device: requests in flight end, the device goes away.
+    /// Detach a device: requests in flight end with an error, the device stays, free.
     Detach {
         /// /dev/nbdN.
         device: String,
+        /// Where reconnect records live.
+        #[arg(long, env = "FERROVOL_NBD_RUN_DIR", default_value = nbd::attach::DEFAULT_RUN_DIR)]
+        run_dir: PathBuf,
     },
-    /// The attached devices with their backend identifiers (from the kernel).
+    /// The devices with their backend identifiers (from the kernel) and health (from
+    /// the watcher): alive, reconnecting, fenced, or unwatched.
     List {
         /// Free devices too.
         #[arg(long)]
         all: bool,
+        /// Where reconnect records live.
+        #[arg(long, env = "FERROVOL_NBD_RUN_DIR", default_value = nbd::attach::DEFAULT_RUN_DIR)]
+        run_dir: PathBuf,
+    },
+    /// Keep attached devices connected: on the kernel's link-dead message, handshake
+    /// again and hand the device new sockets (NBD_CMD_RECONFIGURE). One per node; it may
+    /// be stopped and started while devices are in use. Runs until killed.
+    Watch {
+        /// Seconds between reconnect attempts at first (doubling up to 8 times that).
+        #[arg(long, default_value_t = 0.5)]
+        retry: f64,
+        /// Where reconnect records live.
+        #[arg(long, env = "FERROVOL_NBD_RUN_DIR", default_value = nbd::attach::DEFAULT_RUN_DIR)]
+        run_dir: PathBuf,
+    },
+    /// Make a device take its export's new size (after `volume resize`), mounted or not;
+    /// prints the size in bytes.
+    Resize {
+        /// /dev/nbdN.
+        device: String,
+        /// Where reconnect records live.
+        #[arg(long, env = "FERROVOL_NBD_RUN_DIR", default_value = nbd::attach::DEFAULT_RUN_DIR)]
+        run_dir: PathBuf,
+    },
+    /// Hand a device new connections now, to its export or to URI (the kernel refuses
+    /// another backend).
+    Reconnect {
+        /// /dev/nbdN.
+        device: String,
+        /// Another URI for the same export (a new address or key).
+        uri: Option<String>,
+        /// The backend identifier URI leads to (default: its address and volume).
+        #[arg(long, requires = "uri")]
+        backend: Option<String>,
+        /// Where reconnect records live.
+        #[arg(long, env = "FERROVOL_NBD_RUN_DIR", default_value = nbd::attach::DEFAULT_RUN_DIR)]
+        run_dir: PathBuf,
     },
 }
 
@@ -407,8 +468,9 @@ pub(crate) enum CsiCmd {
         #[arg(long)]
         config: PathBuf,
     },
-    /// Serve the CSI Identity and Node services of this node. So far the node says who
-    /// it is (NodeGetInfo); attaching and mounting volumes are not served yet.
+    /// Serve the CSI Identity and Node services of this node: attach published volumes
+    /// over NBD (/dev/nbdN), format them once, mount, publish, grow and watch them. Needs
+    /// root; run `ferrovol nbd watch` beside it for reconnects.
     Node {
         /// Where to serve: unix:///PATH (for the Kubernetes sidecars) or tcp://HOST:PORT.
         #[arg(long, default_value = "unix:///csi/csi.sock")]
@@ -419,6 +481,18 @@ pub(crate) enum CsiCmd {
         /// This node's zone (topology.ferrovol.io/zone), if the cluster has zones.
         #[arg(long)]
         zone: Option<String>,
+        /// Where NBD reconnect records live, shared with `ferrovol nbd watch`.
+        #[arg(long, env = "FERROVOL_NBD_RUN_DIR", default_value = nbd::attach::DEFAULT_RUN_DIR)]
+        run_dir: PathBuf,
+        /// Seconds a device's requests wait for a reconnect once its connections are dead.
+        #[arg(long, default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..=86_400))]
+        dead_timeout: u64,
+        /// NBD connections per volume.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=16))]
+        connections: u32,
+        /// The most volumes this node takes (NodeGetInfo max_volumes_per_node; 0: no limit).
+        #[arg(long, default_value_t = 0)]
+        max_volumes: u32,
     },
 }
 
@@ -488,6 +562,10 @@ impl ServeArgs {
             max_total_in_flight_bytes: usize::try_from(self.max_total_in_flight_bytes).unwrap_or(usize::MAX),
             stall_timeout: Duration::from_secs(self.stall_timeout),
             shutdown_grace: Duration::from_secs(self.shutdown_grace),
+            soft_disconnect: match self.soft_disconnect {
+                SoftDisconnectArg::Close => nbd::SoftDisconnect::Close,
+                SoftDisconnectArg::Eshutdown => nbd::SoftDisconnect::Eshutdown,
+            },
             ..Default::default()
         };
         Ok(o)

@@ -99,11 +99,16 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Cmd::Nbd { cmd } => {
             match cmd {
-                NbdCmd::Attach { uri, device, connections, dead_timeout, backend } => {
-                    nbd_cmd::attach(&uri, device.as_deref(), connections, dead_timeout, backend)?
+                NbdCmd::Attach { uri, device, connections, dead_timeout, backend, run_dir } => {
+                    nbd_cmd::attach(&uri, device.as_deref(), connections, dead_timeout, backend, run_dir)?
                 }
-                NbdCmd::Detach { device } => nbd_cmd::detach(&device)?,
-                NbdCmd::List { all } => nbd_cmd::list(all)?,
+                NbdCmd::Detach { device, run_dir } => nbd_cmd::detach(&device, &run_dir)?,
+                NbdCmd::List { all, run_dir } => nbd_cmd::list(all, &run_dir)?,
+                NbdCmd::Watch { retry, run_dir } => nbd_cmd::watch(retry, &run_dir)?,
+                NbdCmd::Resize { device, run_dir } => nbd_cmd::resize(&device, &run_dir)?,
+                NbdCmd::Reconnect { device, uri, backend, run_dir } => {
+                    nbd_cmd::reconnect(&device, uri.as_deref(), backend.as_deref(), &run_dir)?
+                }
             }
             Ok(ExitCode::SUCCESS)
         }
@@ -112,8 +117,17 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             csi::serve::serve_controller(&config, &endpoint, stop_signal()?).await?;
             Ok(ExitCode::SUCCESS)
         }
-        Cmd::Csi { cmd: CsiCmd::Node { endpoint, node_name, zone } } => {
-            let node = csi::node::Node::new(node_name, zone).map_err(anyhow::Error::msg)?;
+        Cmd::Csi {
+            cmd: CsiCmd::Node { endpoint, node_name, zone, run_dir, dead_timeout, connections, max_volumes },
+        } => {
+            let node = csi::node::Node::new(node_name, zone).map_err(anyhow::Error::msg)?.with_attach(
+                csi::node::AttachOptions {
+                    run_dir,
+                    dead_timeout: std::time::Duration::from_secs(dead_timeout),
+                    connections,
+                    max_volumes: i64::from(max_volumes),
+                },
+            );
             csi::serve::serve_node(node, &endpoint, stop_signal()?).await?;
             Ok(ExitCode::SUCCESS)
         }

@@ -1,0 +1,528 @@
+//! The CSI node plugin on the stock Debian kernel of ../shared/tools/nbd-vm: the storage
+//! host and the CSI controller run here, the node plugin (`ferrovol csi node`) and the
+//! reconnect watcher in the guest, where volumes really attach as /dev/nbdN, get a file
+//! system and are mounted. Guest scripts: tests/kernel/guest-csi-*.sh.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_ferrovol");
+
+fn nbd_vm() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/tools/nbd-vm/run.sh")
+}
+
+fn csi_sanity() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/tools/csi-sanity/csi-sanity")
+}
+
+fn guest(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/kernel").join(name)
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn wait_tcp(port: u16, what: &str) {
+    let t = Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(t.elapsed() < Duration::from_secs(30), "{what} did not start");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A storage host (NBD for the guest at 10.0.2.2, keys required) and a CSI controller
+/// over it on TCP; both killed on drop.
+struct HostSide {
+    dir: PathBuf,
+    controller_port: u16,
+    children: Vec<Child>,
+    _tmp: tempfile::TempDir,
+}
+
+impl HostSide {
+    fn start() -> HostSide {
+        assert!(nbd_vm().exists(), "{} is missing", nbd_vm().display());
+        assert!(csi_sanity().exists(), "{} is missing", csi_sanity().display());
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("data");
+        let port = free_port();
+        let server = Command::new(BIN)
+            .arg("--data-dir")
+            .arg(&dir)
+            .args(["serve", "--pool-size", "8GiB", "--listen", &format!("127.0.0.1:{port}")])
+            .args(["--advertise", &format!("10.0.2.2:{port}"), "--nbd-access", "attached"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        wait_tcp(port, "the storage host");
+        let t = Instant::now();
+        while !dir.join("ferrovol.sock").exists() {
+            assert!(t.elapsed() < Duration::from_secs(30), "no management socket");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let config = tmp.path().join("csi.toml");
+        let api = format!("unix://{}", dir.join("ferrovol.sock").display());
+        std::fs::write(&config, format!("[[host]]\nname = \"host-a\"\napi = \"{api}\"\n")).unwrap();
+        let controller_port = free_port();
+        let controller = Command::new(BIN)
+            .args(["csi", "controller", "--endpoint", &format!("tcp://127.0.0.1:{controller_port}")])
+            .arg("--config")
+            .arg(&config)
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        wait_tcp(controller_port, "the CSI controller");
+        HostSide { dir, controller_port, children: vec![server, controller], _tmp: tmp }
+    }
+
+    /// The ferrovol binary without its debug info, for the guest's RAM.
+    fn stripped_bin(&self) -> PathBuf {
+        let bin = self.dir.with_file_name("ferrovol");
+        let st = Command::new("objcopy").args(["--strip-debug", BIN, bin.to_str().unwrap()]).status().unwrap();
+        assert!(st.success(), "objcopy --strip-debug");
+        bin
+    }
+}
+
+impl Drop for HostSide {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// csi-sanity (kubernetes-csi/csi-test) in the guest against the node plugin there and
+/// the controller here, with mount volumes and then with block volumes: no case fails,
+/// and nothing is left attached.
+#[test]
+fn csi_sanity_passes_the_node_cases_in_the_kernel_vm() {
+    let host = HostSide::start();
+    let bin = host.stripped_bin();
+    let out = Command::new("bash")
+        .arg(nbd_vm())
+        .args(["-t", "1500"])
+        .args(["-f", &format!("{}:/usr/bin/ferrovol", bin.display())])
+        .args(["-f", &format!("{}:/usr/bin/csi-sanity", csi_sanity().display())])
+        .args(["-e", &format!("CONTROLLER_PORT={}", host.controller_port)])
+        .arg(guest("guest-csi-sanity.sh"))
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    print!("{stdout}");
+    eprint!("{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "guest-csi-sanity.sh failed with {} (see above)", out.status);
+    assert_eq!(stdout.matches("SUCCESS!").count(), 2, "both runs report SUCCESS");
+    // Each run's counts: every case but the skipped ones passed, and most ran.
+    for access in ["mount", "block"] {
+        let line = stdout.lines().find(|l| l.starts_with(&format!("csi-sanity {access}:"))).expect("counts");
+        let count = |k: &str| -> u32 {
+            line.split_whitespace()
+                .find_map(|w| w.strip_prefix(&format!("{k}=\"")))
+                .and_then(|v| v.trim_end_matches('"').parse().ok())
+                .unwrap_or_else(|| panic!("no {k} in {line:?}"))
+        };
+        assert_eq!(count("failures") + count("errors"), 0, "{line}");
+        let ran = count("tests") - count("skipped");
+        assert!(ran >= 60, "only {ran} cases ran: {line}");
+    }
+}
+
+/// The kubelet's and the sidecars' order of calls, run in the guest by this test binary
+/// itself (guest-csi-flow.sh starts it with `--ignored --exact guest_side_flow`), against
+/// the node plugin there and the controller here: a volume created, published, staged
+/// (formatted once), published into a "pod", written, unpublished and unstaged, staged
+/// again and read back; grown online with the file system mounted; a snapshot restored
+/// and a clone, both staged with their data and never formatted; a block volume written
+/// through its target file; a written volume whose file system signature is gone refused,
+/// never formatted; a stale publish_context (after ControllerUnpublish) refused. The host
+/// side checks the pool after.
+#[test]
+fn csi_node_flow_in_the_kernel_vm() {
+    let host = HostSide::start();
+    let bin = host.stripped_bin();
+    let me = host.dir.with_file_name("csi-flow");
+    let st = Command::new("objcopy")
+        .args(["--strip-debug", std::env::current_exe().unwrap().to_str().unwrap(), me.to_str().unwrap()])
+        .status()
+        .unwrap();
+    assert!(st.success(), "objcopy --strip-debug");
+    let out = Command::new("bash")
+        .arg(nbd_vm())
+        .args(["-t", "1200"])
+        .args(["-f", &format!("{}:/usr/bin/ferrovol", bin.display())])
+        .args(["-f", &format!("{}:/usr/bin/csi-flow", me.display())])
+        .args(["-e", &format!("CONTROLLER_PORT={}", host.controller_port)])
+        .arg(guest("guest-csi-flow.sh"))
+        .output()
+        .unwrap();
+    print!("{}", String::from_utf8_lossy(&out.stdout));
+    eprint!("{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "guest-csi-flow.sh failed with {} (see above)", out.status);
+}
+
+mod guest_side {
+    use std::collections::HashMap;
+    use std::io::{Read, Seek, Write};
+    use std::path::Path;
+
+    use csi::pb;
+    use csi::pb::controller_client::ControllerClient;
+    use csi::pb::node_client::NodeClient;
+    use csi::pb::volume_capability::access_mode::Mode;
+    use tonic::transport::Channel;
+    use tonic::Code;
+
+    const MIB: i64 = 1 << 20;
+
+    fn mount_cap(fs: &str) -> pb::VolumeCapability {
+        pb::VolumeCapability {
+            access_mode: Some(pb::volume_capability::AccessMode { mode: Mode::SingleNodeWriter as i32 }),
+            access_type: Some(pb::volume_capability::AccessType::Mount(pb::volume_capability::MountVolume {
+                fs_type: fs.into(),
+                ..Default::default()
+            })),
+        }
+    }
+
+    fn block_cap() -> pb::VolumeCapability {
+        pb::VolumeCapability {
+            access_mode: Some(pb::volume_capability::AccessMode { mode: Mode::SingleNodeWriter as i32 }),
+            access_type: Some(pb::volume_capability::AccessType::Block(pb::volume_capability::BlockVolume {})),
+        }
+    }
+
+    struct Co {
+        ctl: ControllerClient<Channel>,
+        node: NodeClient<Channel>,
+        node_id: String,
+    }
+
+    /// One volume as the CO sees it.
+    struct Vol {
+        id: String,
+        ctx: HashMap<String, String>,
+        cap: pb::VolumeCapability,
+        staging: String,
+        target: String,
+    }
+
+    impl Co {
+        async fn connect() -> Co {
+            let port = std::env::var("CONTROLLER_PORT").unwrap();
+            let host = std::env::var("NBDVM_HOST").unwrap();
+            let ctl = ControllerClient::connect(format!("http://{host}:{port}")).await.unwrap();
+            let path = "/tmp/csi/node.sock";
+            let ch = tonic::transport::Endpoint::try_from("http://csi.invalid")
+                .unwrap()
+                .connect_with_connector(tower::service_fn(move |_| async move {
+                    Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(path).await?))
+                }))
+                .await
+                .unwrap();
+            let mut node = NodeClient::new(ch);
+            let node_id = node.node_get_info(pb::NodeGetInfoRequest {}).await.unwrap().into_inner().node_id;
+            Co { ctl, node, node_id }
+        }
+
+        async fn create(
+            &mut self,
+            name: &str,
+            size: i64,
+            cap: pb::VolumeCapability,
+            source: Option<pb::VolumeContentSource>,
+        ) -> Vol {
+            let v = self
+                .ctl
+                .create_volume(pb::CreateVolumeRequest {
+                    name: name.into(),
+                    capacity_range: Some(pb::CapacityRange { required_bytes: size, limit_bytes: 0 }),
+                    volume_capabilities: vec![cap.clone()],
+                    volume_content_source: source,
+                    ..Default::default()
+                })
+                .await
+                .unwrap()
+                .into_inner()
+                .volume
+                .unwrap();
+            Vol {
+                id: v.volume_id,
+                ctx: HashMap::new(),
+                cap,
+                staging: format!("/tmp/csi/staging/{name}"),
+                target: format!("/tmp/csi/pods/{name}/volume"),
+            }
+        }
+
+        async fn attach(&mut self, v: &mut Vol) {
+            v.ctx = self
+                .ctl
+                .controller_publish_volume(pb::ControllerPublishVolumeRequest {
+                    volume_id: v.id.clone(),
+                    node_id: self.node_id.clone(),
+                    volume_capability: Some(v.cap.clone()),
+                    ..Default::default()
+                })
+                .await
+                .unwrap()
+                .into_inner()
+                .publish_context;
+        }
+
+        async fn detach(&mut self, v: &Vol) {
+            self.ctl
+                .controller_unpublish_volume(pb::ControllerUnpublishVolumeRequest {
+                    volume_id: v.id.clone(),
+                    node_id: self.node_id.clone(),
+                    ..Default::default()
+                })
+                .await
+                .unwrap();
+        }
+
+        async fn stage(&mut self, v: &Vol) -> Result<(), tonic::Status> {
+            std::fs::create_dir_all(&v.staging).unwrap();
+            self.node
+                .node_stage_volume(pb::NodeStageVolumeRequest {
+                    volume_id: v.id.clone(),
+                    publish_context: v.ctx.clone(),
+                    staging_target_path: v.staging.clone(),
+                    volume_capability: Some(v.cap.clone()),
+                    ..Default::default()
+                })
+                .await
+                .map(|_| ())
+        }
+
+        async fn unstage(&mut self, v: &Vol) {
+            self.node
+                .node_unstage_volume(pb::NodeUnstageVolumeRequest {
+                    volume_id: v.id.clone(),
+                    staging_target_path: v.staging.clone(),
+                })
+                .await
+                .unwrap();
+        }
+
+        async fn publish(&mut self, v: &Vol) {
+            self.node
+                .node_publish_volume(pb::NodePublishVolumeRequest {
+                    volume_id: v.id.clone(),
+                    publish_context: v.ctx.clone(),
+                    staging_target_path: v.staging.clone(),
+                    target_path: v.target.clone(),
+                    volume_capability: Some(v.cap.clone()),
+                    ..Default::default()
+                })
+                .await
+                .unwrap();
+        }
+
+        async fn unpublish(&mut self, v: &Vol) {
+            self.node
+                .node_unpublish_volume(pb::NodeUnpublishVolumeRequest {
+                    volume_id: v.id.clone(),
+                    target_path: v.target.clone(),
+                })
+                .await
+                .unwrap();
+        }
+
+        /// ControllerPublish, NodeStage, NodePublish.
+        async fn up(&mut self, v: &mut Vol) {
+            self.attach(v).await;
+            self.stage(v).await.unwrap();
+            self.publish(v).await;
+        }
+
+        /// NodeUnpublish, NodeUnstage, ControllerUnpublish.
+        async fn down(&mut self, v: &Vol) {
+            self.unpublish(v).await;
+            self.unstage(v).await;
+            self.detach(v).await;
+        }
+    }
+
+    fn pattern(seed: u8, len: usize) -> Vec<u8> {
+        let mut x = u64::from(seed) | 0x9e37_79b9_7f4a_7c15;
+        (0..len)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect()
+    }
+
+    fn write_file(path: &str, data: &[u8]) {
+        let mut f = std::fs::File::create(path).unwrap();
+        f.write_all(data).unwrap();
+        f.sync_all().unwrap();
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    #[ignore = "runs inside the kernel VM, started by csi_node_flow_in_the_kernel_vm"]
+    async fn guest_side_flow() {
+        let mut co = Co::connect().await;
+        let data = pattern(1, 8 << 20);
+
+        eprintln!("== a mount volume: stage formats it, data survives an unstage and a stage");
+        let mut a = co.create("flow-a", 256 * MIB, mount_cap("ext4"), None).await;
+        co.up(&mut a).await;
+        write_file(&format!("{}/f", a.target), &data);
+        // The calls are idempotent.
+        co.stage(&a).await.unwrap();
+        co.publish(&a).await;
+        co.down(&a).await;
+        assert!(!Path::new(&a.target).exists(), "the target path stays after unpublish");
+        co.up(&mut a).await;
+        assert_eq!(std::fs::read(format!("{}/f", a.target)).unwrap(), data, "data after a second stage");
+
+        eprintln!("== online expansion with the file system mounted");
+        let got = co
+            .ctl
+            .controller_expand_volume(pb::ControllerExpandVolumeRequest {
+                volume_id: a.id.clone(),
+                capacity_range: Some(pb::CapacityRange { required_bytes: 512 * MIB, limit_bytes: 0 }),
+                volume_capability: Some(a.cap.clone()),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(got.node_expansion_required);
+        let cap = co
+            .node
+            .node_expand_volume(pb::NodeExpandVolumeRequest {
+                volume_id: a.id.clone(),
+                volume_path: a.target.clone(),
+                capacity_range: Some(pb::CapacityRange { required_bytes: 512 * MIB, limit_bytes: 0 }),
+                staging_target_path: a.staging.clone(),
+                volume_capability: Some(a.cap.clone()),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .capacity_bytes;
+        assert_eq!(cap, 512 * MIB);
+        let stats = co
+            .node
+            .node_get_volume_stats(pb::NodeGetVolumeStatsRequest {
+                volume_id: a.id.clone(),
+                volume_path: a.target.clone(),
+                staging_target_path: a.staging.clone(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let bytes = stats.usage.iter().find(|u| u.unit == pb::volume_usage::Unit::Bytes as i32).unwrap();
+        assert!(bytes.total > 400 * MIB, "the file system did not grow: {bytes:?}");
+        assert!(bytes.used >= 8 * MIB, "{bytes:?}");
+        assert!(!stats.volume_condition.unwrap().abnormal);
+        write_file(&format!("{}/g", a.target), &pattern(2, 1 << 20));
+
+        eprintln!("== a restored snapshot and a clone keep their data and are never formatted");
+        let snap = co
+            .ctl
+            .create_snapshot(pb::CreateSnapshotRequest {
+                source_volume_id: a.id.clone(),
+                name: "flow-snap".into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .snapshot
+            .unwrap();
+        let from_snap = pb::VolumeContentSource {
+            r#type: Some(pb::volume_content_source::Type::Snapshot(pb::volume_content_source::SnapshotSource {
+                snapshot_id: snap.snapshot_id.clone(),
+            })),
+        };
+        let mut r = co.create("flow-restored", 512 * MIB, mount_cap("ext4"), Some(from_snap)).await;
+        let from_vol = pb::VolumeContentSource {
+            r#type: Some(pb::volume_content_source::Type::Volume(pb::volume_content_source::VolumeSource {
+                volume_id: a.id.clone(),
+            })),
+        };
+        let mut c = co.create("flow-clone", 512 * MIB, mount_cap("ext4"), Some(from_vol)).await;
+        for v in [&mut r, &mut c] {
+            co.up(v).await;
+            assert_eq!(std::fs::read(format!("{}/f", v.target)).unwrap(), data, "data of {}", v.id);
+            co.down(v).await;
+        }
+
+        eprintln!("== xfs, and a block volume written through its target file");
+        let mut x = co.create("flow-xfs", 512 * MIB, mount_cap("xfs"), None).await;
+        co.up(&mut x).await;
+        write_file(&format!("{}/f", x.target), &data[..1 << 20]);
+        co.down(&x).await;
+        co.up(&mut x).await;
+        assert_eq!(std::fs::read(format!("{}/f", x.target)).unwrap(), &data[..1 << 20]);
+        co.down(&x).await;
+        let mut b = co.create("flow-block", 64 * MIB, block_cap(), None).await;
+        co.up(&mut b).await;
+        {
+            let mut f = std::fs::OpenOptions::new().write(true).open(&b.target).unwrap();
+            f.seek(std::io::SeekFrom::Start(1 << 20)).unwrap();
+            f.write_all(&data[..1 << 20]).unwrap();
+            f.sync_all().unwrap();
+        }
+        co.down(&b).await;
+        co.up(&mut b).await;
+        let mut back = vec![0u8; 1 << 20];
+        let mut f = std::fs::File::open(&b.target).unwrap();
+        f.seek(std::io::SeekFrom::Start(1 << 20)).unwrap();
+        f.read_exact(&mut back).unwrap();
+        assert_eq!(back, &data[..1 << 20], "block volume data");
+        drop(f);
+
+        co.down(&b).await;
+
+        eprintln!("== a written volume whose superblock is damaged is never formatted");
+        // The xfs volume's superblock (its first sector) overwritten through the device.
+        let mut raw = Vol { cap: block_cap(), target: "/tmp/csi/pods/flow-xfs-raw/dev".into(), ..x };
+        co.up(&mut raw).await;
+        {
+            let mut f = std::fs::OpenOptions::new().write(true).open(&raw.target).unwrap();
+            f.write_all(&[0u8; 4096]).unwrap();
+            f.sync_all().unwrap();
+        }
+        co.down(&raw).await;
+        let mut d = Vol { cap: mount_cap("xfs"), ..raw };
+        co.attach(&mut d).await;
+        let e = co.stage(&d).await.unwrap_err();
+        assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+        assert!(e.message().contains("never formatted"), "{e:?}");
+        let dev = devices_of(&d.id);
+        assert!(dev.is_empty(), "a failed stage left {dev:?} attached");
+        co.detach(&d).await;
+
+        eprintln!("== a stale publish_context (unpublished) is refused");
+        let stale = a.ctx.clone();
+        co.down(&a).await;
+        let mut s = Vol { ctx: stale, ..a };
+        s.staging = "/tmp/csi/staging/flow-stale".into();
+        let e = co.stage(&s).await.unwrap_err();
+        assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+        assert!(devices_of(&s.id).is_empty());
+        eprintln!("flow ok");
+    }
+
+    /// NBD devices attached for CSI volume `id`.
+    fn devices_of(id: &str) -> Vec<String> {
+        let out = std::process::Command::new("ferrovol").args(["nbd", "list"]).output().unwrap();
+        let backend = format!("\tcsi:{id}\t");
+        String::from_utf8_lossy(&out.stdout).lines().filter(|l| l.contains(&backend)).map(str::to_string).collect()
+    }
+}
