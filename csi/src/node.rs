@@ -103,10 +103,15 @@ impl Node {
     ) -> Result<T, Status> {
         let guard = self.inflight.take(format!("volume/{volume_id}"))?;
         let node = self.clone();
-        let out = tokio::task::spawn_blocking(move || f(&node))
-            .await
-            .map_err(|e| Status::internal(format!("the call's task failed: {e}")))?;
-        drop(guard);
+        // The guard goes with the work: a call the CO gave up on (its future dropped)
+        // still holds the volume until the work ends.
+        let out = tokio::task::spawn_blocking(move || {
+            let r = f(&node);
+            drop(guard);
+            r
+        })
+        .await
+        .map_err(|e| Status::internal(format!("the call's task failed: {e}")))?;
         out.map_err(Status::from)
     }
 }
@@ -196,6 +201,7 @@ fn attach_error(id: &str, e: AttachError) -> CsiError {
             CsiError::not_found(format!("volume {id} does not exist on its storage host"))
         }
         AttachError::Handshake(h @ H::Io { .. }) => CsiError::unavailable(format!("volume {id}: {h}")),
+        AttachError::Fenced(why) => CsiError::new(Code::FailedPrecondition, format!("volume {id}: {why}")),
         AttachError::Kernel(k @ (nbd::kernel::KernelError::Permission | nbd::kernel::KernelError::NoDriver)) => {
             CsiError::new(
                 Code::FailedPrecondition,
@@ -223,6 +229,19 @@ fn other_mounts(all: &[Mount], dev: &Path, except: &Path) -> Vec<PathBuf> {
 }
 
 impl Node {
+    /// A fenced device (its storage host restarted after a crash) is not staged or
+    /// published again: its file system may miss writes it took for done. Unstaging it
+    /// (once no pod uses it) and staging it again attaches it afresh.
+    fn refuse_fenced(&self, id: &str, index: u32) -> Result<(), CsiError> {
+        if let Some(Health::Fenced(why)) = attach::health(&self.attach.run_dir, index) {
+            return Err(CsiError::new(
+                Code::FailedPrecondition,
+                format!("volume {id} was fenced ({why}); unstage it and stage it again"),
+            ));
+        }
+        Ok(())
+    }
+
     fn stage(&self, r: pb::NodeStageVolumeRequest) -> Result<(), CsiError> {
         let id = r.volume_id.as_str();
         let staging = PathBuf::from(&r.staging_target_path);
@@ -231,6 +250,9 @@ impl Node {
         let all = mounter::mounts().map_err(internal)?;
         let staged = mounter::mount_at(&all, &staging);
         let existing = device_of(id)?;
+        if let Some(i) = existing {
+            self.refuse_fenced(id, i)?;
+        }
         if let Some(m) = &staged {
             let same_dev = existing.is_some_and(|i| m.device() == Some(dev_path(i)));
             let same = match &cap {
@@ -382,7 +404,13 @@ impl Node {
             })?;
         }
         if let Some(i) = device {
-            attach::detach(&self.attach.run_dir, i).map_err(|e| internal(format!("detach /dev/nbd{i}: {e}")))?;
+            match attach::detach(&self.attach.run_dir, i) {
+                // A fenced device goes away with its last user (the unmount above).
+                Ok(()) | Err(AttachError::Kernel(nbd::kernel::KernelError::NoDevice(_))) => {
+                    attach::Record::remove(&self.attach.run_dir, i)
+                }
+                Err(e) => return Err(internal(format!("detach /dev/nbd{i}: {e}"))),
+            }
             tracing::info!(volume_id = id, device = i, "detached");
         }
         Ok(())
@@ -397,6 +425,7 @@ impl Node {
         let Some(index) = device_of(id)? else {
             return Err(CsiError::new(Code::FailedPrecondition, format!("volume {id} is not staged on this node")));
         };
+        self.refuse_fenced(id, index)?;
         let dev = dev_path(index);
         let all = mounter::mounts().map_err(internal)?;
         if let Some(m) = mounter::mount_at(&all, &target) {

@@ -58,6 +58,10 @@ pub enum AttachError {
     /// follow.
     #[error("{0}")]
     Export(String),
+    /// The server is of another crash generation than the device's record (see the
+    /// module's notes): the device must not be reconnected to it.
+    #[error("{0}")]
+    Fenced(String),
     /// The device has no record here (attached by something else, or the record is
     /// gone): it cannot be reconnected or resized.
     #[error("/dev/nbd{0} has no reconnect record in {1}: attached by another tool, or before a reboot")]
@@ -114,6 +118,24 @@ pub fn parse_device(d: &str) -> Result<u32, AttachError> {
     let n = d.strip_prefix("/dev/").unwrap_or(d);
     let n = n.strip_prefix("nbd").unwrap_or(n);
     n.parse().map_err(|_| AttachError::Invalid(format!("{d:?} is not an NBD device (/dev/nbdN)")))
+}
+
+/// `uri` without the export name's key (what follows the volume), for messages and
+/// logs.
+pub fn shown(uri: &str) -> String {
+    let Some(scheme_end) = uri.find("://") else { return uri.to_string() };
+    let rest = &uri[scheme_end + 3..];
+    let Some(slash) = rest.find('/') else { return uri.to_string() };
+    let (authority, path) = rest.split_at(slash);
+    let path = &path[1..];
+    let (path, query) = path.split_once('?').map_or((path, ""), |(p, q)| (p, q));
+    match path.split_once('/') {
+        Some((volume, _key)) => {
+            let q = if query.is_empty() { String::new() } else { format!("?{query}") };
+            format!("{}://{authority}/{volume}/…{q}", &uri[..scheme_end])
+        }
+        None => uri.to_string(),
+    }
 }
 
 /// The backend identifier of an export: where it is and the volume, never a key (the
@@ -267,12 +289,16 @@ fn open_connections(uri: &str, connections: u32) -> Result<(Vec<client::Stream>,
         let (s, i) = client::connect(&target, &export, HANDSHAKE_TIMEOUT)?;
         if connections > 1 && !i.multi_conn() {
             return Err(AttachError::Export(format!(
-                "{uri} does not allow several connections (no NBD_FLAG_CAN_MULTI_CONN): use --connections 1"
+                "{} does not allow several connections (no NBD_FLAG_CAN_MULTI_CONN): use --connections 1",
+                shown(uri)
             )));
         }
-        if info.as_ref().is_some_and(|first| *first != i) {
+        // Size and flags, not the description (which may change between two handshakes:
+        // a first write, a resize).
+        if info.as_ref().is_some_and(|f| (f.size, f.flags, f.block_size) != (i.size, i.flags, i.block_size)) {
             return Err(AttachError::Export(format!(
-                "{uri} answered two connections differently (size, flags or block sizes)"
+                "{} answered two connections differently (size, flags or block sizes)",
+                shown(uri)
             )));
         }
         streams.push(s);
@@ -334,22 +360,21 @@ pub fn kernel_block_size(info: &ExportInfo) -> Result<(u64, Option<String>), Att
         Some(b) => (u64::from(b.minimum), u64::from(b.preferred), u64::from(b.maximum)),
         None => (1, 4096, u64::from(u32::MAX)),
     };
+    let name = info.name.split('/').next().unwrap_or_default();
     if min > 4096 {
         return Err(AttachError::Export(format!(
-            "export {:?} takes blocks of {min} bytes at least; the kernel's are 4096 at most",
-            info.name
+            "export {name:?} takes blocks of {min} bytes at least; the kernel's are 4096 at most"
         )));
     }
     let bs = pref.clamp(min.max(512), 4096);
     if !info.size.is_multiple_of(bs) {
         return Err(AttachError::Export(format!(
-            "export {:?} is {} bytes, not a multiple of its block size {bs}",
-            info.name, info.size
+            "export {name:?} is {} bytes, not a multiple of its block size {bs}",
+            info.size
         )));
     }
-    let warning = (max < 32 << 20).then(|| {
-        format!("export {:?} takes requests of {max} bytes at most; the kernel may send larger ones", info.name)
-    });
+    let warning = (max < 32 << 20)
+        .then(|| format!("export {name:?} takes requests of {max} bytes at most; the kernel may send larger ones"));
     Ok((bs, warning))
 }
 
@@ -386,8 +411,9 @@ fn device_size(index: u32) -> Option<u64> {
 /// kernel sets the capacity and tells udev). Returns the new size in bytes.
 ///
 /// Errors: [`AttachError::NoRecord`]; [`AttachError::Export`] when the export shrank (a
-/// device never shrinks under its file system) or changed its crash generation (see
-/// the module's notes); [`AttachError::Handshake`]; [`AttachError::Kernel`].
+/// device never shrinks under its file system); [`AttachError::Fenced`] when the
+/// server changed its crash generation (see the module's notes);
+/// [`AttachError::Handshake`]; [`AttachError::Kernel`].
 pub fn resize(run_dir: &Path, index: u32) -> Result<u64, AttachError> {
     let rec = live_record(run_dir, index)?;
     let (_probe, info) = open_connections(&rec.uri, 1)?;
@@ -414,7 +440,7 @@ pub fn resize(run_dir: &Path, index: u32) -> Result<u64, AttachError> {
 fn check_generation(rec: &Record, info: &ExportInfo) -> Result<(), AttachError> {
     let now = info.crash_generation();
     if rec.generation.is_some() && rec.generation != now {
-        return Err(AttachError::Export(format!(
+        return Err(AttachError::Fenced(format!(
             "the storage host of {} restarted after a crash (crash generation {} at attach, {} now): writes it \
              acknowledged without a flush may be lost, so the device is not reconnected",
             rec.backend,
@@ -430,8 +456,9 @@ fn check_generation(rec: &Record, info: &ExportInfo) -> Result<(), AttachError> 
 /// kernel takes one in place of each dead connection and drops the rest, and refuses
 /// them all for another backend. Also takes the export's size if it grew.
 ///
-/// Errors: [`AttachError::NoRecord`]; [`AttachError::Export`] (another crash generation:
-/// the caller should detach); [`AttachError::Handshake`]; [`AttachError::Kernel`]
+/// Errors: [`AttachError::NoRecord`]; [`AttachError::Fenced`] (another crash generation:
+/// the caller should detach); [`AttachError::Export`] (the export shrank, or its
+/// connections disagree); [`AttachError::Handshake`]; [`AttachError::Kernel`]
 /// ([`KernelError::OtherBackend`] for another backend).
 pub fn reconnect(run_dir: &Path, index: u32, to: Option<(&str, Option<&str>)>) -> Result<(), AttachError> {
     let mut rec = live_record(run_dir, index)?;
@@ -444,16 +471,24 @@ pub fn reconnect(run_dir: &Path, index: u32, to: Option<(&str, Option<&str>)>) -
     };
     let (streams, info) = open_connections(&uri, rec.connections)?;
     check_generation(&rec, &info)?;
-    let grown = device_size(index).is_some_and(|s| info.size > s);
+    let current = device_size(index).unwrap_or(0);
+    if info.size < current {
+        return Err(AttachError::Export(format!(
+            "{} is {} bytes now, smaller than /dev/nbd{index} ({current} bytes): not reconnected",
+            shown(&uri),
+            info.size
+        )));
+    }
     kernel::reconfigure(&kernel::Reconfigure {
         index,
         // The backend the new sockets lead to: the kernel compares it with its own.
-        backend,
+        backend: backend.clone(),
         sockets: streams.iter().map(AsRawFd::as_raw_fd).collect(),
-        size: grown.then_some(info.size),
+        size: (info.size > current).then_some(info.size),
     })?;
-    if rec.health != Health::Alive {
-        rec.health = Health::Alive;
+    // The record follows: the next reconnect goes where this one went.
+    if rec.health != Health::Alive || rec.uri != uri || rec.backend != backend {
+        (rec.health, rec.uri, rec.backend) = (Health::Alive, uri, backend);
         rec.store(run_dir)?;
     }
     Ok(())
@@ -605,6 +640,12 @@ fn spawn_reconnect(run_dir: &Path, index: u32, retry: Duration, busy: &Busy, dea
     }
 }
 
+/// The device at `rec.index` is still attached with `rec`'s backend, and its record is
+/// still `rec`'s (same export).
+fn same_device(run_dir: &Path, rec: &Record) -> bool {
+    live_record(run_dir, rec.index).is_ok_and(|r| r.backend == rec.backend && r.uri == rec.uri)
+}
+
 fn reconnect_until_done(run_dir: &Path, index: u32, retry: Duration, dead: bool) {
     let mut wait = retry;
     let mut marked = false;
@@ -630,7 +671,12 @@ fn reconnect_until_done(run_dir: &Path, index: u32, retry: Duration, dead: bool)
                 }
                 return;
             }
-            Err(AttachError::Export(why)) => {
+            Err(AttachError::Fenced(why)) => {
+                // Still the device the record was read for? (It may have been detached
+                // and another volume attached at its index meanwhile.)
+                if !same_device(run_dir, &rec) {
+                    return;
+                }
                 tracing::error!(index, "{why}; detaching /dev/nbd{index}");
                 let mut fenced = rec.clone();
                 fenced.health = Health::Fenced(why);
@@ -644,7 +690,7 @@ fn reconnect_until_done(run_dir: &Path, index: u32, retry: Duration, dead: bool)
                 // After the watcher's start as after a link-dead message: a device
                 // whose export does not answer is taken for dead, its connections
                 // may have died while no watcher ran.
-                if !marked {
+                if !marked && same_device(run_dir, &rec) {
                     tracing::warn!(index, error = %e, "reconnecting /dev/nbd{index}");
                     let mut r = rec.clone();
                     r.health = Health::Reconnecting(now());

@@ -70,10 +70,14 @@ impl<R: ExportRegistry> Server<R> {
     }
 
     /// Starts a soft shutdown of every open connection (NBD proto.md, "Terminating the
-    /// transmission phase"): requests already in flight are answered as usual, each
-    /// request received from now on gets `NBD_ESHUTDOWN` (as does one still waiting for
-    /// its share of the memory budget: it has not run), and a connection is closed
-    /// when its client disconnects or [`ServerConfig::shutdown_grace`] has passed.
+    /// transmission phase"): requests already in flight are answered as usual; with
+    /// [`crate::SoftDisconnect::Close`] (the default) no more are read, one not yet run
+    /// (still waiting for its share of the memory budget, or for the rest of its
+    /// payload) is neither run nor answered, and the connection closes once those in
+    /// flight are answered; with [`crate::SoftDisconnect::Eshutdown`] each request
+    /// received from now on (and one not yet run) gets `NBD_ESHUTDOWN`, and a
+    /// connection is closed when its client disconnects or
+    /// [`ServerConfig::shutdown_grace`] has passed.
     /// Connections still in the handshake are unaffected (they end with it or with
     /// the handshake timeout). Stop the listeners first: this does not.
     pub fn shut_down(&self) {

@@ -580,6 +580,11 @@ impl<E: Export, R: AsyncRead + Unpin> RequestReader<'_, E, R> {
             Ok(()) => {}
             Err(Interrupted::Gone) => return Err(Intake::Stop(Ok(()))),
             Err(Interrupted::Failed(e)) => return Err(Intake::Stop(Err(e))),
+            // Not run and not answered: a reconnecting client sends it again.
+            Err(Interrupted::ShuttingDown { .. }) if self.config.soft_disconnect == SoftDisconnect::Close => {
+                tracing::info!("closing a connection: the server is shutting down");
+                return Err(Intake::Stop(Ok(())));
+            }
             // The rest of the payload is read and dropped, and the WRITE not run.
             Err(Interrupted::ShuttingDown { received }) => {
                 self.begin_closing();

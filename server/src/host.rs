@@ -179,6 +179,7 @@ impl Host {
         // Listen first, so a busy port or socket leaves no new pool file behind.
         let Listeners { tcp, metrics: metrics_listener, unix, mgmt: mgmt_listener, api, nbd_socket, mgmt_socket } =
             Listeners::bind(&opts, &dataplane).await?;
+        let pool_existed = pool_path.exists();
         let p = pool_path.clone();
         let format = opts.format;
         let pool = dataplane
@@ -200,7 +201,9 @@ impl Host {
                 return Err(anyhow::anyhow!("pool {}: {e}", pool_path.display()));
             }
         };
-        let generation = match CrashGenerationFile::start(data_dir, &pool.status().uuid) {
+        // Opening with accepted losses drops committed writes: a new generation as well.
+        let lossy = opts.accept_log_loss || opts.accept_superblock_rollback;
+        let generation = match CrashGenerationFile::start(data_dir, &pool.status().uuid, pool_existed, lossy) {
             Ok(g) => g,
             Err(e) => {
                 let _ = std::fs::remove_file(&nbd_socket);
@@ -344,8 +347,9 @@ impl Host {
     }
 
     /// Stops serving: the listeners close, connections get a soft disconnect (requests
-    /// in flight are answered, new ones get `NBD_ESHUTDOWN`, each connection closes when
-    /// its client leaves or the shutdown grace ends), the management API stops, and the
+    /// in flight are answered, the rest are left to a reconnecting client unless
+    /// `--soft-disconnect eshutdown`; see [`nbd::Server::shut_down`]), the management
+    /// API stops, and the
     /// pool is flushed and closed with a checkpoint; the sockets' files are removed.
     ///
     /// Errors: the final checkpoint failed (the log still holds every commit).
@@ -368,14 +372,20 @@ impl Host {
         }
         let _ = std::fs::remove_file(&self.nbd_socket);
         let _ = std::fs::remove_file(&self.mgmt_socket);
-        if let Err(e) = self.pool.flush().await {
-            tracing::error!(error = %e, "final flush failed");
-        }
+        let flushed = match self.pool.flush().await {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::error!(error = %e, "final flush failed");
+                false
+            }
+        };
         let pool = self.pool;
         tokio::task::spawn_blocking(move || pool.close()).await??;
         // Every acknowledged write is in the pool's metadata now: the next start keeps
-        // the generation.
-        self.generation.stopped_cleanly()?;
+        // the generation (not after a failed flush: what it lost is unknown).
+        if flushed {
+            self.generation.stopped_cleanly()?;
+        }
         self.dataplane.stop();
         tracing::info!("pool closed cleanly");
         Ok(())
@@ -385,9 +395,11 @@ impl Host {
 /// `<data_dir>/crash-generation`: the pool's crash generation and whether a server
 /// runs on it (`running`) or stopped cleanly (`stopped`). A start that finds `running`
 /// (the last server crashed or was killed) takes the next generation: writes it
-/// acknowledged without a flush may be gone, and reconnecting clients must know. A
-/// missing file starts at generation 0; a file of another pool (the pool was replaced)
-/// starts over from the old number plus one.
+/// acknowledged without a flush may be gone, and reconnecting clients must know. So does
+/// a start that accepts a damaged log or superblock. A missing file starts a new pool at
+/// generation 0, and an existing pool (its file lost) at a random generation of 2^62 or
+/// more, which no client can have seen; a file of another pool (the pool was replaced)
+/// goes on from the old number plus one.
 struct CrashGenerationFile {
     path: PathBuf,
     current: nbd::client::CrashGeneration,
@@ -398,7 +410,7 @@ impl CrashGenerationFile {
     /// (written and synced before any client is served).
     ///
     /// Errors: the file cannot be written or synced, or holds something else.
-    fn start(data_dir: &Path, pool_uuid: &str) -> anyhow::Result<CrashGenerationFile> {
+    fn start(data_dir: &Path, pool_uuid: &str, pool_existed: bool, lossy: bool) -> anyhow::Result<CrashGenerationFile> {
         let path = data_dir.join("crash-generation");
         let pool: String =
             pool_uuid.chars().filter(char::is_ascii_hexdigit).take(12).collect::<String>().to_lowercase();
@@ -409,13 +421,18 @@ impl CrashGenerationFile {
                 else {
                     anyhow::bail!("{} holds {text:?}, not \"POOL.GENERATION running|stopped\"", path.display());
                 };
-                if g.pool != pool || state != "stopped" {
+                if g.pool != pool || state != "stopped" || lossy {
                     g.generation + 1
                 } else {
                     g.generation
                 }
             }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && !pool_existed => 0,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                use std::hash::{BuildHasher, Hasher};
+                let random = std::collections::hash_map::RandomState::new().build_hasher().finish();
+                (1 << 62) | (random >> 2)
+            }
             Err(e) => return Err(anyhow::anyhow!("read {}: {e}", path.display())),
         };
         let file = CrashGenerationFile { path, current: nbd::client::CrashGeneration { pool, generation } };

@@ -38,8 +38,10 @@ fn wait_tcp(port: u16, what: &str) {
 /// over it on TCP; both killed on drop.
 struct HostSide {
     dir: PathBuf,
+    port: u16,
     controller_port: u16,
-    children: Vec<Child>,
+    server: Option<Child>,
+    controller: Child,
     _tmp: tempfile::TempDir,
 }
 
@@ -50,21 +52,7 @@ impl HostSide {
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path().join("data");
         let port = free_port();
-        let server = Command::new(BIN)
-            .arg("--data-dir")
-            .arg(&dir)
-            .args(["serve", "--pool-size", "8GiB", "--listen", &format!("127.0.0.1:{port}")])
-            .args(["--advertise", &format!("10.0.2.2:{port}"), "--nbd-access", "attached"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap();
-        wait_tcp(port, "the storage host");
-        let t = Instant::now();
-        while !dir.join("ferrovol.sock").exists() {
-            assert!(t.elapsed() < Duration::from_secs(30), "no management socket");
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        let server = spawn_server(&dir, port);
         let config = tmp.path().join("csi.toml");
         let api = format!("unix://{}", dir.join("ferrovol.sock").display());
         std::fs::write(&config, format!("[[host]]\nname = \"host-a\"\napi = \"{api}\"\n")).unwrap();
@@ -78,7 +66,26 @@ impl HostSide {
             .spawn()
             .unwrap();
         wait_tcp(controller_port, "the CSI controller");
-        HostSide { dir, controller_port, children: vec![server, controller], _tmp: tmp }
+        HostSide { dir, port, controller_port, server: Some(server), controller, _tmp: tmp }
+    }
+
+    /// Stops the storage host: SIGTERM (a clean stop) or SIGKILL.
+    fn stop_server(&mut self, clean: bool) {
+        if let Some(mut s) = self.server.take() {
+            if clean {
+                Command::new("kill").arg("-TERM").arg(s.id().to_string()).status().unwrap();
+                assert!(s.wait().unwrap().success(), "clean shutdown");
+            } else {
+                s.kill().unwrap();
+                s.wait().unwrap();
+            }
+        }
+    }
+
+    /// Starts the storage host again on its data dir and port.
+    fn start_server(&mut self) {
+        assert!(self.server.is_none());
+        self.server = Some(spawn_server(&self.dir, self.port));
     }
 
     /// The ferrovol binary without its debug info, for the guest's RAM.
@@ -90,11 +97,35 @@ impl HostSide {
     }
 }
 
+/// `ferrovol serve` on `dir`: NBD on `port`, advertised to the guest as 10.0.2.2, keys
+/// required; returns once it serves.
+fn spawn_server(dir: &Path, port: u16) -> Child {
+    let _ = std::fs::remove_file(dir.join("ferrovol.sock"));
+    let server = Command::new(BIN)
+        .arg("--data-dir")
+        .arg(dir)
+        .args(["serve", "--pool-size", "8GiB", "--listen", &format!("127.0.0.1:{port}")])
+        .args(["--advertise", &format!("10.0.2.2:{port}"), "--nbd-access", "attached"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    wait_tcp(port, "the storage host");
+    let t = Instant::now();
+    while !dir.join("ferrovol.sock").exists() {
+        assert!(t.elapsed() < Duration::from_secs(30), "no management socket");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    server
+}
+
 impl Drop for HostSide {
     fn drop(&mut self) {
-        for c in &mut self.children {
-            let _ = c.kill();
-            let _ = c.wait();
+        let _ = self.controller.kill();
+        let _ = self.controller.wait();
+        if let Some(s) = self.server.as_mut() {
+            let _ = s.kill();
+            let _ = s.wait();
         }
     }
 }
@@ -166,6 +197,67 @@ fn csi_node_flow_in_the_kernel_vm() {
     print!("{}", String::from_utf8_lossy(&out.stdout));
     eprint!("{}", String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "guest-csi-flow.sh failed with {} (see above)", out.status);
+}
+
+/// The node plugin and the storage host restarting under a mounted, written volume, in
+/// the guest (`guest_side::guest_side_restarts`, asking the host for server restarts
+/// through the shared folder): the node plugin killed with SIGKILL and started again
+/// while a writer fsyncs files (no I/O error; the new plugin finds the volume from the
+/// kernel and mountinfo); a clean restart of the storage host (no I/O error: the watcher
+/// reconnects); the storage host down for longer than the dead timeout (the writer gets
+/// EIO, the volume condition is abnormal, unpublish and unstage still work, and a new
+/// stage finds every fsynced file); and a SIGKILL of the storage host (the device is
+/// fenced, the condition says why, and a new stage finds every fsynced file).
+#[test]
+fn csi_node_keeps_volumes_through_restarts_in_the_kernel_vm() {
+    let mut host = HostSide::start();
+    let share = host.dir.with_file_name("share");
+    std::fs::create_dir_all(&share).unwrap();
+    let bin = host.stripped_bin();
+    let me = host.dir.with_file_name("csi-flow");
+    let st = Command::new("objcopy")
+        .args(["--strip-debug", std::env::current_exe().unwrap().to_str().unwrap(), me.to_str().unwrap()])
+        .status()
+        .unwrap();
+    assert!(st.success(), "objcopy --strip-debug");
+    let mut vm = Command::new("bash")
+        .arg(nbd_vm())
+        .args(["-t", "1200", "-s", share.to_str().unwrap()])
+        .args(["-f", &format!("{}:/usr/bin/ferrovol", bin.display())])
+        .args(["-f", &format!("{}:/usr/bin/csi-flow", me.display())])
+        .args(["-e", &format!("CONTROLLER_PORT={}", host.controller_port)])
+        .args(["-e", "DEAD_TIMEOUT=5", "-e", "FLOW=guest_side::guest_side_restarts"])
+        .arg(guest("guest-csi-flow.sh"))
+        .spawn()
+        .unwrap();
+    // The guest's requests: req-N-ACTION, answered with ack-N once done.
+    let mut n = 1;
+    let status = loop {
+        if let Some(st) = vm.try_wait().unwrap() {
+            break st;
+        }
+        for action in ["restart", "stop", "start", "kill"] {
+            if share.join(format!("req-{n}-{action}")).exists() {
+                match action {
+                    "restart" => {
+                        host.stop_server(true);
+                        host.start_server();
+                    }
+                    "stop" => host.stop_server(true),
+                    "start" => host.start_server(),
+                    _ => {
+                        host.stop_server(false);
+                        host.start_server();
+                    }
+                }
+                std::fs::write(share.join(format!("ack-{n}")), b"").unwrap();
+                n += 1;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(status.success(), "guest-csi-flow.sh (restarts) failed with {status} (see above)");
+    assert_eq!(n, 5, "the guest asked for {} server actions, not 4", n - 1);
 }
 
 mod guest_side {
@@ -517,6 +609,187 @@ mod guest_side {
         assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
         assert!(devices_of(&s.id).is_empty());
         eprintln!("flow ok");
+    }
+
+    /// Asks the host to act on the storage host (`restart`: SIGTERM and start, `stop`:
+    /// SIGTERM, `start`, `kill`: SIGKILL and start) and waits until it has.
+    fn host_do(n: u32, action: &str) {
+        eprintln!("   (host: {action})");
+        std::fs::write(format!("/mnt/host/req-{n}-{action}"), b"").unwrap();
+        let t = std::time::Instant::now();
+        while !Path::new(&format!("/mnt/host/ack-{n}")).exists() {
+            assert!(t.elapsed() < std::time::Duration::from_secs(120), "the host never did {action}");
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    }
+
+    /// Writes and fsyncs 256 KiB files `w{i}` in `dir` until stopped or until one fails;
+    /// the checksum list of those fsynced, and the first error.
+    /// The files fsynced (name and content), and the first error.
+    type Written = (Vec<(String, Vec<u8>)>, Option<String>);
+
+    struct Writer {
+        stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+        done: std::sync::Arc<std::sync::Mutex<Written>>,
+        thread: Option<std::thread::JoinHandle<()>>,
+    }
+
+    impl Writer {
+        fn start(dir: &str, from: usize) -> Writer {
+            let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let done: std::sync::Arc<std::sync::Mutex<Written>> = Default::default();
+            let (s, d, dir) = (stop.clone(), done.clone(), dir.to_string());
+            let thread = std::thread::spawn(move || {
+                let mut i = from;
+                while !s.load(std::sync::atomic::Ordering::SeqCst) {
+                    let name = format!("w{i}");
+                    let data = pattern(i as u8, 256 << 10);
+                    let r = std::fs::File::create(format!("{dir}/{name}"))
+                        .and_then(|mut f| f.write_all(&data).and_then(|()| f.sync_all()));
+                    let mut g = d.lock().unwrap();
+                    match r {
+                        Ok(()) => g.0.push((name, data)),
+                        Err(e) => {
+                            g.1 = Some(format!("{name}: {e}"));
+                            return;
+                        }
+                    }
+                    drop(g);
+                    i += 1;
+                }
+            });
+            Writer { stop, done, thread: Some(thread) }
+        }
+
+        fn count(&self) -> usize {
+            self.done.lock().unwrap().0.len()
+        }
+
+        fn error(&self) -> Option<String> {
+            self.done.lock().unwrap().1.clone()
+        }
+
+        /// Waits for `more` files more, failing on an error.
+        fn wait_more(&self, more: usize) {
+            let want = self.count() + more;
+            let t = std::time::Instant::now();
+            while self.count() < want {
+                assert_eq!(self.error(), None, "the writer failed");
+                assert!(t.elapsed() < std::time::Duration::from_secs(180), "the writer made no progress");
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+        }
+
+        fn finish(mut self) -> Written {
+            self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+            let _ = self.thread.take().unwrap().join();
+            self.done.lock().unwrap().clone()
+        }
+    }
+
+    /// Kills the node plugin with SIGKILL and starts it again (as its DaemonSet would).
+    async fn restart_node_plugin(co: &mut Co) {
+        let pid = std::fs::read_to_string("/tmp/node.pid").unwrap();
+        let st = std::process::Command::new("kill").args(["-9", pid.trim()]).status().unwrap();
+        assert!(st.success());
+        let _ = std::fs::remove_file("/tmp/csi/node.sock");
+        let st = std::process::Command::new("sh")
+            .args(["-c", "ferrovol csi node --endpoint unix:///tmp/csi/node.sock --node-name vm-node --dead-timeout \"${DEAD_TIMEOUT:-120}\" >>/tmp/node.log 2>&1 & echo $! > /tmp/node.pid"])
+            .status()
+            .unwrap();
+        assert!(st.success());
+        let t = std::time::Instant::now();
+        while !Path::new("/tmp/csi/node.sock").exists() {
+            assert!(t.elapsed() < std::time::Duration::from_secs(30), "the node plugin did not come back");
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        *co = Co::connect().await;
+    }
+
+    async fn condition(co: &mut Co, v: &Vol) -> pb::VolumeCondition {
+        co.node
+            .node_get_volume_stats(pb::NodeGetVolumeStatsRequest {
+                volume_id: v.id.clone(),
+                volume_path: v.target.clone(),
+                staging_target_path: v.staging.clone(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .volume_condition
+            .unwrap()
+    }
+
+    fn verify(v: &Vol, files: &[(String, Vec<u8>)]) {
+        for (name, data) in files {
+            let got = std::fs::read(format!("{}/{name}", v.target)).unwrap_or_default();
+            assert!(got == *data, "{name} differs after the restart");
+        }
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    #[ignore = "runs inside the kernel VM, started by csi_node_keeps_volumes_through_restarts_in_the_kernel_vm"]
+    async fn guest_side_restarts() {
+        let mut co = Co::connect().await;
+        let mut v = co.create("restarts", 256 * MIB, mount_cap("ext4"), None).await;
+        co.up(&mut v).await;
+
+        eprintln!("== the node plugin killed and started again under a writer");
+        let w = Writer::start(&v.target, 0);
+        w.wait_more(3);
+        restart_node_plugin(&mut co).await;
+        w.wait_more(3);
+        assert!(!condition(&mut co, &v).await.abnormal);
+        // The restarted plugin knows the volume: its calls are idempotent.
+        co.stage(&v).await.unwrap();
+        co.publish(&v).await;
+
+        eprintln!("== a clean restart of the storage host under the writer");
+        host_do(1, "restart");
+        w.wait_more(3);
+        let (mut synced, err) = w.finish();
+        assert_eq!(err, None);
+        assert!(!condition(&mut co, &v).await.abnormal);
+
+        eprintln!("== the storage host down for longer than the dead timeout");
+        host_do(2, "stop");
+        let w = Writer::start(&v.target, 1000);
+        let t = std::time::Instant::now();
+        while w.error().is_none() {
+            assert!(t.elapsed() < std::time::Duration::from_secs(120), "no I/O error with the storage host down");
+            std::thread::sleep(std::time::Duration::from_millis(200));
+        }
+        let (more, err) = w.finish();
+        eprintln!("   writer: {}", err.unwrap());
+        synced.extend(more);
+        let c = condition(&mut co, &v).await;
+        assert!(c.abnormal && c.message.contains("dead"), "{c:?}");
+        host_do(3, "start");
+        co.down(&v).await;
+        co.up(&mut v).await;
+        verify(&v, &synced);
+        assert!(!condition(&mut co, &v).await.abnormal);
+
+        eprintln!("== SIGKILL of the storage host: fenced, then staged again");
+        let w = Writer::start(&v.target, 2000);
+        w.wait_more(2);
+        host_do(4, "kill");
+        let t = std::time::Instant::now();
+        loop {
+            let c = condition(&mut co, &v).await;
+            if c.abnormal && c.message.contains("crash") {
+                break;
+            }
+            assert!(t.elapsed() < std::time::Duration::from_secs(120), "not fenced: {c:?}");
+            std::thread::sleep(std::time::Duration::from_millis(300));
+        }
+        let (more, _) = w.finish();
+        synced.extend(more);
+        co.down(&v).await;
+        co.up(&mut v).await;
+        verify(&v, &synced);
+        co.down(&v).await;
+        eprintln!("restarts ok");
     }
 
     /// NBD devices attached for CSI volume `id`.

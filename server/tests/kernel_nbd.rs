@@ -316,7 +316,8 @@ fn ferrovol_nbd_watch_reconnects_within_a_crash_generation_and_fences_across() {
     let attached = ["--nbd-access", "attached"];
     let mut server = start_with(&dir, port, &attached);
     cli(&dir, &["volume", "create", "kvol", "--size", "256MiB"]);
-    cli(&dir, &["volume", "create", "other", "--size", "64MiB"]);
+    // Larger than kvol will grow to: the kernel, not a size check, refuses the reconnect.
+    cli(&dir, &["volume", "create", "other", "--size", "512MiB"]);
     let a: serde_json::Value =
         serde_json::from_str(&cli(&dir, &["volume", "publish", "kvol", "--node", "vm-node", "--json"])).unwrap();
     let export = a["export_name"].as_str().unwrap().to_owned();
