@@ -48,8 +48,13 @@ fn unescape(s: &str) -> String {
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
     while i < b.len() {
-        if b[i] == b'\\' && i + 3 < b.len() && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c)) {
-            out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
+        let octal = (b[i] == b'\\' && i + 4 <= b.len())
+            .then(|| &b[i + 1..i + 4])
+            .filter(|d| d.iter().all(|c| (b'0'..=b'7').contains(c)))
+            .map(|d| d.iter().fold(0u16, |v, c| v * 8 + u16::from(c - b'0')))
+            .and_then(|v| u8::try_from(v).ok());
+        if let Some(byte) = octal {
+            out.push(byte);
             i += 4;
         } else {
             out.push(b[i]);
@@ -234,5 +239,8 @@ mod tests {
         assert_eq!(m[2].device(), Some(PathBuf::from("/dev/nbd0")));
         assert_eq!(mount_at(&m, Path::new("/staging/")).map(|m| m.fs_type), Some("xfs".to_string()));
         assert_eq!(mount_at(&m, Path::new("/nothing")), None);
+        // Not octal, or past a byte: kept as written; a trailing backslash too.
+        assert_eq!(unescape("a\\777b\\09x\\"), "a\\777b\\09x\\");
+        assert_eq!(unescape("\\134\\011"), "\\\t");
     }
 }

@@ -258,9 +258,9 @@ impl Record {
         let path = Record::path(run_dir, self.index);
         let err = |source| AttachError::Record { path: path.display().to_string(), source };
         std::fs::DirBuilder::new().recursive(true).mode(0o700).create(run_dir).map_err(err)?;
-        let tmp = run_dir.join(format!(".nbd{}.{}", self.index, std::process::id()));
-        let mut f =
-            std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp).map_err(err)?;
+        // A new file of our own (never one planted there, nor a symlink), made 0600.
+        let tmp = run_dir.join(format!(".nbd{}.{}.{}", self.index, std::process::id(), now_nanos()));
+        let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&tmp).map_err(err)?;
         f.write_all(self.encode().as_bytes()).map_err(err)?;
         drop(f);
         std::fs::rename(&tmp, &path).map_err(err)
@@ -270,6 +270,10 @@ impl Record {
     pub fn remove(run_dir: &Path, index: u32) {
         let _ = std::fs::remove_file(Record::path(run_dir, index));
     }
+}
+
+fn now_nanos() -> u128 {
+    SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_nanos())
 }
 
 fn now() -> u64 {
@@ -591,10 +595,19 @@ pub fn watch(run_dir: &Path, retry: Duration) -> Result<(), AttachError> {
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "link-dead messages lost; looking at every device");
-                    std::thread::sleep(Duration::from_secs(1));
-                    match kernel::LinkDeadEvents::subscribe() {
-                        Ok(ev) => events = ev,
-                        Err(e) => tracing::error!(error = %e, "cannot subscribe again"),
+                    // Subscribe again (waiting longer after each failure), then look at
+                    // every device once: messages may have been lost meanwhile.
+                    let mut wait = Duration::from_secs(1);
+                    loop {
+                        std::thread::sleep(wait);
+                        match kernel::LinkDeadEvents::subscribe() {
+                            Ok(ev) => {
+                                events = ev;
+                                break;
+                            }
+                            Err(e) => tracing::error!(error = %e, "cannot subscribe again"),
+                        }
+                        wait = (wait * 2).min(Duration::from_secs(60));
                     }
                     if tx.send(None).is_err() {
                         return;
