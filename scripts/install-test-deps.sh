@@ -2,13 +2,14 @@
 # Installs what the test suite needs on a fresh Debian machine (idempotent):
 #   Debian packages: the NBD peers the tests drive (qemu-utils: qemu-io, qemu-img;
 #   libnbd-bin: nbdinfo, nbdcopy, nbdsh; python3-libnbd; fio with its nbd engine;
-#   nbdkit and nbd-server for the peer comparison), cargo-nextest, rustfmt and clippy,
+#   nbdkit and nbd-server for the peer comparison; python3-venv for the manifests'
+#   validator), cargo-nextest, rustfmt and clippy,
 #   and the kernel VM of ../shared/tools/nbd-vm (a stock Debian kernel with nbd.ko,
 #   booted in QEMU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SUDO=; [ "$(id -u)" = 0 ] || SUDO=sudo
-PKGS=(qemu-utils libnbd-bin python3-libnbd fio nbdkit nbd-server)
+PKGS=(qemu-utils libnbd-bin python3-libnbd fio nbdkit nbd-server python3-venv)
 missing=()
 for p in "${PKGS[@]}"; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

@@ -3,7 +3,8 @@
 # whole workspace's suite (engine property tests, NBD protocol tests, integration
 # tests against qemu-io/qemu-img/nbdinfo/nbdcopy/nbdsh/fio, kill -9 crash tests, the
 # shared NBD interoperability checklist, and the Linux kernel NBD client in a VM), then
-# the deterministic concurrency checks of the engine's sharing state machine (shuttle).
+# the deterministic concurrency checks of the engine's sharing state machine (shuttle),
+# and the Kubernetes manifests checked offline (scripts/validate-k8s.sh).
 # Formatting (rustfmt) and lints (clippy, warnings as errors) are checked first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +14,8 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 cargo build --workspace --all-targets
 status=0
+# The Kubernetes manifests, offline (schemas, flags against the binary just built).
+bash scripts/validate-k8s.sh target/debug/ferrovol || status=$?
 cargo nextest run --workspace --profile ci --no-fail-fast "$@" || status=$?
 # The deterministic concurrency checks of the sharing state machine: the engine built
 # on shuttle's atomics (a build of its own), explored by shuttle's schedulers.

@@ -1,0 +1,182 @@
+#!/usr/bin/env python3
+"""Offline checks of deploy/kubernetes: usage: validate.py DEPLOY_DIR FERROVOL_BINARY.
+
+1. Every document of every manifest validates against the Kubernetes API's OpenAPI
+   schemas (kubernetes-validate, strict: no unknown fields) for each version in
+   K8S_VERSIONS; the snapshot API's kinds (CRDs, not in those schemas) against the
+   required fields and enums of snapshot.storage.k8s.io/v1.
+2. kustomization.yaml lists every manifest of the directory, and only those.
+3. Every flag a manifest passes to ferrovol exists in the real binary's --help for that
+   command; every sidecar flag is in the list pinned below for its image's version.
+4. Sidecar images are the pinned releases (CSI spec v1.12 and older); the node plugin
+   mounts every path it uses, with Bidirectional propagation for the kubelet's.
+Prints one line per failure and exits 1 if any.
+"""
+import glob
+import os
+import re
+import subprocess
+import sys
+
+import kubernetes_validate
+import yaml
+
+K8S_VERSIONS = ["1.31.0", "1.34.0"]
+
+# Sidecar releases for CSI spec 1.12 (kubernetes-csi's release notes), and the flags we
+# use of each.
+SIDECARS = {
+    "registry.k8s.io/sig-storage/csi-provisioner:v5.2.0": {
+        "--csi-address", "--feature-gates", "--extra-create-metadata", "--leader-election",
+        "--default-fstype", "--timeout",
+    },
+    "registry.k8s.io/sig-storage/csi-attacher:v4.8.1": {"--csi-address", "--leader-election", "--timeout"},
+    "registry.k8s.io/sig-storage/csi-resizer:v1.13.2": {"--csi-address", "--leader-election", "--timeout"},
+    "registry.k8s.io/sig-storage/csi-snapshotter:v8.2.1": {
+        "--csi-address", "--leader-election", "--extra-create-metadata", "--timeout",
+    },
+    "registry.k8s.io/sig-storage/csi-node-driver-registrar:v2.13.0": {
+        "--csi-address", "--kubelet-registration-path",
+    },
+    "registry.k8s.io/sig-storage/livenessprobe:v2.15.0": {"--csi-address", "--http-endpoint"},
+}
+
+# Paths the node plugin and the watcher use on the host.
+NODE_PATHS = {"/var/lib/kubelet", "/dev", "/sys", "/lib/modules", "/run/ferrovol/nbd", "/csi"}
+WATCH_PATHS = {"/dev", "/sys", "/run/ferrovol/nbd"}
+
+failures = []
+
+
+def fail(where, why):
+    failures.append(f"{where}: {why}")
+
+
+def check_snapshot_kind(where, doc):
+    kind = doc.get("kind")
+    if doc.get("apiVersion") != "snapshot.storage.k8s.io/v1":
+        fail(where, f"{kind}: apiVersion {doc.get('apiVersion')!r}, not snapshot.storage.k8s.io/v1")
+    if not doc.get("metadata", {}).get("name"):
+        fail(where, f"{kind} without metadata.name")
+    if kind == "VolumeSnapshotClass":
+        allowed = {"apiVersion", "kind", "metadata", "driver", "deletionPolicy", "parameters"}
+        for k in set(doc) - allowed:
+            fail(where, f"VolumeSnapshotClass: unknown field {k!r}")
+        if not doc.get("driver"):
+            fail(where, "VolumeSnapshotClass: driver is required")
+        if doc.get("deletionPolicy") not in ("Delete", "Retain"):
+            fail(where, "VolumeSnapshotClass: deletionPolicy must be Delete or Retain")
+    elif kind == "VolumeSnapshot":
+        spec = doc.get("spec") or {}
+        for k in set(spec) - {"source", "volumeSnapshotClassName"}:
+            fail(where, f"VolumeSnapshot: unknown field spec.{k}")
+        src = spec.get("source") or {}
+        given = [k for k in ("persistentVolumeClaimName", "volumeSnapshotContentName") if src.get(k)]
+        if len(given) != 1 or set(src) - {"persistentVolumeClaimName", "volumeSnapshotContentName"}:
+            fail(where, "VolumeSnapshot: spec.source needs exactly one of persistentVolumeClaimName, "
+                        "volumeSnapshotContentName")
+    else:
+        fail(where, f"unknown snapshot kind {kind}")
+
+
+def ferrovol_help(binary, words):
+    out = subprocess.run([binary, *words, "--help"], capture_output=True, text=True)
+    if out.returncode != 0:
+        return None
+    return set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", out.stdout))
+
+
+def check_ferrovol_args(where, binary, args):
+    # Global flags (before the subcommand) and the subcommand's words.
+    globals_, words, flags = [], [], []
+    for a in args:
+        if a.startswith("--"):
+            (flags if words else globals_).append(a.split("=", 1)[0])
+        elif not flags:
+            words.append(a)
+    top = ferrovol_help(binary, [])
+    sub = ferrovol_help(binary, words)
+    if sub is None:
+        fail(where, f"ferrovol {' '.join(words)} is not a command")
+        return
+    for g in globals_:
+        if g not in (top or set()):
+            fail(where, f"ferrovol has no global flag {g}")
+    for f in flags:
+        if f not in sub:
+            fail(where, f"ferrovol {' '.join(words)} has no flag {f}")
+
+
+def containers(doc):
+    spec = doc.get("spec", {}).get("template", {}).get("spec", {})
+    return spec, spec.get("containers", [])
+
+
+def main():
+    deploy, binary = sys.argv[1], sys.argv[2]
+    files = sorted(glob.glob(os.path.join(deploy, "**", "*.yaml"), recursive=True))
+    kustomization = os.path.join(deploy, "kustomization.yaml")
+    manifests = [f for f in files if f != kustomization]
+    with open(kustomization) as k:
+        listed = yaml.safe_load(k)["resources"]
+    top_level = sorted(os.path.relpath(f, deploy) for f in manifests if os.path.dirname(f) == deploy.rstrip("/"))
+    if sorted(listed) != top_level:
+        fail("kustomization.yaml", f"resources {sorted(listed)} differ from the manifests {top_level}")
+    checked = 0
+    for path in manifests:
+        with open(path) as fh:
+            docs = [d for d in yaml.safe_load_all(fh) if d]
+        for i, doc in enumerate(docs):
+            where = f"{os.path.relpath(path, deploy)}#{i} {doc.get('kind')}/{doc.get('metadata', {}).get('name')}"
+            checked += 1
+            if doc.get("apiVersion", "").startswith("snapshot.storage.k8s.io/"):
+                check_snapshot_kind(where, doc)
+                continue
+            for v in K8S_VERSIONS:
+                try:
+                    kubernetes_validate.validate(doc, v, strict=True)
+                except kubernetes_validate.ValidationError as e:
+                    fail(where, f"Kubernetes {v}: {e.message} at {'.'.join(str(p) for p in e.path)}")
+                except kubernetes_validate.SchemaNotFoundError as e:
+                    fail(where, f"Kubernetes {v}: no schema ({e})")
+            spec, cs = containers(doc)
+            volumes = {v["name"]: v for v in spec.get("volumes", [])}
+            for c in cs:
+                cw = f"{where} container {c['name']}"
+                image = c.get("image", "")
+                if image == "ferrovol":
+                    check_ferrovol_args(cw, binary, c.get("args", []))
+                elif image in SIDECARS:
+                    for a in c.get("args", []):
+                        flag = a.split("=", 1)[0]
+                        if flag not in SIDECARS[image]:
+                            fail(cw, f"{flag} is not a flag pinned for {image}")
+                else:
+                    fail(cw, f"image {image!r} is neither ferrovol nor a pinned sidecar release")
+                mounts = {m["mountPath"]: m for m in c.get("volumeMounts", [])}
+                for m in mounts.values():
+                    if m["name"] not in volumes:
+                        fail(cw, f"mounts volume {m['name']!r}, which the pod does not have")
+                args = c.get("args", [])
+                if image == "ferrovol" and args[:2] == ["csi", "node"]:
+                    for p in NODE_PATHS - set(mounts):
+                        fail(cw, f"the node plugin uses {p} but does not mount it")
+                    if mounts.get("/var/lib/kubelet", {}).get("mountPropagation") != "Bidirectional":
+                        fail(cw, "the kubelet directory needs mountPropagation: Bidirectional")
+                    if not c.get("securityContext", {}).get("privileged"):
+                        fail(cw, "the node plugin must be privileged")
+                    if not spec.get("hostNetwork"):
+                        fail(cw, "NBD sockets must live in the host's network namespace (hostNetwork)")
+                if image == "ferrovol" and args[:2] == ["nbd", "watch"]:
+                    for p in WATCH_PATHS - set(mounts):
+                        fail(cw, f"the watcher uses {p} but does not mount it")
+                    if not spec.get("hostNetwork"):
+                        fail(cw, "the watcher's sockets must live in the host's network namespace")
+    for f in failures:
+        print(f"FAIL {f}")
+    print(f"k8s manifests: {checked} documents in {len(manifests)} files, {len(failures)} failures")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
