@@ -52,6 +52,9 @@ pub mod publish_context {
     pub const READ_ONLY: &str = "readOnly";
     /// The storage host's name.
     pub const HOST: &str = "host";
+    /// The node the volume is published to: a node plugin refuses a context made for
+    /// another node.
+    pub const NODE_ID: &str = "nodeId";
 }
 
 /// Keys of the volume_context of a created volume.
@@ -637,6 +640,7 @@ impl Controller {
             (publish_context::EXPORT_NAME.to_string(), a.export_name),
             (publish_context::READ_ONLY.to_string(), a.read_only.to_string()),
             (publish_context::HOST.to_string(), h.name().to_string()),
+            (publish_context::NODE_ID.to_string(), r.node_id.clone()),
         ];
         Ok(pb::ControllerPublishVolumeResponse { publish_context: ctx.into_iter().collect() })
     }

@@ -275,6 +275,12 @@ impl Node {
             ));
         }
         let uris = uris(&r.publish_context)?;
+        if let Some(other) = r.publish_context.get(publish_context::NODE_ID).filter(|n| **n != self.node_id()) {
+            return Err(CsiError::new(
+                Code::FailedPrecondition,
+                format!("volume {id} is published to node {other}, not to this one ({})", self.node_id()),
+            ));
+        }
         if !staging.is_dir() && matches!(cap, Cap::Mount { .. }) {
             return Err(CsiError::not_found(format!(
                 "staging_target_path {} is not a directory (the CO makes it)",

@@ -395,6 +395,7 @@ fn publish_opens_the_volume_over_nbd_and_unpublish_cuts_the_node_off() {
             .into_inner()
             .publish_context;
         assert_eq!(ctx["readOnly"], "false");
+        assert_eq!(ctx["nodeId"], "ferrovol:node-1");
         assert_eq!(ctx["nbdAddresses"], format!("127.0.0.1:{}", host.port));
         let export = ctx["exportName"].clone();
         assert!(export.starts_with("pvc-pub/"), "{export}");

@@ -171,9 +171,11 @@ fn csi_sanity_passes_the_node_cases_in_the_kernel_vm() {
 /// the node plugin there and the controller here: a volume created, published, staged
 /// (formatted once), published into a "pod", written, unpublished and unstaged, staged
 /// again and read back; grown online with the file system mounted; a snapshot restored
-/// and a clone, both staged with their data and never formatted; a block volume written
+/// and a clone, both staged with their data and never formatted; a read-only publish
+/// (readable, writes refused); a block volume written
 /// through its target file; a written volume whose file system signature is gone refused,
-/// never formatted; a stale publish_context (after ControllerUnpublish) refused. The host
+/// never formatted; a volume published to another node refused; a stale publish_context
+/// (after ControllerUnpublish) refused. The host
 /// side checks the pool after.
 #[test]
 fn csi_node_flow_in_the_kernel_vm() {
@@ -554,6 +556,42 @@ mod guest_side {
             co.down(v).await;
         }
 
+        eprintln!("== a read-only publish: data readable, writes refused");
+        let mut ro = co.create("flow-ro", 64 * MIB, mount_cap("ext4"), None).await;
+        co.up(&mut ro).await;
+        write_file(&format!("{}/f", ro.target), &data[..1 << 20]);
+        co.down(&ro).await;
+        ro.ctx = co
+            .ctl
+            .controller_publish_volume(pb::ControllerPublishVolumeRequest {
+                volume_id: ro.id.clone(),
+                node_id: co.node_id.clone(),
+                volume_capability: Some(ro.cap.clone()),
+                readonly: true,
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .publish_context;
+        co.stage(&ro).await.unwrap();
+        co.node
+            .node_publish_volume(pb::NodePublishVolumeRequest {
+                volume_id: ro.id.clone(),
+                publish_context: ro.ctx.clone(),
+                staging_target_path: ro.staging.clone(),
+                target_path: ro.target.clone(),
+                volume_capability: Some(ro.cap.clone()),
+                readonly: true,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        assert_eq!(std::fs::read(format!("{}/f", ro.target)).unwrap(), &data[..1 << 20]);
+        let e = std::fs::File::create(format!("{}/g", ro.target)).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::ReadOnlyFilesystem, "{e}");
+        co.down(&ro).await;
+
         eprintln!("== xfs, and a block volume written through its target file");
         let mut x = co.create("flow-xfs", 512 * MIB, mount_cap("xfs"), None).await;
         co.up(&mut x).await;
@@ -599,6 +637,24 @@ mod guest_side {
         let dev = devices_of(&d.id);
         assert!(dev.is_empty(), "a failed stage left {dev:?} attached");
         co.detach(&d).await;
+
+        eprintln!("== a volume published to another node is refused");
+        let mut o = co.create("flow-other", 64 * MIB, mount_cap("ext4"), None).await;
+        o.ctx = co
+            .ctl
+            .controller_publish_volume(pb::ControllerPublishVolumeRequest {
+                volume_id: o.id.clone(),
+                node_id: "ferrovol:other-node".into(),
+                volume_capability: Some(o.cap.clone()),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .publish_context;
+        let e = co.stage(&o).await.unwrap_err();
+        assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+        assert!(devices_of(&o.id).is_empty());
 
         eprintln!("== a stale publish_context (unpublished) is refused");
         let stale = a.ctx.clone();
