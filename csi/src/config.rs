@@ -11,7 +11,7 @@
 //! key = "/etc/ferrovol/controller.key"
 //!
 //! [[host]]
-//! name = "host-a"                          # topology.ferrovol.io/host
+//! name = "host-a"                          # its name in logs and messages
 //! api = "10.0.0.5:7401"                    # HOST:PORT (mutual TLS) or unix:///PATH
 //! zone = "zone-a"                          # topology.ferrovol.io/zone (optional)
 //!

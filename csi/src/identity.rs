@@ -61,17 +61,17 @@ impl pb::identity_server::Identity for Identity {
         Ok(Response::new(pb::GetPluginCapabilitiesResponse { capabilities }))
     }
 
-    /// Ready when at least one storage host answers; each host that does not is logged.
+    /// Ready whenever it answers: the controller serves with no host reachable (calls on
+    /// their volumes are UNAVAILABLE, and the sidecars retry them), and a liveness probe
+    /// that restarted it for an unreachable host would only lose its memory of recent
+    /// creates. Each host that does not answer is logged.
     async fn probe(&self, _req: Request<pb::ProbeRequest>) -> Result<Response<pb::ProbeResponse>, Status> {
-        let mut ready = false;
         for s in self.hosts.survey().await {
-            match s.answer {
-                Ok(_) => ready = true,
-                Err(e) => {
-                    tracing::warn!(host = s.host.name(), error = %e.message, "Probe: storage host does not answer")
-                }
+            if let Err(e) = s.answer {
+                tracing::warn!(host = s.host.name(), error = %e.message, "Probe: storage host does not answer");
             }
         }
+        let ready = true;
         Ok(Response::new(pb::ProbeResponse { ready: Some(ready) }))
     }
 }

@@ -703,11 +703,12 @@ fn a_host_down_is_unavailable_for_its_volumes_and_skipped_for_placement() {
         let got = c.controller_get_volume(get).await.unwrap().into_inner();
         assert_eq!(got.volume.unwrap().volume_id, on_b.volume_id);
         assert_eq!(c.list_volumes(pb::ListVolumesRequest::default()).await.unwrap().into_inner().entries.len(), 2);
-        // Both hosts down: Probe is not ready, creates are UNAVAILABLE.
+        // Both hosts down: creates are UNAVAILABLE; Probe stays ready (a liveness probe
+        // must not restart a controller that only waits for its hosts).
         cl.a.kill9();
         cl.b.kill9();
         let mut id = IdentityClient::new(cl.channel().await);
-        assert_eq!(id.probe(pb::ProbeRequest {}).await.unwrap().into_inner().ready, Some(false));
+        assert_eq!(id.probe(pb::ProbeRequest {}).await.unwrap().into_inner().ready, Some(true));
         assert_eq!(code(create(&mut c, create_req("pvc-nowhere", MIB)).await), Code::Unavailable);
     });
     assert!(cl.log_text().contains("CreateVolume"), "every call is logged:\n{}", cl.log_text());

@@ -9,7 +9,10 @@
 3. Every flag a manifest passes to ferrovol exists in the real binary's --help for that
    command; every sidecar flag is in the list pinned below for its image's version.
 4. Sidecar images are the pinned releases (CSI spec v1.12 and older); the node plugin
-   mounts every path it uses, with Bidirectional propagation for the kubelet's.
+   mounts every path it uses, with Bidirectional propagation for the kubelet's; every
+   file or directory a ferrovol flag names lies in a mounted volume.
+5. The kustomization's generated files exist; the controller's host list (csi.toml)
+   parses, and if its hosts have zones, the node plugin is given one.
 Prints one line per failure and exits 1 if any.
 """
 import glob
@@ -17,6 +20,7 @@ import os
 import re
 import subprocess
 import sys
+import tomllib
 
 import kubernetes_validate
 import yaml
@@ -109,7 +113,19 @@ def check_ferrovol_args(where, binary, args):
 
 def containers(doc):
     spec = doc.get("spec", {}).get("template", {}).get("spec", {})
-    return spec, spec.get("containers", [])
+    return spec, spec.get("containers", []) + spec.get("initContainers", [])
+
+
+# ferrovol flags that name a file or directory of the container.
+PATH_FLAGS = {"--config", "--tls-cert", "--tls-key", "--tls-client-ca", "--run-dir", "--data-dir", "--pool"}
+
+
+def check_paths(where, args, mounts):
+    for a in args:
+        flag, _, value = a.partition("=")
+        if flag in PATH_FLAGS and value.startswith("/"):
+            if not any(value == m or value.startswith(m.rstrip("/") + "/") for m in mounts):
+                fail(where, f"{flag}={value} is in no mounted volume")
 
 
 def main():
@@ -122,6 +138,20 @@ def main():
     top_level = sorted(os.path.relpath(f, deploy) for f in manifests if os.path.dirname(f) == deploy.rstrip("/"))
     if sorted(listed) != top_level:
         fail("kustomization.yaml", f"resources {sorted(listed)} differ from the manifests {top_level}")
+    generated = [f for g in yaml.safe_load(open(kustomization)).get("configMapGenerator", []) for f in g["files"]]
+    zones = False
+    for f in generated:
+        full = os.path.join(deploy, f)
+        if not os.path.exists(full):
+            fail("kustomization.yaml", f"configMapGenerator file {f} is missing")
+        elif f.endswith(".toml"):
+            try:
+                with open(full, "rb") as t:
+                    conf = tomllib.load(t)
+                zones = zones or any("zone" in h for h in conf.get("host", []))
+            except tomllib.TOMLDecodeError as e:
+                fail(f, f"not TOML: {e}")
+    node_args = []
     checked = 0
     for path in manifests:
         with open(path) as fh:
@@ -144,7 +174,9 @@ def main():
             for c in cs:
                 cw = f"{where} container {c['name']}"
                 image = c.get("image", "")
-                if image == "ferrovol":
+                if image == "ferrovol" and c.get("command"):
+                    pass  # a tool of the image (an init step), not the ferrovol binary
+                elif image == "ferrovol":
                     check_ferrovol_args(cw, binary, c.get("args", []))
                 elif image in SIDECARS:
                     for a in c.get("args", []):
@@ -154,6 +186,10 @@ def main():
                 else:
                     fail(cw, f"image {image!r} is neither ferrovol nor a pinned sidecar release")
                 mounts = {m["mountPath"]: m for m in c.get("volumeMounts", [])}
+                if image == "ferrovol":
+                    check_paths(cw, c.get("args", []), mounts)
+                if image == "ferrovol" and c.get("args", [])[:2] == ["csi", "node"]:
+                    node_args.extend(c.get("args", []))
                 for m in mounts.values():
                     if m["name"] not in volumes:
                         fail(cw, f"mounts volume {m['name']!r}, which the pod does not have")
@@ -172,6 +208,9 @@ def main():
                         fail(cw, f"the watcher uses {p} but does not mount it")
                     if not spec.get("hostNetwork"):
                         fail(cw, "the watcher's sockets must live in the host's network namespace")
+    if zones and not any(a.startswith("--zone") for a in node_args):
+        fail("csi.toml", "storage hosts have zones but the node plugin is given none (--zone): every claim would "
+                         "fail to provision")
     for f in failures:
         print(f"FAIL {f}")
     print(f"k8s manifests: {checked} documents in {len(manifests)} files, {len(failures)} failures")
