@@ -92,10 +92,16 @@ pub fn mounts() -> Result<Vec<Mount>, String> {
     std::fs::read_to_string("/proc/self/mountinfo").map(|t| parse_mountinfo(&t)).map_err(|e| format!("mountinfo: {e}"))
 }
 
-/// The topmost mount at `path`, if any.
+/// The topmost mount at `path`, if any. `path` is resolved first when it exists
+/// (mountinfo shows real paths, and a kubelet root may sit behind a symlink).
 pub fn mount_at(all: &[Mount], path: &Path) -> Option<Mount> {
-    let path = normalize(path);
+    let path = resolve(path);
     all.iter().rev().find(|m| m.target == path).cloned()
+}
+
+/// `path` with its symlinks resolved if it exists, else only [`normalize`]d.
+pub fn resolve(path: &Path) -> PathBuf {
+    std::fs::canonicalize(path).unwrap_or_else(|_| normalize(path))
 }
 
 /// `path` without a trailing `/` or `.` parts (no symlinks resolved).

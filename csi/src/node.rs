@@ -95,6 +95,19 @@ impl Node {
         format!("{NODE_ID_PREFIX}{}", self.name)
     }
 
+    /// Runs `f` on the blocking pool without the volume's guard: for calls that change
+    /// nothing (NodeGetVolumeStats), which must not make others ABORTED.
+    async fn run_unguarded<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Node) -> Result<T, CsiError> + Send + 'static,
+    ) -> Result<T, Status> {
+        let node = self.clone();
+        tokio::task::spawn_blocking(move || f(&node))
+            .await
+            .map_err(|e| Status::internal(format!("the call's task failed: {e}")))?
+            .map_err(Status::from)
+    }
+
     /// Runs `f` on the blocking pool holding the volume's in-flight guard.
     async fn run<T: Send + 'static>(
         &self,
@@ -224,7 +237,7 @@ fn device_of(volume_id: &str) -> Result<Option<u32>, CsiError> {
 
 /// Mounts of `dev` other than at `except`.
 fn other_mounts(all: &[Mount], dev: &Path, except: &Path) -> Vec<PathBuf> {
-    let except = mounter::normalize(except);
+    let except = mounter::resolve(except);
     all.iter().filter(|m| m.device().as_deref() == Some(dev) && m.target != except).map(|m| m.target.clone()).collect()
 }
 
@@ -503,7 +516,7 @@ impl Node {
             return Err(CsiError::not_found(format!("volume {id} is not attached on this node")));
         };
         let dev = dev_path(index);
-        if mounter::normalize(path) == dev {
+        if mounter::resolve(path) == dev {
             return Ok((index, None));
         }
         if !path.exists() {
@@ -661,8 +674,7 @@ impl pb::node_server::Node for Node {
         let r = r.into_inner();
         required("volume_id", &r.volume_id)?;
         required("volume_path", &r.volume_path)?;
-        let id = r.volume_id.clone();
-        Ok(Response::new(self.run(&id, move |n| n.stats(r)).await?))
+        Ok(Response::new(self.run_unguarded(move |n| n.stats(r)).await?))
     }
 
     /// The device takes the volume's new size (NBD reconfigure), then its file system
