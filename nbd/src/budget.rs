@@ -9,10 +9,9 @@ use std::sync::Arc;
 
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 
-use crate::config::{ServerConfig, UNMETERED_BYTES_PER_CONNECTION};
+use crate::config::{ServerConfig, BYTE_UNIT, UNMETERED_BYTES_PER_CONNECTION};
 use crate::export::Errno;
-use crate::reply::{Outgoing, Permits};
-use crate::transmission::{Rejection, BYTE_UNIT};
+use crate::reply::{Outgoing, Permits, Rejection};
 
 /// The memory budget shared by every connection of one server
 /// ([`ServerConfig::max_total_in_flight_bytes`]), in units of [`BYTE_UNIT`].

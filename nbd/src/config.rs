@@ -1,5 +1,7 @@
 //! The server's tunables: [`ServerConfig`] (timeouts, connection caps, memory budgets,
-//! shutdown grace) and the per-connection memory allowance. Not here: where they are
+//! shutdown grace), the per-connection memory allowance, and the fixed limits the
+//! budgets and replies are measured in (byte unit, stall chunk, block status
+//! descriptors). Not here: where they are
 //! applied (server.rs, handshake.rs, transmission.rs, budget.rs).
 
 use std::time::Duration;
@@ -107,3 +109,16 @@ impl Default for ServerConfig {
 /// Linux kernel's client sends at most in one request by default (its queue's
 /// `max_sectors_kb`, seen on Debian's 6.12 kernel).
 pub const UNMETERED_BYTES_PER_CONNECTION: usize = 2 << 20;
+
+/// Most descriptors sent in one `NBD_REPLY_TYPE_BLOCK_STATUS` chunk; the spec lets a
+/// server describe less than the requested length.
+pub(crate) const MAX_BLOCK_STATUS_DESCRIPTORS: usize = 1 << 16;
+
+/// Granularity of the payload-byte budget, in bytes.
+pub(crate) const BYTE_UNIT: usize = 4096;
+
+/// Bytes of a reply or WRITE payload that must move within
+/// [`ServerConfig::stall_timeout`]; a WRITE payload is also charged to the
+/// connection's unmetered allowance in pieces of this size as it arrives, so that a
+/// header whose payload never comes holds no more than this.
+pub(crate) const STALL_CHUNK: usize = 256 * 1024;

@@ -1,9 +1,11 @@
 //! Replies: their encoding as pieces (simple and structured replies, proto.md "Simple
 //! reply message", "Structured reply chunk message": `NBD_REPLY_TYPE_OFFSET_DATA`,
 //! `NBD_REPLY_TYPE_OFFSET_HOLE`, `NBD_REPLY_TYPE_BLOCK_STATUS`, `NBD_REPLY_TYPE_ERROR`),
-//! the budget a request holds until its reply is written, and the writer, the only owner
-//! of a connection's write half, writing replies whole in completion order. Not here:
-//! what a request does (transmission.rs), byte layouts (proto.rs).
+//! the error a request is answered with when it never reaches the export
+//! ([`Rejection`]), the budget a request holds until its reply is written, and the
+//! writer, the only owner of a connection's write half, writing replies whole in
+//! completion order. Not here: what a request does (transmission.rs), byte layouts
+//! (proto.rs).
 
 use std::ops::Range;
 use std::time::Duration;
@@ -11,10 +13,18 @@ use std::time::Duration;
 use tokio::io::{AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::sync::{mpsc, OwnedSemaphorePermit};
 
+use crate::config::{MAX_BLOCK_STATUS_DESCRIPTORS, STALL_CHUNK};
 use crate::error::Error;
 use crate::export::{Errno, Extent, ReadData};
 use crate::proto::*;
-use crate::transmission::{within, MAX_BLOCK_STATUS_DESCRIPTORS, STALL_CHUNK};
+use crate::stream::within;
+
+/// Why a request is answered with an error without reaching the export.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Rejection {
+    pub errno: Errno,
+    pub message: &'static str,
+}
 
 /// A piece of an encoded reply: literal bytes, or a range of the READ buffer.
 pub(crate) enum Piece {

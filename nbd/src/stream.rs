@@ -1,12 +1,16 @@
 //! Stream helpers: moving an accepted stream to another runtime ([`Rehome`]), reading a
-//! whole message or a clean end ([`read_full_or_eof`]), and watching a handshake's
-//! progress for its timeout ([`Progress`]). Not here: the protocol (handshake.rs,
+//! whole message or a clean end ([`read_full_or_eof`]), watching a handshake's
+//! progress for its timeout ([`Progress`]), and one transfer's stall timeout
+//! ([`within`]). Not here: the protocol (handshake.rs,
 //! transmission.rs).
 
+use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
+
+use crate::error::Error;
 
 /// A stream an accept loop can hand to another runtime: taken off the accepting
 /// runtime's reactor as a std stream, and registered with the target's.
@@ -145,5 +149,21 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Tracked<'_, S> {
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<std::io::Result<()>> {
         std::pin::Pin::new(&mut *self.inner).poll_shutdown(cx)
+    }
+}
+
+/// Runs one socket transfer, ending the connection with [`Error::Stalled`] (`what`) if it
+/// takes longer than `stall`.
+pub(crate) async fn within<T>(
+    stall: Duration,
+    what: &'static str,
+    transfer: impl Future<Output = std::io::Result<T>>,
+) -> Result<T, Error> {
+    match tokio::time::timeout(stall, transfer).await {
+        Ok(r) => Ok(r?),
+        Err(_) => {
+            tracing::info!(?stall, what, "closing a stalled connection");
+            Err(Error::Stalled(what, stall))
+        }
     }
 }

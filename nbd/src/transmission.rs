@@ -27,26 +27,13 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, BufReader};
 use tokio::sync::{mpsc, watch, Semaphore};
 
 use crate::budget::{budget_unless_interrupted, Budget, TotalBudget, Waited, SHUTTING_DOWN};
-use crate::config::{ServerConfig, SoftDisconnect};
+use crate::config::{ServerConfig, SoftDisconnect, BYTE_UNIT, MAX_BLOCK_STATUS_DESCRIPTORS, STALL_CHUNK};
 use crate::error::Error;
 use crate::export::{Errno, Export};
 use crate::handshake::{Negotiated, Params};
 use crate::proto::*;
 use crate::reply::*;
-use crate::stream::read_full_or_eof;
-
-/// Most descriptors sent in one `NBD_REPLY_TYPE_BLOCK_STATUS` chunk; the spec lets a
-/// server describe less than the requested length.
-pub(crate) const MAX_BLOCK_STATUS_DESCRIPTORS: usize = 1 << 16;
-
-/// Granularity of the payload-byte budget, in bytes.
-pub(crate) const BYTE_UNIT: usize = 4096;
-
-/// Bytes of a reply or WRITE payload that must move within
-/// [`ServerConfig::stall_timeout`]; a WRITE payload is also charged to the
-/// connection's unmetered allowance in pieces of this size as it arrives, so that a
-/// header whose payload never comes holds no more than this.
-pub(crate) const STALL_CHUNK: usize = 256 * 1024;
+use crate::stream::{read_full_or_eof, within};
 
 /// A request that passed validation, ready to run against the export. Offsets and
 /// lengths are in bytes and within the export.
@@ -72,13 +59,6 @@ impl Op {
             _ => 0,
         }
     }
-}
-
-/// Why a request is answered with an error without reaching the export.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Rejection {
-    pub errno: Errno,
-    pub message: &'static str,
 }
 
 fn reject(errno: Errno, message: &'static str) -> Rejection {
@@ -266,22 +246,6 @@ where
     // A writer failure is the root cause when both ended badly.
     write_result?;
     read_result
-}
-
-/// Runs one socket transfer, ending the connection with [`Error::Stalled`] (`what`) if it
-/// takes longer than `stall`.
-pub(crate) async fn within<T>(
-    stall: Duration,
-    what: &'static str,
-    transfer: impl Future<Output = std::io::Result<T>>,
-) -> Result<T, Error> {
-    match tokio::time::timeout(stall, transfer).await {
-        Ok(r) => Ok(r?),
-        Err(_) => {
-            tracing::info!(?stall, what, "closing a stalled connection");
-            Err(Error::Stalled(what, stall))
-        }
-    }
 }
 
 /// Reads and drops `len` bytes of a WRITE payload, each [`STALL_CHUNK`] within `stall`.
