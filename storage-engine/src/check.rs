@@ -1,26 +1,15 @@
 //! Checking and repairing a stopped pool: [`check`] (read only) and [`repair`] (the
-//! refcounts and free set rebuilt from the mappings), with the checks of the volumes'
-//! records that open shares ([`volume_problems`]). Not here: loading (`journal`).
+//! refcounts and free set rebuilt from the mappings, by opening it). Not here: loading
+//! and the checks open shares with this (`journal`, its verify.rs), opening (`pool`).
 
 use std::fs::File;
 use std::path::Path;
 
 use crate::error::{Error, Result};
 use crate::io::{self, IoOptions};
-use crate::journal::{self, State};
-use crate::meta::Allocator;
-use crate::names::{validate_name, validate_size};
+use crate::journal::{self, read_at_file, volume_problems, RefcountRepair};
 use crate::pool::lock;
 use crate::Pool;
-
-pub(crate) fn read_at_file(file: &File) -> impl FnMut(u64, usize) -> std::io::Result<Vec<u8>> + '_ {
-    use std::os::unix::fs::FileExt;
-    move |off, len| {
-        let mut v = vec![0u8; len];
-        file.read_exact_at(&mut v, off)?;
-        Ok(v)
-    }
-}
 
 /// Result of [`check`].
 #[derive(Debug, Clone)]
@@ -35,41 +24,6 @@ pub struct CheckReport {
     pub warnings: Vec<String>,
     /// Volumes, units mapped, units free, units of metadata, log batches replayed.
     pub summary: String,
-}
-
-/// What is wrong with the loaded volumes that checksums cannot catch (a record written
-/// wrong, or damage whose checksum was recomputed): invalid or duplicate names, sizes
-/// that are not a multiple of 4096 or past 1 PiB, mappings past a volume's end, and
-/// written-block bits past a unit's blocks. Run by [`check`], and by open, which
-/// refuses such a pool rather than serve and keep the damage.
-pub(crate) fn volume_problems(st: &State, bpu: u64) -> Vec<String> {
-    let mut problems = Vec::new();
-    let mut names = std::collections::HashSet::new();
-    for (id, v) in &st.volumes {
-        let name_ok = match v.name.split_once('@') {
-            Some((vol, snap)) => v.snapshot && validate_name(vol).is_ok() && validate_name(snap).is_ok(),
-            None => !v.snapshot && validate_name(&v.name).is_ok(),
-        };
-        if !name_ok || !names.insert(v.name.clone()) {
-            problems.push(format!("volume {id} has an invalid or duplicate name '{}'", v.name));
-        }
-        if validate_size(v.size).is_err() {
-            problems.push(format!("volume '{}' has an invalid size {}", v.name, v.size));
-        }
-        let units = st.units_of(v.size);
-        for (lunit, e) in v.map.mapped() {
-            if lunit >= units {
-                problems.push(format!("volume '{}' maps logical unit {lunit} past its end", v.name));
-            }
-            if bpu < 32 && e.bitmap >> bpu != 0 {
-                problems.push(format!(
-                    "volume '{}' logical unit {lunit} has bitmap bits past the unit's {bpu} blocks",
-                    v.name
-                ));
-            }
-        }
-    }
-    problems
 }
 
 /// Verifies a stopped pool without writing to it: superblock, checkpoint and log
@@ -131,10 +85,6 @@ pub fn check(path: &Path) -> Result<CheckReport> {
     Ok(CheckReport { problems, warnings, summary })
 }
 
-/// One refcount [`repair`] changed: `(data unit, refcount found, refcount now)`, the
-/// latter the number of distinct mapping pages that map the unit.
-pub type RefcountRepair = (u32, u32, u32);
-
 /// What [`repair`] did.
 #[derive(Debug, Clone)]
 pub struct RepairReport {
@@ -175,43 +125,4 @@ pub fn repair(path: &Path) -> Result<RepairReport> {
     }
     let freed = changed.iter().filter(|(_, _, now)| *now == 0).count() as u64;
     Ok(RepairReport { changed, freed, summary: after.summary })
-}
-
-/// Replaces the refcounts of `st` (a loaded pool, its log replayed) by those its
-/// mappings imply, and its free set by what follows from them; returns each change.
-///
-/// Errors: [`ErrorKind::Corrupt`] when a mapped unit is also a unit of the checkpoint
-/// (`checkpoint_units`): the mappings are damaged.
-pub(crate) fn rebuild_refcounts(st: &mut State, checkpoint_units: &[u32]) -> Result<Vec<RefcountRepair>> {
-    let units = st.alloc.unit_count() as usize;
-    let derived = journal::derive_refcounts(st.volumes.values().map(|v| &v.map), units);
-    let mut changed = Vec::new();
-    for u in 0..units as u32 {
-        let (found, should) = (st.alloc.refcount(u), derived.refcount(u));
-        if found == crate::meta::META {
-            if should > 0 {
-                return Err(Error::corrupt(format!(
-                    "data unit {u} is mapped and holds the checkpoint: the mappings are damaged, and a repair \
-                     rebuilds only what derives from them: restore the pool from a copy"
-                )));
-            }
-        } else if found != should {
-            changed.push((u, found, should));
-        }
-    }
-    if !changed.is_empty() {
-        let mut a = Allocator::new(units);
-        for &u in checkpoint_units {
-            a.set_loaded(u, crate::meta::META);
-        }
-        for (u, r) in derived.nonzero_refcounts() {
-            a.set_loaded(u, r);
-        }
-        a.counts = st.alloc.counts;
-        st.alloc = a;
-        for &(u, found, should) in &changed {
-            tracing::warn!(unit = u, found, now = should, "repaired the refcount of a data unit");
-        }
-    }
-    Ok(changed)
 }

@@ -28,10 +28,11 @@ mod store;
 pub mod testing;
 mod volume;
 
-pub use check::{check, repair, CheckReport, RefcountRepair, RepairReport};
+pub use check::{check, repair, CheckReport, RepairReport};
 pub use error::{Error, ErrorKind, Result};
 pub use info::{PoolStatus, Recovery, VolumeInfo};
 pub use io::{AlignedBuf, IoOptions, Reaper};
+pub use journal::RefcountRepair;
 pub use names::{validate_name, MAX_NAME_LEN, MAX_VOLUME_SIZE};
 pub use pool::{Pool, PoolOptions, DEFAULT_POOL_SIZE, DEFAULT_UNIT_SIZE};
 pub use props::{

@@ -243,7 +243,7 @@ fn recovery_follows_the_log_not_the_pool_size() {
 
 #[test]
 fn recycled_buffers_never_leak_another_volumes_bytes() {
-    // Read and write buffers are reused after their request ends (io.rs, BufCache)
+    // Read and write buffers are reused after their request ends (io/buf.rs, the buffer cache)
     // without being zeroed. Whatever an earlier request left in them must never come
     // out: unwritten blocks read as zeros, and the rest of a partly written block is
     // its old content (zeros here), not the previous request's bytes.

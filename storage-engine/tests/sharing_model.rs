@@ -5,7 +5,7 @@
 //! allocator's; the journal under the allocator), so the schedulers interleave threads
 //! at every lock and at every lock-free read of owners, refcounts and settling counts.
 //!
-//! The steps mirror `volume.rs` and `pool.rs`: `write` is the copy-on-write decision of
+//! The steps mirror the engine's `volume/` and `pool/`: `write` is the copy-on-write decision of
 //! `write_blocks` and `write_private_once` with `finish_private`'s install; `trim` is
 //! `Volume::set_entry` unmapping a unit; `delete` is `Pool::delete_any`; `commit` is a
 //! commit cycle's C1 (`take_records`) and C4 (`finish_cycle`). Ghost state beside them

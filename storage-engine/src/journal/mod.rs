@@ -4,8 +4,9 @@
 //! and one commit's records as log batches), state.rs (the whole metadata as a plain
 //! [`State`], replay of one record, the checkpoint's encoding and the bound on its
 //! size), superblock.rs (geometry, choosing the current slot), recovery.rs ([`load`]:
-//! superblock, checkpoint and log replay, for open and `check`). Not here: when to
-//! commit or checkpoint (the store), the data path.
+//! superblock, checkpoint and log replay, for open and `check`), verify.rs (checks of
+//! a loaded state that checksums cannot make, and its refcounts rebuilt from its
+//! mappings). Not here: when to commit or checkpoint (the store), the data path.
 
 mod records;
 mod recovery;
@@ -13,8 +14,11 @@ mod state;
 mod superblock;
 #[cfg(test)]
 mod tests;
+mod verify;
 
 pub(crate) use records::{encode_batches, Record};
-pub(crate) use recovery::{load, Accept, Loaded, LogCursor};
+pub(crate) use recovery::{load, read_at_file, Accept, Loaded, LogCursor};
 pub(crate) use state::{checkpoint_bytes_bound, checkpoint_units_bound, derive_refcounts, State, VolumeMeta};
 pub(crate) use superblock::Geometry;
+pub use verify::RefcountRepair;
+pub(crate) use verify::{rebuild_refcounts, volume_problems};

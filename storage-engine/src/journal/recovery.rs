@@ -548,3 +548,13 @@ fn read_batch(read: &mut ReadAt<'_>, geo: &Geometry, version: u32, pos: u64, seq
     }
     Ok(Some(Batch { blocks, commit_index, payload: payload.to_vec() }))
 }
+
+/// A reader of `len` bytes at byte `off` of `file` for [`load`]: plain reads.
+pub(crate) fn read_at_file(file: &std::fs::File) -> impl FnMut(u64, usize) -> std::io::Result<Vec<u8>> + '_ {
+    use std::os::unix::fs::FileExt;
+    move |off, len| {
+        let mut v = vec![0u8; len];
+        file.read_exact_at(&mut v, off)?;
+        Ok(v)
+    }
+}

@@ -220,7 +220,7 @@ fn torn_commits_of_several_batches_load_and_later_commits_are_refused() {
     crate::Pool::create(&path, &opts).unwrap().close().unwrap();
     let file = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
     let size = file.metadata().unwrap().len();
-    let loaded = load(&mut crate::check::read_at_file(&file), size, Accept::default()).unwrap();
+    let loaded = load(&mut crate::journal::read_at_file(&file), size, Accept::default()).unwrap();
     let (geo, log) = (loaded.geo.clone(), loaded.log);
     let mut clean_log = vec![0u8; geo.log_size as usize];
     file.read_exact_at(&mut clean_log, geo.log_offset).unwrap();
@@ -254,7 +254,7 @@ fn torn_commits_of_several_batches_load_and_later_commits_are_refused() {
             pos += batch.len() as u64;
         }
     };
-    let load_now = || load(&mut crate::check::read_at_file(&file), size, Accept::default());
+    let load_now = || load(&mut crate::journal::read_at_file(&file), size, Accept::default());
     // The size of volume `id` after replay, or None.
     let size_of_torn = |l: &Loaded| l.state.volumes.get(&id).map(|v| v.size);
     let all: Vec<&Vec<u8>> = batches_a.iter().chain(&batches_b).collect();

@@ -11,7 +11,7 @@ use super::Pool;
 use crate::error::{shown_name, Error, ErrorKind, Result};
 use crate::journal::Record;
 use crate::props::{validate_node_id, AttachKey, Attachment, Props, MAX_ATTACHMENTS, MAX_PROPS_BYTES};
-use crate::store::room::{NeedRoom, Tries};
+use crate::store::room::{NeedRoom, Room};
 
 /// What a change to a volume's properties decided, looking at the current ones.
 enum Change<T> {
@@ -107,42 +107,38 @@ impl Pool {
     /// is committed too when a change is still pending, so that an answer is never
     /// given before what it reports is durable.
     async fn change_props<T>(&self, name: &str, decide: impl Fn(&Props) -> Result<Change<T>>) -> Result<T> {
-        self.inner.check_writable()?;
-        let mut tries = Tries::default();
-        let answer = loop {
-            let need = {
-                // The registry is held throughout, so that the volume cannot be deleted
-                // between the decision and its record.
-                let vols = self.inner.volumes().read();
-                let vs = match vols.get(name) {
-                    Some(v) if !v.snapshot => v,
-                    _ => return Err(Error::new(ErrorKind::NotFound, "no such volume")),
-                };
-                let _map = vs.map.write();
-                let current = vs.props();
-                let (next, answer) = match decide(&current)? {
-                    Change::Keep(answer) => break answer,
-                    Change::Set(next, answer) => (next, answer),
-                };
-                let extra = next.record_bytes().saturating_sub(current.record_bytes());
-                let mut a = self.inner.alloc();
-                if extra == 0 || self.inner.has_room(&a, extra) {
-                    a.counts.volume_bytes -= current.record_bytes();
-                    a.counts.volume_bytes += next.record_bytes();
-                    self.inner.after_growth(&a);
-                    drop(a);
-                    debug_assert!(!vs.deleted.load(Ordering::SeqCst));
-                    self.inner.log_record(&Record::Props { volume: vs.id, props: next.clone() });
-                    *vs.props.lock() = Arc::new(next);
-                    break answer;
-                }
-                NeedRoom { units: 0, extra }
+        self.store.check_writable()?;
+        let decide = &decide;
+        let change = || async move {
+            // The registry is held throughout, so that the volume cannot be deleted
+            // between the decision and its record.
+            let vols = self.store.volumes().read();
+            let vs = match vols.get(name) {
+                Some(v) if !v.snapshot => v,
+                _ => return Err(Error::new(ErrorKind::NotFound, "no such volume")),
             };
-            if !self.inner.make_room(need, &mut tries).await? {
-                return Err(super::catalogue::metadata_full());
+            let _map = vs.map.write();
+            let current = vs.props();
+            let (next, answer) = match decide(&current)? {
+                Change::Keep(answer) => return Ok(Room::Done(answer)),
+                Change::Set(next, answer) => (next, answer),
+            };
+            let extra = next.record_bytes().saturating_sub(current.record_bytes());
+            let mut a = self.store.alloc();
+            if extra > 0 && !self.store.has_room(&a, extra) {
+                return Ok(Room::Need(NeedRoom { units: 0, extra }));
             }
+            a.counts.volume_bytes -= current.record_bytes();
+            a.counts.volume_bytes += next.record_bytes();
+            self.store.after_growth(&a);
+            drop(a);
+            debug_assert!(!vs.deleted.load(Ordering::SeqCst));
+            self.store.log_record(&Record::Props { volume: vs.id, props: next.clone() });
+            *vs.props.lock() = Arc::new(next);
+            Ok(Room::Done(answer))
         };
-        self.inner.commit().await?;
+        let answer = self.store.with_room(change, super::catalogue::metadata_full).await?;
+        self.store.commit().await?;
         Ok(answer)
     }
 }

@@ -15,7 +15,7 @@ use crate::journal::{Record, VolumeMeta};
 use crate::meta::MapTable;
 use crate::names::{check_no_orphan_snapshots, validate_name, validate_size};
 use crate::props::{validate_labels, Labels, Props};
-use crate::store::room::{self, NeedRoom, Tries};
+use crate::store::room::{self, NeedRoom, Room};
 use crate::store::VolState;
 
 pub(super) fn now() -> u32 {
@@ -51,47 +51,43 @@ impl Pool {
         validate_size(size).map_err(err)?;
         validate_labels(labels).map_err(err)?;
         let props = Props::with_labels(labels);
-        self.inner.check_writable().map_err(err)?;
-        let mut tries = Tries::default();
-        loop {
-            let need = {
-                let mut vols = self.inner.volumes().write();
-                if vols.contains_key(name) {
-                    return Err(err(Error::new(ErrorKind::AlreadyExists, "a volume of that name exists")));
-                }
-                check_no_orphan_snapshots(&vols, name).map_err(err)?;
-                let extra = room::volume_record_bytes(name.len()) + props.record_bytes();
-                let mut a = self.inner.alloc();
-                if self.inner.has_room(&a, extra) {
-                    let id = self.inner.next_volume_id();
-                    let created = now();
-                    let meta = VolumeMeta {
-                        name: name.to_owned(),
-                        snapshot: false,
-                        size,
-                        created,
-                        map: MapTable::new(),
-                        written: false,
-                        props: props.clone(),
-                    };
-                    self.inner.log_record(&Record::Volume { volume: id, size, created, name: name.to_owned() });
-                    if !props.is_empty() {
-                        self.inner.log_record(&Record::Props { volume: id, props: props.clone() });
-                    }
-                    a.counts.volumes += 1;
-                    a.counts.volume_bytes += meta.own_bytes();
-                    self.inner.after_growth(&a);
-                    drop(a);
-                    vols.insert(name.to_owned(), Arc::new(VolState::new(id, meta)));
-                    break;
-                }
-                NeedRoom { units: 0, extra }
-            };
-            if !self.inner.make_room(need, &mut tries).await.map_err(err)? {
-                return Err(err(metadata_full()));
+        self.store.check_writable().map_err(err)?;
+        let props = &props;
+        let made = || async move {
+            let mut vols = self.store.volumes().write();
+            if vols.contains_key(name) {
+                return Err(Error::new(ErrorKind::AlreadyExists, "a volume of that name exists"));
             }
-        }
-        self.inner.commit().await.map_err(err)?;
+            check_no_orphan_snapshots(&vols, name)?;
+            let extra = room::volume_record_bytes(name.len()) + props.record_bytes();
+            let mut a = self.store.alloc();
+            if !self.store.has_room(&a, extra) {
+                return Ok(Room::Need(NeedRoom { units: 0, extra }));
+            }
+            let id = self.store.next_volume_id();
+            let created = now();
+            let meta = VolumeMeta {
+                name: name.to_owned(),
+                snapshot: false,
+                size,
+                created,
+                map: MapTable::new(),
+                written: false,
+                props: props.clone(),
+            };
+            self.store.log_record(&Record::Volume { volume: id, size, created, name: name.to_owned() });
+            if !props.is_empty() {
+                self.store.log_record(&Record::Props { volume: id, props: props.clone() });
+            }
+            a.counts.volumes += 1;
+            a.counts.volume_bytes += meta.own_bytes();
+            self.store.after_growth(&a);
+            drop(a);
+            vols.insert(name.to_owned(), Arc::new(VolState::new(id, meta)));
+            Ok(Room::Done(()))
+        };
+        self.store.with_room(made, metadata_full).await.map_err(err)?;
+        self.store.commit().await.map_err(err)?;
         tracing::info!(volume = name, size, "created volume");
         self.volume_info(name)
     }
@@ -126,9 +122,9 @@ impl Pool {
 
     async fn delete_any(&self, name: &str, op: &'static str) -> Result<()> {
         let err = |e: Error| e.op(op).volume(name);
-        self.inner.check_writable().map_err(err)?;
+        self.store.check_writable().map_err(err)?;
         {
-            let mut vols = self.inner.volumes().write();
+            let mut vols = self.store.volumes().write();
             let vs =
                 vols.get(name).ok_or_else(|| err(Error::new(ErrorKind::NotFound, "no such volume or snapshot")))?;
             if let Some(a) = vs.props().attachments.first() {
@@ -142,14 +138,14 @@ impl Pool {
             vs.deleted.store(true, Ordering::SeqCst);
             // The record first: a commit that releases the settling marks and frees the
             // release causes also carries it (on-disk-format.md 6.1 rules 2, 9, 12).
-            self.inner.log_record(&Record::VolumeDelete { volume: vs.id });
-            let mut alloc = self.inner.alloc();
+            self.store.log_record(&Record::VolumeDelete { volume: vs.id });
+            let mut alloc = self.store.alloc();
             map.release_all(&mut alloc);
             alloc.counts.volumes -= 1;
             alloc.counts.volume_bytes -= vs.props().volume_bytes(&vs.name);
-            self.inner.trim_spare(&mut alloc);
+            self.store.trim_spare(&mut alloc);
         }
-        self.inner.commit().await.map_err(err)?;
+        self.store.commit().await.map_err(err)?;
         tracing::info!(name, op, "deleted");
         // In a pool too full to allocate, the units the current checkpoint holds beyond
         // what the next needs come back only with a checkpoint (room.rs). A change that
@@ -157,11 +153,11 @@ impl Pool {
         // so that the room shows as free soon. Deletes made while it is pending share
         // it: a burst of deletes costs one or two checkpoints, not one each.
         let tight = {
-            let a = self.inner.alloc();
-            a.free_count() == 0 && self.inner.checkpoint_lowers_need(&a)
+            let a = self.store.alloc();
+            a.free_count() == 0 && self.store.checkpoint_lowers_need(&a)
         };
         if tight {
-            self.inner.request_checkpoint();
+            self.store.request_checkpoint();
         }
         Ok(())
     }
@@ -186,7 +182,7 @@ impl Pool {
         let err = |e: Error| e.op("create snapshot").volume(&full);
         validate_name(snapshot).map_err(err)?;
         validate_labels(labels).map_err(err)?;
-        self.share_or_checkpoint(volume, &full, true, labels).await.map_err(err)
+        self.share_with_room(volume, &full, true, labels).await.map_err(err)
     }
 
     /// Writes a checkpoint now (docs/on-disk-format.md 6.3): the log is emptied, and the
@@ -199,29 +195,13 @@ impl Pool {
     /// Errors: [`ErrorKind::Failed`] or [`ErrorKind::NoSpace`]: the pool failed
     /// earlier, is closing, or failed in this checkpoint (see `Store::checkpoint_async`).
     pub async fn checkpoint(&self) -> Result<()> {
-        self.inner.checkpoint_async().await.map_err(|e| e.op("checkpoint"))
+        self.store.checkpoint_async().await.map_err(|e| e.op("checkpoint"))
     }
 
     /// [`Self::share`], making room for the metadata it adds when it finds none
-    /// ([`Store::make_room`]).
-    async fn share_or_checkpoint(
-        &self,
-        source: &str,
-        target: &str,
-        snapshot: bool,
-        labels: &Labels,
-    ) -> Result<VolumeInfo> {
-        let mut tries = Tries::default();
-        loop {
-            match self.share(source, target, snapshot, labels).await? {
-                Ok(info) => return Ok(info),
-                Err(need) => {
-                    if !self.inner.make_room(need, &mut tries).await? {
-                        return Err(metadata_full());
-                    }
-                }
-            }
-        }
+    /// ([`Store::with_room`]).
+    async fn share_with_room(&self, source: &str, target: &str, snapshot: bool, labels: &Labels) -> Result<VolumeInfo> {
+        self.store.with_room(|| self.share(source, target, snapshot, labels), metadata_full).await
     }
 
     /// Creates writable volume `name` from `source` (`VOLUME@SNAPSHOT` or `VOLUME`),
@@ -241,22 +221,16 @@ impl Pool {
         let err = |e: Error| e.op("clone volume").volume(name);
         validate_name(name).map_err(err)?;
         validate_labels(labels).map_err(err)?;
-        self.share_or_checkpoint(source, name, false, labels).await.map_err(err)
+        self.share_with_room(source, name, false, labels).await.map_err(err)
     }
 
-    /// Shares `source` as `target`; `Ok(Err(need))` when the metadata it adds finds no
+    /// Shares `source` as `target`; `Room::Need` when the metadata it adds finds no
     /// room (nothing changed).
-    async fn share(
-        &self,
-        source: &str,
-        target: &str,
-        snapshot: bool,
-        labels: &Labels,
-    ) -> Result<std::result::Result<VolumeInfo, NeedRoom>> {
+    async fn share(&self, source: &str, target: &str, snapshot: bool, labels: &Labels) -> Result<Room<VolumeInfo>> {
         let props = Props::with_labels(labels);
-        self.inner.check_writable()?;
+        self.store.check_writable()?;
         let src = self
-            .inner
+            .store
             .volumes()
             .read()
             .get(source)
@@ -268,7 +242,7 @@ impl Pool {
         // Wait for writes in flight on the source, and hold new ones back briefly.
         let _quiet = src.gate.write().await;
         {
-            let mut vols = self.inner.volumes().write();
+            let mut vols = self.store.volumes().write();
             if vols.contains_key(target) {
                 return Err(Error::new(ErrorKind::AlreadyExists, "a volume or snapshot of that name exists"));
             }
@@ -283,11 +257,11 @@ impl Pool {
             let extra = room::volume_record_bytes(target.len())
                 + props.record_bytes()
                 + room::PAGE_REF_BYTES * map.pages().count() as u64;
-            let mut alloc = self.inner.alloc();
-            if !self.inner.has_room(&alloc, extra) {
-                return Ok(Err(NeedRoom { units: 0, extra }));
+            let mut alloc = self.store.alloc();
+            if !self.store.has_room(&alloc, extra) {
+                return Ok(Room::Need(NeedRoom { units: 0, extra }));
             }
-            let id = self.inner.next_volume_id();
+            let id = self.store.next_volume_id();
             let created = now();
             let size = src.size.load(Ordering::SeqCst);
             let shared = map.share(&mut alloc);
@@ -303,9 +277,9 @@ impl Pool {
             };
             alloc.counts.volumes += 1;
             alloc.counts.volume_bytes += meta.own_bytes();
-            self.inner.after_growth(&alloc);
+            self.store.after_growth(&alloc);
             drop(alloc);
-            self.inner.log_record(&Record::Share {
+            self.store.log_record(&Record::Share {
                 source: src.id,
                 target: id,
                 size,
@@ -314,25 +288,25 @@ impl Pool {
                 name: target.to_owned(),
             });
             if !props.is_empty() {
-                self.inner.log_record(&Record::Props { volume: id, props });
+                self.store.log_record(&Record::Props { volume: id, props });
             }
             vols.insert(target.to_owned(), Arc::new(VolState::new(id, meta)));
         }
         drop(_quiet);
-        self.inner.commit().await?;
+        self.store.commit().await?;
         tracing::info!(source, target, snapshot, "shared");
-        self.volume_info(target).map(Ok)
+        self.volume_info(target).map(Room::Done)
     }
 
     /// Snapshots, of `volume` or of all volumes, sorted by name.
     pub fn list_snapshots(&self, volume: Option<&str>) -> Vec<VolumeInfo> {
         let prefix = volume.map(|v| format!("{v}@"));
-        self.inner
+        self.store
             .volumes()
             .read()
             .values()
             .filter(|v| v.snapshot && prefix.as_ref().is_none_or(|p| v.name.starts_with(p.as_str())))
-            .map(|v| self.inner.info(v))
+            .map(|v| self.store.info(v))
             .collect()
     }
 
@@ -346,7 +320,7 @@ impl Pool {
     /// Errors: [`ErrorKind::NotFound`].
     pub fn diff(&self, a: &str, b: &str) -> Result<Vec<(u64, u64)>> {
         let get = |n: &str| {
-            self.inner
+            self.store
                 .volumes()
                 .read()
                 .get(n)
@@ -355,8 +329,8 @@ impl Pool {
         };
         let (va, vb) = (get(a)?, get(b)?);
         let (ma, mb) = (va.map.read().clone(), vb.map.read().clone());
-        let bpu = self.inner.geo().blocks_per_unit();
-        let us = self.inner.geo().unit_size;
+        let bpu = self.store.geo().blocks_per_unit();
+        let us = self.store.geo().unit_size;
         // Pages present on either side, in order.
         let present: std::collections::BTreeSet<usize> = ma.pages().chain(mb.pages()).map(|(p, _)| p).collect();
         let mut out: Vec<(u64, u64)> = Vec::new();
@@ -394,9 +368,9 @@ impl Pool {
     pub async fn resize_volume(&self, name: &str, size: u64) -> Result<VolumeInfo> {
         let err = |e: Error| e.op("resize volume").volume(name);
         validate_size(size).map_err(err)?;
-        self.inner.check_writable().map_err(err)?;
+        self.store.check_writable().map_err(err)?;
         {
-            let vols = self.inner.volumes().read();
+            let vols = self.store.volumes().read();
             let vs = match vols.get(name) {
                 Some(v) if v.snapshot => {
                     return Err(err(Error::new(ErrorKind::InvalidArgument, "a snapshot cannot be resized")))
@@ -415,11 +389,11 @@ impl Pool {
                 )));
             }
             if size != old {
-                self.inner.log_record(&Record::VolumeResize { volume: vs.id, size });
+                self.store.log_record(&Record::VolumeResize { volume: vs.id, size });
                 vs.size.store(size, Ordering::SeqCst);
             }
         }
-        self.inner.commit().await.map_err(err)?;
+        self.store.commit().await.map_err(err)?;
         self.volume_info(name)
     }
 }

@@ -70,7 +70,7 @@ impl Default for PoolOptions {
 /// A pool of thin volumes on one file or block device. Cheap to clone.
 #[derive(Clone)]
 pub struct Pool {
-    inner: Arc<Store>,
+    store: Arc<Store>,
 }
 
 impl Pool {
@@ -78,54 +78,54 @@ impl Pool {
     ///
     /// Errors: [`ErrorKind::NotFound`].
     pub fn volume(&self, name: &str) -> Result<Volume> {
-        let vols = self.inner.volumes().read();
+        let vols = self.store.volumes().read();
         let vs = vols.get(name).ok_or_else(|| Error::new(ErrorKind::NotFound, "no such volume").volume(name))?;
-        Ok(Volume::new(self.inner.clone(), vs.clone()))
+        Ok(Volume::new(self.store.clone(), vs.clone()))
     }
 
     /// Information on one volume.
     ///
     /// Errors: [`ErrorKind::NotFound`].
     pub fn volume_info(&self, name: &str) -> Result<VolumeInfo> {
-        let vols = self.inner.volumes().read();
+        let vols = self.store.volumes().read();
         let vs = vols
             .get(name)
             .ok_or_else(|| Error::new(ErrorKind::NotFound, "no such volume").op("volume info").volume(name))?;
-        Ok(self.inner.info(vs))
+        Ok(self.store.info(vs))
     }
 
     /// Names of every volume and snapshot (`VOL@SNAP`), sorted. Cheap: unlike
     /// [`Pool::list_volumes`] it computes no space accounting.
     pub fn names(&self) -> Vec<String> {
-        self.inner.volumes().read().keys().cloned().collect()
+        self.store.volumes().read().keys().cloned().collect()
     }
 
     /// All volumes (not snapshots), sorted by name.
     pub fn list_volumes(&self) -> Vec<VolumeInfo> {
-        self.inner.volumes().read().values().filter(|v| !v.snapshot).map(|v| self.inner.info(v)).collect()
+        self.store.volumes().read().values().filter(|v| !v.snapshot).map(|v| self.store.info(v)).collect()
     }
 
     /// Space accounting of the pool.
     pub fn status(&self) -> PoolStatus {
         // The registry before the allocator, never while holding it: deletes and
         // snapshots take the allocator while holding the registry.
-        let volumes = self.inner.volumes().read().len() as u64;
-        let a = self.inner.alloc();
-        let us = self.inner.geo().unit_size;
+        let volumes = self.store.volumes().read().len() as u64;
+        let a = self.store.alloc();
+        let us = self.store.geo().unit_size;
         let unit_count = a.unit_count();
         PoolStatus {
-            uuid: uuid::Uuid::from_bytes(self.inner.geo().uuid).to_string(),
-            path: self.inner.path().to_owned(),
+            uuid: uuid::Uuid::from_bytes(self.store.geo().uuid).to_string(),
+            path: self.store.path().to_owned(),
             capacity: unit_count * us,
             used: a.used * us,
             metadata: a.meta * us,
             free: (unit_count - a.used - a.meta) * us,
             freeing: a.pending_free.len() as u64 * us,
-            reserved: (a.spare.len() as u64).max(self.inner.spare_needed(&a, 0)).min(unit_count - a.used - a.meta) * us,
+            reserved: (a.spare.len() as u64).max(self.store.spare_needed(&a, 0)).min(unit_count - a.used - a.meta) * us,
             unit_size: us as u32,
             volumes,
-            direct_io: self.inner.direct(),
-            failed: self.inner.is_failed(),
+            direct_io: self.store.direct(),
+            failed: self.store.is_failed(),
         }
     }
 
@@ -133,12 +133,12 @@ impl Pool {
     ///
     /// Errors: [`ErrorKind::Failed`] if the pool failed (now or earlier).
     pub async fn flush(&self) -> Result<()> {
-        self.inner.commit().await
+        self.store.commit().await
     }
 
     /// What the open of this pool read: log batches replayed and bytes read.
     pub fn recovery(&self) -> Recovery {
-        self.inner.recovery()
+        self.store.recovery()
     }
 
     /// Stops the committer and writes a checkpoint; the pool then opens without replay.
@@ -149,6 +149,6 @@ impl Pool {
     /// [`ErrorKind::Io`] if the final checkpoint cannot be written (the pool is then
     /// marked failed; the log still holds every committed change).
     pub fn close(self) -> Result<()> {
-        self.inner.close()
+        self.store.close()
     }
 }

@@ -11,12 +11,11 @@ use std::sync::Arc;
 use zerocopy::IntoBytes;
 
 use super::{Pool, PoolOptions};
-use crate::check::{read_at_file, rebuild_refcounts, volume_problems, RefcountRepair};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::*;
 use crate::info::Recovery;
 use crate::io::{self, AlignedBuf, IoOptions, IoRing};
-use crate::journal::{self, State};
+use crate::journal::{self, read_at_file, rebuild_refcounts, volume_problems, RefcountRepair, State};
 use crate::store::{sync, write_blocks, LogState, Parts, Store, VolState};
 
 /// Locks the pool file, retrying for up to 3 s: after a process is killed with I/O in
@@ -273,7 +272,7 @@ impl Pool {
             .map(|(id, v)| (v.name.clone(), Arc::new(VolState::new(id, v))))
             .collect::<BTreeMap<_, _>>();
         tracing::info!(path = %path.display(), volumes = vols.len(), batches, bytes_read, direct, "opened pool");
-        let inner = Store::assemble(Parts {
+        let store = Store::assemble(Parts {
             path: path.to_owned(),
             file,
             backed_all: is_dev || preallocate,
@@ -291,17 +290,17 @@ impl Pool {
         // an earlier one of the same commit was torn), and past every valid batch in
         // the log region (after a rollback, those of the generation it dropped).
         // Replay then never reaches one.
-        let jump = (inner.geo().log_size / BLOCK_SIZE + 1).max(highest_seq - log.seq + 1);
+        let jump = (store.geo().log_size / BLOCK_SIZE + 1).max(highest_seq - log.seq + 1);
         // The spare first: the checkpoint takes its units from it (room.rs).
-        inner.prepare_at_open().map_err(|e| e.op("open pool"))?;
-        inner.checkpoint(jump).map_err(|e| e.op("open pool"))?;
+        store.prepare_at_open().map_err(|e| e.op("open pool"))?;
+        store.checkpoint(jump).map_err(|e| e.op("open pool"))?;
         if upgrade {
             // The checkpoint wrote one slot in this build's format; write the other
             // too, so that no slot is left that an older build could open from.
-            inner.rewrite_superblock().map_err(|e| e.op("open pool"))?;
+            store.rewrite_superblock().map_err(|e| e.op("open pool"))?;
         }
-        inner.start_committer()?;
-        Ok(Pool { inner })
+        store.start_committer()?;
+        Ok(Pool { store })
     }
 }
 

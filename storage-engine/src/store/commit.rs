@@ -67,9 +67,9 @@ impl Store {
             // A task of its own: once it has taken records from the journal it must
             // write them even if the caller stops waiting (a dropped request), or a
             // later flush would be answered without them.
-            let inner = Arc::clone(self);
+            let store = Arc::clone(self);
             let seen = self.cycles_started.load(Ordering::SeqCst);
-            match rt.spawn(async move { inner.commit_on_task(seen).await }).await {
+            match rt.spawn(async move { store.commit_on_task(seen).await }).await {
                 Ok(Some(result)) => return result,
                 Ok(None) => {} // a checkpoint is due: the committer runs it
                 Err(_) => return Err(Error::new(ErrorKind::Failed, "commit task failed")),
@@ -419,8 +419,8 @@ impl FailOnDrop<'_> {
 
 impl Drop for FailOnDrop<'_> {
     fn drop(&mut self) {
-        if let Some(pool) = self.0 {
-            pool.fail(&Error::new(ErrorKind::Failed, "a commit cycle was stopped before it finished"));
+        if let Some(store) = self.0 {
+            store.fail(&Error::new(ErrorKind::Failed, "a commit cycle was stopped before it finished"));
         }
     }
 }
@@ -442,7 +442,7 @@ fn log_write_done(done: std::result::Result<io::RwResult, oneshot::error::RecvEr
 
 /// The committer thread: serves commit requests in groups; checkpoints when half the
 /// log is used or a commit would not fit. Exits when the pool is closed or dropped.
-pub(super) fn committer(pool: std::sync::Weak<Store>, commits: Arc<Commits>) {
+pub(super) fn committer(weak: std::sync::Weak<Store>, commits: Arc<Commits>) {
     loop {
         let (waiters, shutdown, checkpoint, cycle, grow, grow_waiters) = {
             let mut q = commits.queue.lock();
@@ -459,7 +459,7 @@ pub(super) fn committer(pool: std::sync::Weak<Store>, commits: Arc<Commits>) {
             let grow = std::mem::take(&mut q.grow);
             (std::mem::take(&mut q.waiters), q.shutdown, checkpoint, cycle, grow, std::mem::take(&mut q.grow_waiters))
         };
-        let Some(inner) = pool.upgrade() else {
+        let Some(store) = weak.upgrade() else {
             for w in waiters.into_iter().chain(grow_waiters) {
                 let _ = w.send(Err(ErrorKind::Failed));
             }
@@ -470,18 +470,18 @@ pub(super) fn committer(pool: std::sync::Weak<Store>, commits: Arc<Commits>) {
             _ => ErrorKind::Failed,
         };
         if grow {
-            let result = if shutdown { Err(ErrorKind::Failed) } else { inner.grow_spare().map_err(kind) };
+            let result = if shutdown { Err(ErrorKind::Failed) } else { store.grow_spare().map_err(kind) };
             for w in grow_waiters {
                 let _ = w.send(result);
             }
         }
         if cycle {
             // A failed pool is refused, and a failing cycle fails the pool, inside.
-            let result = if checkpoint { inner.checkpoint(0) } else { inner.commit_cycle() };
+            let result = if checkpoint { store.checkpoint(0) } else { store.commit_cycle() };
             let result = result.map_err(kind);
             // Release the pool before answering, so a caller that drops its last handle
             // after the flush closes the pool file at once.
-            drop(inner);
+            drop(store);
             for w in waiters {
                 let _ = w.send(result);
             }

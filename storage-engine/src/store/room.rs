@@ -3,11 +3,12 @@
 //! file's backing on the host file system.
 //!
 //! Lives here: the rule that sizes the *spare* (units for checkpoints, never taken by
-//! data, each backed by blocks of the host file system), [`NeedRoom`] and the remedies a
-//! change that found no room may try (commit, grow the spare, checkpoint), growing the
-//! spare (on the committer thread), and preparing the spare and the log's backing at
-//! open. Not here: the checkpoint itself (`pool.rs`), the bound on its size
-//! (`journal::checkpoint_bytes_bound`), the counts it is computed from (`meta.rs`).
+//! data, each backed by blocks of the host file system), the make-room protocol every
+//! change that adds metadata follows ([`Store::with_room`]: try under the change's
+//! locks; when there is no room, release them, commit, grow the spare or checkpoint,
+//! and try again), growing the spare (on the committer thread), and preparing the
+//! spare and the log's backing at open. Not here: the checkpoint itself (checkpoint.rs), the bound on its size
+//! (`journal::checkpoint_bytes_bound`), the counts it is computed from (`meta`).
 //!
 //! # The rule
 //! Let `N` be the units a checkpoint of the current metadata takes at most (from
@@ -33,6 +34,7 @@
 //! target. When the free set cannot give it enough, the change is refused with
 //! `NoSpace`: the pool is full, whichever of the pool or the host ran out first.
 
+use std::future::Future;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -99,10 +101,18 @@ pub(crate) struct NeedRoom {
     pub extra: u64,
 }
 
-/// The remedies a change has tried so far ([`Store::make_room`]); a change starts
-/// with the default.
+/// What one attempt of a change that adds metadata found ([`Store::with_room`]).
+#[derive(Debug)]
+pub(crate) enum Room<T> {
+    /// The change was made (under its locks, with room); its answer.
+    Done(T),
+    /// No room: nothing changed, and this is what the change needs.
+    Need(NeedRoom),
+}
+
+/// The remedies a change has tried so far ([`Store::make_room`]).
 #[derive(Debug, Default)]
-pub(crate) struct Tries {
+struct Tries {
     done: Vec<Remedy>,
     attempts: u32,
 }
@@ -200,6 +210,35 @@ impl Store {
         None
     }
 
+    /// The make-room protocol, which every change that adds metadata follows: runs
+    /// `attempt`, which under its locks either makes the change, if the free set and the
+    /// rule (module docs) have room for it, or changes nothing and says what it needs;
+    /// then makes room ([`Self::make_room`]: a commit, growing the spare, a checkpoint,
+    /// each tried once) and runs `attempt` again, until it is done or nothing can help.
+    /// `attempt` takes no lock across an await of its own that this waits on: it is
+    /// called again from scratch, so it re-reads all it decides on.
+    ///
+    /// Errors: `full()` when nothing can give the change room (the pool is full);
+    /// those of `attempt`; those of [`Self::make_room`] (a full host file system, a
+    /// failed commit or checkpoint).
+    pub(crate) async fn with_room<T, F: Future<Output = Result<Room<T>>>>(
+        self: &Arc<Self>,
+        mut attempt: impl FnMut() -> F,
+        full: impl FnOnce() -> Error,
+    ) -> Result<T> {
+        let mut tries = Tries::default();
+        loop {
+            match attempt().await? {
+                Room::Done(answer) => return Ok(answer),
+                Room::Need(need) => {
+                    if !Box::pin(self.make_room(need, &mut tries)).await? {
+                        return Err(full());
+                    }
+                }
+            }
+        }
+    }
+
     /// After a change found no room for `need`: does the first thing not yet `tried`
     /// that may give it room (a commit when frees wait for one, growing the spare from
     /// the free set, a checkpoint that lowers the need) and returns `Ok(true)` for the
@@ -207,7 +246,7 @@ impl Store {
     ///
     /// Errors: [`ErrorKind::NoSpace`] when the spare could not grow because the host
     /// file system is full; [`ErrorKind::Failed`] when the commit or checkpoint failed.
-    pub(crate) async fn make_room(self: &Arc<Self>, need: NeedRoom, tried: &mut Tries) -> Result<bool> {
+    async fn make_room(self: &Arc<Self>, need: NeedRoom, tried: &mut Tries) -> Result<bool> {
         tried.attempts += 1;
         if tried.attempts > 8 {
             return Ok(false);

@@ -11,7 +11,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::format::BLOCK_SIZE;
 use crate::io::{AlignedBuf, Dir, Segment};
 use crate::meta::Entry;
-use crate::store::room::{self, NeedRoom, Tries};
+use crate::store::room::{self, NeedRoom, Room};
 use crate::store::worker_gone;
 
 /// One logical unit's part of a write: blocks `[s, e)` (relative to the unit) of
@@ -33,65 +33,59 @@ impl Volume {
     /// the shared one in this volume's mapping (copy on write; only written blocks are
     /// copied). Also handles the unit having been unmapped or made exclusive meanwhile.
     pub(super) async fn write_private(&self, w: &UnitWrite<'_>) -> Result<()> {
-        let mut tries = Tries::default();
-        while !self.write_private_once(w, &mut tries).await? {}
+        let full = || Error::new(ErrorKind::NoSpace, "no free data unit for copy-on-write");
+        let attempt = || self.write_private_once(w);
+        while !self.store.with_room(attempt, full).await.map_err(|e| self.err(e, "write", w.offset))? {}
         Ok(())
     }
 
-    /// One attempt of [`Volume::write_private`]; `Ok(false)` asks for another (another
-    /// writer mapped the unit meanwhile).
-    async fn write_private_once(&self, w: &UnitWrite<'_>, tries: &mut Tries) -> Result<bool> {
-        let UnitWrite { lunit, s, e, data, offset } = *w;
-        let g = self.pool.geo();
+    /// One attempt of [`Volume::write_private`]: `Room::Need` when it found no room for
+    /// a fresh unit (nothing changed); `Done(false)` asks for another (another writer
+    /// mapped the unit meanwhile).
+    async fn write_private_once(&self, w: &UnitWrite<'_>) -> Result<Room<bool>> {
+        let UnitWrite { lunit, s, e, data, .. } = *w;
+        let g = self.store.geo();
         let us = g.unit_size as usize;
         let bs = BLOCK_SIZE as usize;
         let _unit_lock =
-            self.pool.cow_stripes()[locks::stripe_of(self.vol.id, lunit, self.pool.cow_stripes().len())].lock().await;
+            self.store.cow_stripes()[locks::stripe_of(self.vol.id, lunit, self.store.cow_stripes().len())].lock().await;
         let old = self.vol.map.read().get(lunit);
         let exclusive = old.is_mapped() && self.writable_in_place(&self.vol.map.read(), lunit, old.punit);
         let mut buf = AlignedBuf::zeroed(us);
         buf.full_mut()[s as usize * bs..e as usize * bs].copy_from_slice(data);
-        let mut pins = Pins::new(&self.pool);
+        let mut pins = Pins::new(&self.store);
         if exclusive {
             pins.add(old.punit);
-            return self.write_in_place(w, old, buf, pins).await;
+            return self.write_in_place(w, old, buf, pins).await.map(Room::Done);
         }
         drop(pins);
         // A fresh unit, and room for what installing it may add (its refcount, a copy
         // of the mapping page), counted until it is installed (`finish_private`).
-        if self.pool.host_full() {
-            self.pool.refill_backed_free();
+        if self.store.host_full() {
+            self.store.refill_backed_free();
         }
         let got = {
-            let mut a = self.pool.alloc();
-            if a.free_count() > 0 && self.pool.has_room(&a, room::COW_GROWTH) {
+            let mut a = self.store.alloc();
+            if a.free_count() > 0 && self.store.has_room(&a, room::COW_GROWTH) {
                 let p = a.alloc().expect("the free set holds one");
                 a.cow_inflight.insert(p);
                 a.pending_growth += room::COW_GROWTH;
-                self.pool.after_growth(&a);
+                self.store.after_growth(&a);
                 Some(p)
             } else {
                 None
             }
         };
         let Some(target) = got else {
-            let need = NeedRoom { units: 1, extra: room::COW_GROWTH };
-            if Box::pin(self.pool.make_room(need, tries)).await.map_err(|e| self.err(e, "write", offset))? {
-                return Ok(false);
-            }
-            return Err(self.err(
-                Error::new(ErrorKind::NoSpace, "no free data unit for copy-on-write"),
-                "write",
-                offset,
-            ));
+            return Ok(Room::Need(NeedRoom { units: 1, extra: room::COW_GROWTH }));
         };
-        self.finish_private(w, old, target, buf).await
+        self.finish_private(w, old, target, buf).await.map(Room::Done)
     }
 
     /// Writes blocks `[s, e)` of an exclusive unit in place and records them.
     async fn write_in_place(&self, w: &UnitWrite<'_>, old: Entry, buf: AlignedBuf, pins: Pins<'_>) -> Result<bool> {
         let UnitWrite { lunit, s, e, offset, .. } = *w;
-        let g = self.pool.geo();
+        let g = self.store.geo();
         let bs = BLOCK_SIZE as usize;
         let m = mask(s, e);
         let segs = plan::merge((s..e).map(|b| Segment {
@@ -100,7 +94,7 @@ impl Volume {
             len: bs,
         }));
         let (_, r) = self
-            .pool
+            .store
             .ring()
             .rw(Dir::Write { dsync: false }, buf, segs)
             .await
@@ -121,10 +115,10 @@ impl Volume {
     /// `target` replaces the old unit in this volume's mapping.
     async fn finish_private(&self, w: &UnitWrite<'_>, old: Entry, target: u32, mut buf: AlignedBuf) -> Result<bool> {
         let UnitWrite { lunit, s, e, offset, .. } = *w;
-        let g = self.pool.geo();
+        let g = self.store.geo();
         let bs = BLOCK_SIZE as usize;
         let m = mask(s, e);
-        let mut pins = Pins::new(&self.pool);
+        let mut pins = Pins::new(&self.store);
         // Copy the old unit's written blocks that this write does not cover.
         let copy = if old.is_mapped() { old.bitmap & !m } else { 0 };
         let blocks = |bits: u32| (0..g.blocks_per_unit()).filter(move |b| bits & (1 << b) != 0);
@@ -137,7 +131,7 @@ impl Volume {
                     len: bs,
                 });
                 let segs = plan::merge(segs);
-                let (b2, r) = self.pool.ring().rw(Dir::Read, buf, segs).await.map_err(|_| worker_gone())?;
+                let (b2, r) = self.store.ring().rw(Dir::Read, buf, segs).await.map_err(|_| worker_gone())?;
                 buf = b2;
                 r.map_err(|e| Error::io("copy-on-write read failed", e))?;
             }
@@ -147,14 +141,14 @@ impl Volume {
                 len: bs,
             }));
             let (_, r) =
-                self.pool.ring().rw(Dir::Write { dsync: false }, buf, segs).await.map_err(|_| worker_gone())?;
+                self.store.ring().rw(Dir::Write { dsync: false }, buf, segs).await.map_err(|_| worker_gone())?;
             r.map_err(|e| self.write_failed(e, offset))
         }
         .await;
         drop(pins);
         let mut map = self.vol.map.write();
         let cur = map.get(lunit);
-        let mut a = self.pool.alloc();
+        let mut a = self.store.alloc();
         a.cow_inflight.remove(&target);
         a.pending_growth -= room::COW_GROWTH;
         let still = if old.is_mapped() { cur.punit == old.punit } else { !cur.is_mapped() };

@@ -31,7 +31,7 @@ use crate::io::{AlignedBuf, Dir};
 use crate::journal::Record;
 use crate::meta::{Entry, MapTable};
 use crate::props::Attachment;
-use crate::store::room::{self, NeedRoom, Tries};
+use crate::store::room::{self, NeedRoom, Room};
 use crate::store::{worker_gone, Store, VolState};
 use cow::UnitWrite;
 use locks::{Exclusive, Pins, StripeGuard};
@@ -62,7 +62,7 @@ pub struct ReadResult {
 /// made for (after that volume is deleted, operations fail with `NotFound`).
 #[derive(Clone)]
 pub struct Volume {
-    pool: Arc<Store>,
+    store: Arc<Store>,
     vol: Arc<VolState>,
 }
 
@@ -77,8 +77,8 @@ fn push_extent(ext: &mut Vec<Extent>, length: u64, allocated: bool) {
 }
 
 impl Volume {
-    pub(crate) fn new(pool: Arc<Store>, vol: Arc<VolState>) -> Volume {
-        Volume { pool, vol }
+    pub(crate) fn new(store: Arc<Store>, vol: Arc<VolState>) -> Volume {
+        Volume { store, vol }
     }
 
     /// Volume name.
@@ -99,7 +99,7 @@ impl Volume {
 
     /// The pool's data-unit size in bytes.
     pub fn unit_size(&self) -> u64 {
-        self.pool.geo().unit_size
+        self.store.geo().unit_size
     }
 
     fn err(&self, e: Error, op: &'static str, offset: u64) -> Error {
@@ -127,11 +127,11 @@ impl Volume {
     /// pool (the device may have lost data).
     fn write_failed(&self, e: std::io::Error, offset: u64) -> Error {
         if e.raw_os_error() == Some(libc::ENOSPC) {
-            self.pool.set_host_full();
+            self.store.set_host_full();
             return self.err(room::host_full_error(), "write", offset);
         }
         let e = self.err(Error::io("pool write failed", e), "write", offset);
-        self.pool.fail(&e);
+        self.store.fail(&e);
         e
     }
 
@@ -171,11 +171,11 @@ impl Volume {
         if len > MAX_IO_BYTES {
             return Err(self.err(Error::new(ErrorKind::InvalidArgument, "read longer than 32 MiB"), "read", offset));
         }
-        let g = self.pool.geo();
+        let g = self.store.geo();
         let b0 = offset / BLOCK_SIZE;
         let b1 = (offset + len).div_ceil(BLOCK_SIZE);
         let mut buf = AlignedBuf::recycled(((b1 - b0) * BLOCK_SIZE) as usize);
-        let mut pins = Pins::new(&self.pool);
+        let mut pins = Pins::new(&self.store);
         let ReadPlan { segs, runs: blocks, .. } = {
             let map = self.vol.map.read();
             if self.vol.deleted.load(Ordering::Acquire) {
@@ -196,8 +196,12 @@ impl Volume {
             at += bytes;
         }
         if !segs.is_empty() {
-            let (back, r) =
-                self.pool.ring().rw(Dir::Read, buf, segs).await.map_err(|_| self.err(worker_gone(), "read", offset))?;
+            let (back, r) = self
+                .store
+                .ring()
+                .rw(Dir::Read, buf, segs)
+                .await
+                .map_err(|_| self.err(worker_gone(), "read", offset))?;
             buf = back;
             r.map_err(|e| self.err(Error::io("pool read failed", e), "read", offset))?;
         }
@@ -254,7 +258,7 @@ impl Volume {
     async fn write_inner(&self, offset: u64, mut buf: AlignedBuf, fua: bool) -> Result<()> {
         let len = buf.as_ref().len() as u64;
         self.check_range("write", offset, len)?;
-        self.pool.check_writable().map_err(|e| self.err(e, "write", offset))?;
+        self.store.check_writable().map_err(|e| self.err(e, "write", offset))?;
         if len > MAX_IO_BYTES || buf.view_start() as u64 != offset % BLOCK_SIZE {
             return Err(self.err(
                 Error::new(ErrorKind::InvalidArgument, "write buffer does not fit the request"),
@@ -273,7 +277,7 @@ impl Volume {
         // for the units of partial blocks, which are read, merged and rewritten, so
         // that no concurrent write to the block is undone; shared for the rest, so a
         // trim cannot unmap a unit before this write marks its blocks.
-        let bpu = self.pool.geo().blocks_per_unit();
+        let bpu = self.store.geo().blocks_per_unit();
         let mut exclusive = Vec::new();
         if head_partial {
             exclusive.push(b0 / bpu);
@@ -297,7 +301,7 @@ impl Volume {
         drop(_guards);
         let (mut b, commit) = r?;
         if commit {
-            Box::pin(self.pool.commit()).await.map_err(|e| self.err(e, "write", offset))?;
+            Box::pin(self.store.commit()).await.map_err(|e| self.err(e, "write", offset))?;
         }
         b.set_view(view.0, view.1);
         Ok(())
@@ -305,7 +309,7 @@ impl Volume {
 
     /// Takes the range locks of logical units `units` of this volume (locks.rs).
     async fn lock_units(&self, units: std::ops::Range<u64>, exclusive: Exclusive<'_>) -> Vec<StripeGuard<'_>> {
-        locks::lock_units(&self.pool, self.vol.id, units, exclusive).await
+        locks::lock_units(&self.store, self.vol.id, units, exclusive).await
     }
 
     /// Marks blocks `m` of `lunit` written, if the unit still maps `punit` (otherwise a
@@ -315,7 +319,7 @@ impl Volume {
         let cur = map.get(lunit);
         if cur.punit == punit && cur.bitmap | m != cur.bitmap {
             let bitmap = cur.bitmap | m;
-            map.set(lunit, Entry { punit, bitmap }, &mut self.pool.alloc());
+            map.set(lunit, Entry { punit, bitmap }, &mut self.store.alloc());
             self.log_map(lunit, punit, bitmap);
         }
     }
@@ -324,7 +328,7 @@ impl Volume {
     /// with the volume's map locked for writing.
     pub(super) fn log_map(&self, lunit: u64, punit: u32, bitmap: u32) {
         self.vol.written.store(true, Ordering::SeqCst);
-        self.pool.log_record(&Record::Map { volume: self.vol.id, lunit, punit, bitmap });
+        self.store.log_record(&Record::Map { volume: self.vol.id, lunit, punit, bitmap });
     }
 
     /// Fills the bytes of block `blk` outside the write's view, at `buf_at` in the
@@ -361,30 +365,13 @@ impl Volume {
         fua: bool,
         offset: u64,
     ) -> Result<(AlignedBuf, bool)> {
-        let bpu = self.pool.geo().blocks_per_unit();
-        let allocated = self.allocate_units(b0 / bpu..(b1 - 1) / bpu + 1, offset).await?;
-        let mut pins = Pins::new(&self.pool);
-        let plan = {
-            let map = self.vol.map.read();
-            if self.vol.deleted.load(Ordering::Acquire) {
-                return Err(self.deleted("write", offset));
-            }
-            let plan = plan::plan_write(&map, self.pool.geo(), b0, b1, |m, l, p| self.writable_in_place(m, l, p));
-            // Pinned under the map lock, as for a read.
-            plan.iter().flat_map(|p| &p.pins).for_each(|&u| pins.add(u));
-            plan
-        };
-        let Some(WritePlan { segs, new_bits, private, .. }) = plan else {
-            // Unmapped between allocation and planning (by the undo of a failed write,
-            // below): allocate again.
-            drop(pins);
-            return Box::pin(self.write_blocks(b0, b1, buf, fua, offset)).await;
-        };
+        let bpu = self.store.geo().blocks_per_unit();
+        let (WritePlan { segs, new_bits, private, .. }, allocated, pins) = self.plan_write(b0, b1, offset).await?;
         // RWF_DSYNC suffices for FUA only if this write changes no mapping and the
         // mappings it writes through are durable already; else it waits for a commit.
-        let dsync = fua && new_bits.is_empty() && private.is_empty() && self.pool.metadata_settled();
+        let dsync = fua && new_bits.is_empty() && private.is_empty() && self.store.metadata_settled();
         let (buf, r) = self
-            .pool
+            .store
             .ring()
             .rw(Dir::Write { dsync }, buf, segs)
             .await
@@ -411,62 +398,71 @@ impl Volume {
             let w = UnitWrite { lunit: u, s: s - u * bpu, e: e - u * bpu, data, offset };
             Box::pin(self.write_private(&w)).await?;
         }
-        self.pool.note_data_write();
+        self.store.note_data_write();
         Ok((buf, fua && !dsync))
     }
 
-    /// Maps a fresh data unit at each unmapped logical unit of `units`, if the free set
-    /// has them and the metadata they add has room (the store's room.rs); else makes
-    /// room and tries again. Returns what it mapped, `(lunit, punit)`, with no written
-    /// block yet (nothing is logged for them until their blocks are).
+    /// Plans a write of whole blocks `[b0, b1)` (plan.rs) and pins the units the plan
+    /// writes in place (returned: held until their bits are set): under the map's read lock when every unit of the range is
+    /// mapped (an overwrite); else maps a fresh data unit at each unmapped one the plan
+    /// names, if the free set has them and the metadata they add has room (the store's
+    /// room.rs, making room and trying again when not), and plans under the write lock
+    /// that maps them. Returns the plan and what it mapped, `(lunit, punit)`, with no
+    /// written block yet (nothing is logged for them until their blocks are).
     ///
     /// Errors: [`ErrorKind::NoSpace`], [`ErrorKind::NotFound`] (deleted), and those of
     /// the commit or checkpoint that making room runs.
-    async fn allocate_units(&self, units: std::ops::Range<u64>, offset: u64) -> Result<Vec<(u64, u32)>> {
-        let (u0, u1) = (units.start, units.end);
-        // Allocate data units for unmapped logical units, if the free set has them and
-        // the metadata they add has room (room.rs); else make room and try again.
-        let mut allocated: Vec<(u64, u32)> = Vec::new();
-        let mut tries = Tries::default();
-        loop {
-            let needs = {
-                let map = self.vol.map.read();
-                (u0..u1).any(|u| !map.get(u).is_mapped())
-            };
-            if !needs {
-                break;
+    async fn plan_write(&self, b0: u64, b1: u64, offset: u64) -> Result<(WritePlan, Vec<(u64, u32)>, Pins<'_>)> {
+        let in_place = |m: &MapTable, l: u64, p: u32| self.writable_in_place(m, l, p);
+        {
+            let map = self.vol.map.read();
+            if self.vol.deleted.load(Ordering::Acquire) {
+                return Err(self.deleted("write", offset));
             }
-            if self.pool.host_full() {
-                self.pool.refill_backed_free();
+            if let Ok(plan) = plan::plan_write(&map, self.store.geo(), b0, b1, in_place) {
+                // Pinned under the map lock, as for a read.
+                let mut pins = Pins::new(&self.store);
+                plan.pins.iter().for_each(|&u| pins.add(u));
+                return Ok((plan, Vec::new(), pins));
             }
-            let need = {
-                let mut map = self.vol.map.write();
-                if self.vol.deleted.load(Ordering::Acquire) {
-                    return Err(self.deleted("write", offset));
-                }
-                let want: Vec<u64> = (u0..u1).filter(|&u| !map.get(u).is_mapped()).collect();
-                let extra = room::allocation_growth(&map, &want);
-                let mut a = self.pool.alloc();
-                if a.free_count() >= want.len() as u64 && self.pool.has_room(&a, extra) {
-                    for &u in &want {
+        }
+        let allocate = || async move {
+            if self.store.host_full() {
+                self.store.refill_backed_free();
+            }
+            let mut map = self.vol.map.write();
+            if self.vol.deleted.load(Ordering::Acquire) {
+                return Err(self.deleted("write", offset));
+            }
+            // Planned again under this lock: another write may have mapped units since.
+            let (plan, allocated) = match plan::plan_write(&map, self.store.geo(), b0, b1, in_place) {
+                Ok(plan) => (plan, Vec::new()),
+                Err(want) => {
+                    let extra = room::allocation_growth(&map, &want);
+                    let mut a = self.store.alloc();
+                    if a.free_count() < want.len() as u64 || !self.store.has_room(&a, extra) {
+                        return Ok(Room::Need(NeedRoom { units: want.len() as u64, extra }));
+                    }
+                    let mut allocated = Vec::with_capacity(want.len());
+                    for u in want {
                         let p = a.alloc().expect("the free set holds them");
                         map.set(u, Entry { punit: p, bitmap: 0 }, &mut a);
                         allocated.push((u, p));
                     }
-                    self.pool.after_growth(&a);
-                    break;
+                    self.store.after_growth(&a);
+                    drop(a);
+                    let plan = plan::plan_write(&map, self.store.geo(), b0, b1, in_place)
+                        .expect("every unit of the range is mapped under this lock");
+                    (plan, allocated)
                 }
-                NeedRoom { units: want.len() as u64, extra }
             };
-            if !Box::pin(self.pool.make_room(need, &mut tries)).await.map_err(|e| self.err(e, "write", offset))? {
-                return Err(self.err(
-                    Error::new(ErrorKind::NoSpace, "no free data unit for an allocating write"),
-                    "write",
-                    offset,
-                ));
-            }
-        }
-        Ok(allocated)
+            // Pinned under the map lock, as for a read.
+            let mut pins = Pins::new(&self.store);
+            plan.pins.iter().for_each(|&u| pins.add(u));
+            Ok(Room::Done((plan, allocated, pins)))
+        };
+        let full = || Error::new(ErrorKind::NoSpace, "no free data unit for an allocating write");
+        self.store.with_room(allocate, full).await.map_err(|e| self.err(e, "write", offset))
     }
 
     /// Unmaps the units a failed write allocated and that received no data (nothing was
@@ -476,11 +472,11 @@ impl Volume {
         let mut map = self.vol.map.write();
         for &(u, p) in allocated {
             let cur = map.get(u);
-            if cur.punit == p && cur.bitmap == 0 && !self.pool.pins().is_set(p) {
+            if cur.punit == p && cur.bitmap == 0 && !self.store.pins().is_set(p) {
                 // Logged: a checkpoint may have captured the empty mapping meanwhile.
-                let mut a = self.pool.alloc();
+                let mut a = self.store.alloc();
                 map.set(u, Entry::EMPTY, &mut a);
-                self.pool.log_record(&Record::Unmap { volume: self.vol.id, lunit: u });
+                self.store.log_record(&Record::Unmap { volume: self.vol.id, lunit: u });
                 a.decref(p);
             }
         }
@@ -500,7 +496,7 @@ impl Volume {
 
     async fn trim_inner(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
         self.check_range("trim", offset, len)?;
-        self.pool.check_writable().map_err(|e| self.err(e, "trim", offset))?;
+        self.store.check_writable().map_err(|e| self.err(e, "trim", offset))?;
         if len == 0 {
             return Ok(());
         }
@@ -529,7 +525,7 @@ impl Volume {
             self.unmap_blocks(fb0, fb1, offset).await?;
         }
         if fua {
-            self.pool.commit().await.map_err(|e| self.err(e, "trim", offset))?;
+            self.store.commit().await.map_err(|e| self.err(e, "trim", offset))?;
         }
         Ok(())
     }
@@ -539,11 +535,11 @@ impl Volume {
     /// shares it, or did until a change not yet durable (after a crash before that change
     /// is, it would still map the unit), and the write copies it.
     fn writable_in_place(&self, map: &MapTable, lunit: u64, punit: u32) -> bool {
-        crate::meta::writable_in_place(map, lunit, punit, self.pool.refcounts(), self.pool.settling())
+        crate::meta::writable_in_place(map, lunit, punit, self.store.refcounts(), self.store.settling())
     }
 
     fn block_written(&self, blk: u64) -> bool {
-        let bpu = self.pool.geo().blocks_per_unit();
+        let bpu = self.store.geo().blocks_per_unit();
         let e = self.vol.map.read().get(blk / bpu);
         e.is_mapped() && e.bitmap & (1 << (blk % bpu)) != 0
     }
@@ -552,13 +548,18 @@ impl Volume {
     /// the range locks of each page's units exclusively while it changes them, so a
     /// write in flight into one of them sets its bits first.
     async fn unmap_blocks(&self, b0: u64, b1: u64, offset: u64) -> Result<()> {
-        let bpu = self.pool.geo().blocks_per_unit();
+        let bpu = self.store.geo().blocks_per_unit();
         let page_units = crate::format::PAGE_ENTRIES as u64;
         let u0 = b0 / bpu;
         let u1 = (b1 - 1) / bpu + 1;
+        let full = || {
+            Error::new(
+                ErrorKind::NoSpace,
+                "the pool is too full for the mapping page this trim copies (the page is shared with a snapshot or \
+                 clone); delete snapshots or volumes to free space",
+            )
+        };
         let mut u = u0;
-        // What the page being changed has tried to find room (room.rs).
-        let mut tries = Tries::default();
         while u < u1 {
             // One page per lock hold, so a huge trim does not stall other I/O.
             let page_end = ((u / page_units + 1) * page_units).min(u1);
@@ -566,54 +567,39 @@ impl Volume {
                 u = page_end;
                 continue;
             }
-            let _guards = self.lock_units(u..page_end, Exclusive::All).await;
-            // What the page needs when it must wait for room and be tried again; the
-            // locks are released (the block ends) before that wait.
-            let need = 'page: {
+            // Under the range locks of the page's units, taken afresh by each attempt:
+            // they are released while room is made (room.rs).
+            let page = || async move {
+                let _guards = self.lock_units(u..page_end, Exclusive::All).await;
                 let mut map = self.vol.map.write();
                 if self.vol.deleted.load(Ordering::Acquire) {
                     return Err(self.deleted("trim", offset));
                 }
                 if map.page((u / page_units) as usize).is_none() {
-                    u = page_end;
-                    break 'page None;
+                    return Ok(Room::Done(()));
                 }
                 // A page shared with a snapshot or clone is copied by the first change:
                 // the copy's record must have room in the next checkpoints (room.rs).
                 if map.page_shared(u) && (u..page_end).any(|x| map.get(x).is_mapped()) {
                     let mapped = map.page((u / page_units) as usize).map_or(0, |p| u64::from(p.mapped));
                     let extra = room::page_record_bytes(mapped);
-                    if !self.pool.has_room(&self.pool.alloc(), extra) {
-                        break 'page Some(NeedRoom { units: 0, extra });
+                    if !self.store.has_room(&self.store.alloc(), extra) {
+                        return Ok(Room::Need(NeedRoom { units: 0, extra }));
                     }
                 }
-                while u < page_end {
-                    let e = map.get(u);
+                for x in u..page_end {
+                    let e = map.get(x);
                     if e.is_mapped() {
-                        let s = (u * bpu).max(b0) - u * bpu;
-                        let t = ((u + 1) * bpu).min(b1) - u * bpu;
+                        let s = (x * bpu).max(b0) - x * bpu;
+                        let t = ((x + 1) * bpu).min(b1) - x * bpu;
                         let bitmap = e.bitmap & !mask(s, t);
-                        self.set_entry(&mut map, u, e, bitmap);
+                        self.set_entry(&mut map, x, e, bitmap);
                     }
-                    u += 1;
                 }
-                tries = Tries::default();
-                None
+                Ok(Room::Done(()))
             };
-            drop(_guards);
-            if let Some(need) = need {
-                if !Box::pin(self.pool.make_room(need, &mut tries)).await.map_err(|e| self.err(e, "trim", offset))? {
-                    return Err(self.err(
-                        Error::new(
-                            ErrorKind::NoSpace,
-                            "the pool is too full for the mapping page this trim copies (the page is shared with a \
-                             snapshot or clone); delete snapshots or volumes to free space",
-                        ),
-                        "trim",
-                        offset,
-                    ));
-                }
-            }
+            self.store.with_room(page, full).await.map_err(|e| self.err(e, "trim", offset))?;
+            u = page_end;
         }
         Ok(())
     }
@@ -623,12 +609,12 @@ impl Volume {
         if bitmap == e.bitmap && bitmap != 0 {
             return;
         }
-        let mut a = self.pool.alloc();
+        let mut a = self.store.alloc();
         if bitmap == 0 {
             map.set(lunit, Entry::EMPTY, &mut a);
             // The record first: a commit that releases the unit's free or settling mark
             // carries it (rules 2 and 9).
-            self.pool.log_record(&Record::Unmap { volume: self.vol.id, lunit });
+            self.store.log_record(&Record::Unmap { volume: self.vol.id, lunit });
             a.decref(e.punit);
         } else {
             map.set(lunit, Entry { punit: e.punit, bitmap }, &mut a);
@@ -657,7 +643,7 @@ impl Volume {
             o += l;
         }
         if fua {
-            self.pool.commit().await.map_err(|e| self.err(e, "write zeroes", offset))?;
+            self.store.commit().await.map_err(|e| self.err(e, "write zeroes", offset))?;
         }
         Ok(())
     }
@@ -674,7 +660,7 @@ impl Volume {
         if self.vol.deleted.load(Ordering::Acquire) {
             return Err(self.deleted("flush", 0));
         }
-        self.pool.commit().await.map_err(|e| e.op("flush").volume(&self.vol.name))
+        self.store.commit().await.map_err(|e| e.op("flush").volume(&self.vol.name))
     }
 
     /// Allocation of up to `len` bytes at `offset`, at 4 KiB precision, in order from
@@ -683,8 +669,8 @@ impl Volume {
     /// Errors: [`ErrorKind::OutOfRange`], [`ErrorKind::NotFound`].
     pub fn block_status(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
         self.check_range("block status", offset, len)?;
-        let bpu = self.pool.geo().blocks_per_unit();
-        let us = self.pool.geo().unit_size;
+        let bpu = self.store.geo().blocks_per_unit();
+        let us = self.store.geo().unit_size;
         let page_bytes = us * crate::format::PAGE_ENTRIES as u64;
         let end = offset + len;
         let mut ext = Vec::new();

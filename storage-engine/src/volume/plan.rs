@@ -110,21 +110,27 @@ pub(crate) fn plan_read(map: &MapTable, geo: &Geometry, b0: u64, b1: u64) -> Rea
 
 /// The plan of a write of whole blocks `[b0, b1)` into `map`, where `in_place(map,
 /// lunit, punit)` says whether a unit may be written in place
-/// (`meta::writable_in_place` in the engine). `None` if a logical unit of the range is
-/// unmapped: the caller allocates first.
+/// (`meta::writable_in_place` in the engine). `Err` with the logical units of the range
+/// that are unmapped (ascending), if any is: the caller allocates exactly those, and
+/// plans again under the lock it allocated them under.
 pub(crate) fn plan_write(
     map: &MapTable,
     geo: &Geometry,
     b0: u64,
     b1: u64,
     in_place: impl Fn(&MapTable, u64, u32) -> bool,
-) -> Option<WritePlan> {
+) -> Result<WritePlan, Vec<u64>> {
     let bpu = geo.blocks_per_unit();
     let mut plan = WritePlan::default();
+    let mut unmapped = Vec::new();
     for u in b0 / bpu..(b1 - 1) / bpu + 1 {
         let e = map.get(u);
         if !e.is_mapped() {
-            return None;
+            unmapped.push(u);
+            continue;
+        }
+        if !unmapped.is_empty() {
+            continue; // the plan is thrown away: only the unmapped units count
         }
         let s = (u * bpu).max(b0);
         let end = ((u + 1) * bpu).min(b1);
@@ -144,7 +150,11 @@ pub(crate) fn plan_write(
             plan.new_bits.push((u, e.punit, m));
         }
     }
-    Some(plan)
+    if unmapped.is_empty() {
+        Ok(plan)
+    } else {
+        Err(unmapped)
+    }
 }
 
 #[cfg(test)]
@@ -217,12 +227,14 @@ mod tests {
     }
 
     #[test]
-    fn a_write_into_an_unmapped_unit_plans_nothing_until_it_is_allocated() {
+    fn a_write_into_unmapped_units_plans_nothing_but_names_them() {
         let g = geo();
         let mut a = Allocator::new(1000);
         let mut map = MapTable::new();
         map.set(0, Entry { punit: 3, bitmap: 1 }, &mut a);
-        assert_eq!(plan_write(&map, &g, 0, 32, |_, _, _| true), None);
+        map.set(2, Entry { punit: 4, bitmap: 1 }, &mut a);
+        // Blocks 0..64: units 0 to 3 of 16 blocks; 1 and 3 unmapped.
+        assert_eq!(plan_write(&map, &g, 0, 64, |_, _, _| true), Err(vec![1, 3]));
     }
 
     #[test]
