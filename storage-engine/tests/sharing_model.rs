@@ -19,6 +19,8 @@
 //!
 //! The first five tests are the interleavings that lost data before the sharing
 //! signals were ordered (on-disk-format.md 6.1 rule 12); each failed on that code.
+//! This is a model: it passes whatever order the engine's own code keeps;
+//! `tests/sharing_races.rs` races the engine's real delete, trim and copy on write.
 //! Run with `cargo nextest run -p storage-engine --features shuttle --test sharing_model`.
 #![cfg(feature = "shuttle")]
 
