@@ -7,5 +7,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export POWER_LOSS_CUTS=${1:-100000}
+# The long profile (.config/nextest.toml) lets each test run up to 8 hours.
 cargo nextest run -p storage-engine --test power_loss --test power_loss_concurrent --no-capture \
-  --slow-timeout 14400s --no-fail-fast
+  --profile long

@@ -644,8 +644,11 @@ fn print_history(history: &[Done]) {
 
 fn run_seed(seed: u64, cuts: usize) {
     let mut rng = Rng::new(seed);
-    let per_workload = cuts.div_ceil(WORKLOADS_PER_SEED);
-    for w in 0..WORKLOADS_PER_SEED {
+    // The long mode (many cuts) spreads them over more workloads, 75 cuts each.
+    let workloads = WORKLOADS_PER_SEED.max(cuts / 75);
+    let per_workload = cuts.div_ceil(workloads);
+    let started = std::time::Instant::now();
+    for w in 0..workloads {
         let plane = if w % 2 == 0 { Plane::Lanes } else { Plane::MultiThread };
         let dir = tempfile::tempdir().unwrap();
         let live = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| workload(dir.path(), plane, &mut rng)));
@@ -690,6 +693,11 @@ fn run_seed(seed: u64, cuts: usize) {
             }
         }
     }
+    eprintln!(
+        "concurrent power-loss: seed {seed:#x}: {} cut points over {workloads} workloads, each recovered and checked, in {:.0?}",
+        per_workload * workloads,
+        started.elapsed()
+    );
 }
 
 #[test]
