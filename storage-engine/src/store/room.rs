@@ -31,7 +31,9 @@
 //! checkpoint at open), and as the spare's units are backed, the host file system being
 //! full cannot stop one either. Data allocates only from the free set; the spare grows
 //! from it (in the background, ahead of need) and gives back what it holds beyond its
-//! target. When the free set cannot give it enough, the change is refused with
+//! target; data takes only the free units beyond what the spare lacks of its target
+//! ([`Store::data_room`]), so that headroom is kept even when the background growth is
+//! late. When the free set cannot give it enough, the change is refused with
 //! `NoSpace`: the pool is full, whichever of the pool or the host ran out first.
 
 use std::future::Future;
@@ -157,6 +159,21 @@ impl Store {
         self.spare_needed(a, 0) + self.headroom(a)
     }
 
+    /// Units of the free set the spare is owed: what it lacks of its target.
+    fn spare_owed(&self, a: &Allocator) -> u64 {
+        self.spare_target(a).saturating_sub(a.spare.len() as u64)
+    }
+
+    /// Whether data may take `units` units of the free set now: only those beyond what
+    /// the spare is owed. So a full pool keeps the spare's headroom for its metadata to
+    /// change (snapshots, mapping pages copied on write) whatever the timing of the
+    /// spare's growth in the background; before, data writes could take the units the
+    /// committer had not yet moved to the spare, and a full pool then had less headroom
+    /// on some runs than on others.
+    pub(crate) fn data_room(&self, a: &Allocator, units: u64) -> bool {
+        a.free_count() >= units + self.spare_owed(a)
+    }
+
     fn headroom(&self, a: &Allocator) -> u64 {
         (2 * self.checkpoint_need(a, 0)).max(16)
     }
@@ -255,7 +272,7 @@ impl Store {
             let a = self.alloc.lock();
             match self.remedy(&a, need, &tried.done) {
                 // Room may have come meanwhile (another change's remedy): try again.
-                None => return Ok(a.free_count() >= need.units && self.has_room(&a, need.extra)),
+                None => return Ok(self.data_room(&a, need.units) && self.has_room(&a, need.extra)),
                 Some(r) => r,
             }
         };

@@ -66,7 +66,7 @@ impl Volume {
         }
         let got = {
             let mut a = self.store.alloc();
-            if a.free_count() > 0 && self.store.has_room(&a, room::COW_GROWTH) {
+            if self.store.data_room(&a, 1) && self.store.has_room(&a, room::COW_GROWTH) {
                 let p = a.alloc().expect("the free set holds one");
                 a.cow_inflight.insert(p);
                 a.pending_growth += room::COW_GROWTH;

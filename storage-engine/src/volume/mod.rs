@@ -440,7 +440,7 @@ impl Volume {
                 Err(want) => {
                     let extra = room::allocation_growth(&map, &want);
                     let mut a = self.store.alloc();
-                    if a.free_count() < want.len() as u64 || !self.store.has_room(&a, extra) {
+                    if !self.store.data_room(&a, want.len() as u64) || !self.store.has_room(&a, extra) {
                         return Ok(Room::Need(NeedRoom { units: want.len() as u64, extra }));
                     }
                     let mut allocated = Vec::with_capacity(want.len());
