@@ -7,6 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export POWER_LOSS_CUTS=${1:-100000}
-# The long profile (.config/nextest.toml) lets each test run up to 8 hours.
-cargo nextest run -p storage-engine --test power_loss --test power_loss_concurrent --no-capture \
-  --profile long
+# The long profile (.config/nextest.toml) lets each test run up to 8 hours; the two
+# run side by side, and what each ran (seeds, cut points, time) is printed at its end.
+cargo nextest run -p storage-engine --test power_loss --test power_loss_concurrent \
+  --profile long --success-output final --failure-output final
