@@ -15,7 +15,7 @@ pub type RefcountRepair = (u32, u32, u32);
 /// What is wrong with the loaded volumes that checksums cannot catch (a record written
 /// wrong, or damage whose checksum was recomputed): invalid or duplicate names, sizes
 /// that are not a multiple of 4096 or past 1 PiB, mappings past a volume's end, and
-/// written-block bits past a unit's blocks. Run by [`check`], and by open, which
+/// written-block bits past a unit's blocks. Run by `check`, and by open, which
 /// refuses such a pool rather than serve and keep the damage.
 pub(crate) fn volume_problems(st: &State, bpu: u64) -> Vec<String> {
     let mut problems = Vec::new();
@@ -50,7 +50,7 @@ pub(crate) fn volume_problems(st: &State, bpu: u64) -> Vec<String> {
 /// Replaces the refcounts of `st` (a loaded pool, its log replayed) by those its
 /// mappings imply, and its free set by what follows from them; returns each change.
 ///
-/// Errors: [`ErrorKind::Corrupt`] when a mapped unit is also a unit of the checkpoint
+/// Errors: [`ErrorKind::Corrupt`](crate::ErrorKind::Corrupt) when a mapped unit is also a unit of the checkpoint
 /// (`checkpoint_units`): the mappings are damaged.
 pub(crate) fn rebuild_refcounts(st: &mut State, checkpoint_units: &[u32]) -> Result<Vec<RefcountRepair>> {
     let units = st.alloc.unit_count() as usize;

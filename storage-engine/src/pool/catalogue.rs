@@ -154,7 +154,7 @@ impl Pool {
         // it: a burst of deletes costs one or two checkpoints, not one each.
         let tight = {
             let a = self.store.alloc();
-            a.free_count() == 0 && self.store.checkpoint_lowers_need(&a)
+            !self.store.data_room(&a, 1) && self.store.checkpoint_lowers_need(&a)
         };
         if tight {
             self.store.request_checkpoint();

@@ -121,7 +121,7 @@ impl Pool {
             metadata: a.meta * us,
             free: (unit_count - a.used - a.meta) * us,
             freeing: a.pending_free.len() as u64 * us,
-            reserved: (a.spare.len() as u64).max(self.store.spare_needed(&a, 0)).min(unit_count - a.used - a.meta) * us,
+            reserved: self.store.data_reserve(&a).min(unit_count - a.used - a.meta) * us,
             unit_size: us as u32,
             volumes,
             direct_io: self.store.direct(),

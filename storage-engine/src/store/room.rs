@@ -170,8 +170,16 @@ impl Store {
     /// spare's growth in the background; before, data writes could take the units the
     /// committer had not yet moved to the spare, and a full pool then had less headroom
     /// on some runs than on others.
+    /// (A change that allocates no data, `units` 0, always has it.)
     pub(crate) fn data_room(&self, a: &Allocator, units: u64) -> bool {
-        a.free_count() >= units + self.spare_owed(a)
+        units == 0 || a.free_count() >= units + self.spare_owed(a)
+    }
+
+    /// Units of the free units (the free set and the spare) that data may not take:
+    /// the spare, or its target when it is below it. `Pool::status` reports them as
+    /// reserved, so that free minus reserved is what data writes can still take.
+    pub(crate) fn data_reserve(&self, a: &Allocator) -> u64 {
+        (a.spare.len() as u64).max(self.spare_target(a))
     }
 
     fn headroom(&self, a: &Allocator) -> u64 {
@@ -207,16 +215,18 @@ impl Store {
     fn remedy(&self, a: &Allocator, need: NeedRoom, tried: &[Remedy]) -> Option<Remedy> {
         let untried = |r: Remedy| (!tried.contains(&r)).then_some(r);
         let short = self.spare_needed(a, need.extra).saturating_sub(a.spare.len() as u64);
-        if a.free_count() >= need.units + short {
-            if short > 0 {
-                if let Some(r) = untried(Remedy::GrowSpare) {
-                    return Some(r);
-                }
-            } else {
-                return None; // room enough; nothing to do (the caller retries anyway)
+        // Data short of units: the free set has too few beyond what the spare is owed.
+        let data_short = !self.data_room(a, need.units);
+        if short == 0 && !data_short {
+            return None; // room enough; nothing to do (the caller retries anyway)
+        }
+        if short > 0 && a.free_count() >= need.units + short {
+            if let Some(r) = untried(Remedy::GrowSpare) {
+                return Some(r);
             }
         }
-        if short > 0 && self.checkpoint_lowers_need(a) {
+        // A checkpoint lowers what the rule needs, and so the spare's target.
+        if self.checkpoint_lowers_need(a) {
             if let Some(r) = untried(Remedy::Checkpoint) {
                 return Some(r);
             }
