@@ -121,10 +121,15 @@ async fn serve(
             let l = tokio::net::UnixListener::bind(path)
                 .map_err(|e| std::io::Error::new(e.kind(), format!("bind {}: {e}", path.display())))?;
             tracing::info!(endpoint = %path.display(), "{what} serving");
-            router
+            let served = router
                 .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(l), shutdown)
                 .await
-                .map_err(std::io::Error::other)
+                .map_err(std::io::Error::other);
+            // A clean stop leaves no socket behind for a client to find dead.
+            if let Err(e) = std::fs::remove_file(path) {
+                tracing::warn!(endpoint = %path.display(), error = %e, "could not remove the socket");
+            }
+            served
         }
         Endpoint::Tcp(addr) => {
             let l = tokio::net::TcpListener::bind(addr)

@@ -75,10 +75,14 @@ impl Cluster {
         self.controller = Some(child);
     }
 
+    /// SIGTERM: the controller exits cleanly and removes its socket.
     fn stop_controller(&mut self) {
         if let Some(mut c) = self.controller.take() {
-            let _ = c.kill();
-            let _ = c.wait();
+            let ok = Command::new("kill").args(["-TERM", &c.id().to_string()]).status().unwrap();
+            assert!(ok.success(), "kill -TERM failed");
+            let st = c.wait().unwrap();
+            assert!(st.success(), "the controller did not exit cleanly on SIGTERM ({st}):\n{}", self.log_text());
+            assert!(!self.socket.exists(), "the controller left its socket {} behind", self.socket.display());
         }
     }
 
@@ -116,7 +120,10 @@ impl Cluster {
 
 impl Drop for Cluster {
     fn drop(&mut self) {
-        self.stop_controller();
+        if let Some(mut c) = self.controller.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
     }
 }
 
