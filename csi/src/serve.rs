@@ -45,13 +45,14 @@ impl std::str::FromStr for Endpoint {
 }
 
 /// Serves Identity and Controller over the hosts of `config` on `endpoint` until
-/// `shutdown` resolves.
+/// `shutdown` resolves; calls in flight then have up to
+/// [`mgmt_api::drain::DRAIN_LIMIT`] to finish, and a unix socket's file is removed.
 ///
 /// Errors: the endpoint cannot be bound (its directory missing, the address taken).
 pub async fn serve_controller(
     config: &Config,
     endpoint: &Endpoint,
-    shutdown: impl std::future::Future<Output = ()> + Send,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let hosts = Arc::new(Hosts::new(config));
     let router = tonic::transport::Server::builder()
@@ -66,7 +67,7 @@ pub async fn serve_controller(
 pub async fn serve_node(
     node: Node,
     endpoint: &Endpoint,
-    shutdown: impl std::future::Future<Output = ()> + Send,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let what = format!("CSI node {}", node.node_id());
     let router = tonic::transport::Server::builder()
@@ -106,10 +107,11 @@ impl pb::identity_server::Identity for NodeIdentity {
 async fn serve(
     router: tonic::transport::server::Router,
     endpoint: &Endpoint,
-    shutdown: impl std::future::Future<Output = ()> + Send,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     what: &str,
 ) -> std::io::Result<()> {
-    match endpoint {
+    use mgmt_api::drain::{serve_with_drain_limit, Stopped, DRAIN_LIMIT};
+    let stopped = match endpoint {
         Endpoint::Unix(path) => {
             match std::fs::remove_file(path) {
                 Ok(()) => {}
@@ -121,10 +123,11 @@ async fn serve(
             let l = tokio::net::UnixListener::bind(path)
                 .map_err(|e| std::io::Error::new(e.kind(), format!("bind {}: {e}", path.display())))?;
             tracing::info!(endpoint = %path.display(), "{what} serving");
-            let served = router
-                .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(l), shutdown)
-                .await
-                .map_err(std::io::Error::other);
+            let incoming = tokio_stream::wrappers::UnixListenerStream::new(l);
+            let served = serve_with_drain_limit(shutdown, DRAIN_LIMIT, |stop| {
+                router.serve_with_incoming_shutdown(incoming, stop)
+            })
+            .await;
             // A clean stop leaves no socket behind for a client to find dead.
             if let Err(e) = std::fs::remove_file(path) {
                 tracing::warn!(endpoint = %path.display(), error = %e, "could not remove the socket");
@@ -136,12 +139,16 @@ async fn serve(
                 .await
                 .map_err(|e| std::io::Error::new(e.kind(), format!("bind {addr}: {e}")))?;
             tracing::info!(endpoint = %addr, "{what} serving");
-            router
-                .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(l), shutdown)
+            let incoming = tokio_stream::wrappers::TcpListenerStream::new(l);
+            serve_with_drain_limit(shutdown, DRAIN_LIMIT, |stop| router.serve_with_incoming_shutdown(incoming, stop))
                 .await
-                .map_err(std::io::Error::other)
         }
     }
+    .map_err(std::io::Error::other)?;
+    if stopped == Stopped::LimitReached {
+        tracing::warn!(limit = ?DRAIN_LIMIT, "{what}: connections still open at the end of the drain; closed");
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -4,10 +4,13 @@
 //! Lives here: the protocol (`proto/ferrovol.proto`, package `ferrovol.v1`) and its
 //! generated code ([`pb`]: messages, the `Management` service trait a server
 //! implements, and the raw client), and [`Client`], a typed client whose calls return
-//! [`ApiError`], one error of a small matchable [`ErrorKind`]. Used by the `ferrovol`
+//! [`ApiError`], one error of a small matchable [`ErrorKind`], and [`drain`], a
+//! graceful stop for a gRPC server that a silent client cannot hang. Used by the `ferrovol`
 //! CLI and by the CSI controller; implemented by the `ferrovol` server. Not here: the
 //! engine or anything else of ferrovol's (this crate depends on none of them), the
 //! server side (the `ferrovol` crate's `mgmt` module).
+
+pub mod drain;
 
 use std::path::{Path, PathBuf};
 

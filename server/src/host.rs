@@ -260,25 +260,20 @@ impl Host {
         let api_task = match (api, &tls) {
             (Some(listener), Some(tls)) => {
                 tracing::info!(addr = ?api_addr, "serving the management API over mutual TLS");
-                Some(tokio::spawn(
-                    tonic::transport::Server::builder()
-                        .add_service(mgmt::ManagementService::new(pool.clone(), identity.clone()))
-                        .serve_with_incoming_shutdown(
-                            crate::tls::incoming(listener, Arc::clone(tls)),
-                            stopped(stop_rx.clone()),
-                        ),
-                ))
+                let router = tonic::transport::Server::builder()
+                    .add_service(mgmt::ManagementService::new(pool.clone(), identity.clone()));
+                let incoming = crate::tls::incoming(listener, Arc::clone(tls));
+                Some(tokio::spawn(drained(stopped(stop_rx.clone()), |stop| {
+                    router.serve_with_incoming_shutdown(incoming, stop)
+                })))
             }
             _ => None,
         };
-        let mgmt_task = tokio::spawn(
-            tonic::transport::Server::builder()
-                .add_service(mgmt::ManagementService::new(pool.clone(), identity))
-                .serve_with_incoming_shutdown(
-                    tokio_stream::wrappers::UnixListenerStream::new(mgmt_listener),
-                    stopped(stop_rx.clone()),
-                ),
-        );
+        let router =
+            tonic::transport::Server::builder().add_service(mgmt::ManagementService::new(pool.clone(), identity));
+        let incoming = tokio_stream::wrappers::UnixListenerStream::new(mgmt_listener);
+        let mgmt_task =
+            tokio::spawn(drained(stopped(stop_rx.clone()), |stop| router.serve_with_incoming_shutdown(incoming, stop)));
         Ok(Host {
             pool,
             nbd_addr,
@@ -390,6 +385,23 @@ impl Host {
         tracing::info!("pool closed cleanly");
         Ok(())
     }
+}
+
+/// Serves a management API until `stop`, then gives its calls in flight up to
+/// [`mgmt_api::drain::DRAIN_LIMIT`]: a client that stops answering (a CSI controller
+/// partitioned away, say) cannot hold the host's shutdown, and so its checkpoint.
+async fn drained<F>(
+    stop: impl std::future::Future<Output = ()> + Send + 'static,
+    serve: impl FnOnce(mgmt_api::drain::Shutdown) -> F,
+) -> Result<(), tonic::transport::Error>
+where
+    F: std::future::Future<Output = Result<(), tonic::transport::Error>>,
+{
+    use mgmt_api::drain::{serve_with_drain_limit, Stopped, DRAIN_LIMIT};
+    if serve_with_drain_limit(stop, DRAIN_LIMIT, serve).await? == Stopped::LimitReached {
+        tracing::warn!(limit = ?DRAIN_LIMIT, "management connections still open at the end of the drain; closed");
+    }
+    Ok(())
 }
 
 /// `<data_dir>/crash-generation`: the pool's crash generation and whether a server

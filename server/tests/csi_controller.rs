@@ -75,14 +75,37 @@ impl Cluster {
         self.controller = Some(child);
     }
 
-    /// SIGTERM: the controller exits cleanly and removes its socket.
-    fn stop_controller(&mut self) {
+    /// SIGTERM: the controller drains its connections (the clients of this runtime,
+    /// which keeps running meanwhile, answer the server's GOAWAY), exits cleanly and
+    /// removes its socket. Fails rather than hangs if it does not exit within a minute.
+    async fn stop_controller(&mut self) {
         if let Some(mut c) = self.controller.take() {
             let ok = Command::new("kill").args(["-TERM", &c.id().to_string()]).status().unwrap();
             assert!(ok.success(), "kill -TERM failed");
-            let st = c.wait().unwrap();
+            let st = tokio::task::spawn_blocking(move || {
+                let t = Instant::now();
+                loop {
+                    if let Some(st) = c.try_wait().unwrap() {
+                        return Some(st);
+                    }
+                    if t.elapsed() > Duration::from_secs(60) {
+                        let _ = c.kill();
+                        let _ = c.wait();
+                        return None;
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            })
+            .await
+            .unwrap();
+            let st = st.unwrap_or_else(|| panic!("the controller did not stop on SIGTERM:\n{}", self.log_text()));
             assert!(st.success(), "the controller did not exit cleanly on SIGTERM ({st}):\n{}", self.log_text());
             assert!(!self.socket.exists(), "the controller left its socket {} behind", self.socket.display());
+            assert!(
+                !self.log_text().contains("end of the drain"),
+                "a client that answers was cut off at the drain limit:\n{}",
+                self.log_text()
+            );
         }
     }
 
@@ -704,7 +727,7 @@ fn a_host_down_is_unavailable_for_its_volumes_and_skipped_for_placement() {
         assert_eq!(id.probe(pb::ProbeRequest {}).await.unwrap().into_inner().ready, Some(true));
         // The host returns: its volume is there again, through a restarted controller.
         cl.b.restart();
-        cl.stop_controller();
+        cl.stop_controller().await;
         cl.start_controller();
         let mut c = cl.controller().await;
         let got = c.controller_get_volume(get).await.unwrap().into_inner();
@@ -774,7 +797,7 @@ fn a_host_over_mutual_tls_is_managed_and_a_stranger_controller_is_refused() {
             .unwrap();
         assert!(s.into_inner().snapshot.unwrap().ready_to_use);
     });
-    cl.stop_controller();
+    rt().block_on(cl.stop_controller());
     std::fs::write(&cl.config, stranger_config).unwrap();
     cl.start_controller();
     rt().block_on(async {
