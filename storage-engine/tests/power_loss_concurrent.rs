@@ -42,7 +42,9 @@
 //! `POWER_LOSS_CUTS` sets the cut points per seed (default 300, spread over the
 //! workloads), `POWER_LOSS_SEED` replays one seed's operations; each run uses a fixed
 //! seed and a random one, printed on failure. Schedules are not replayed exactly
-//! (threads race); `POWER_LOSS_DEBUG=1` prints the failing history.
+//! (threads race), so a failure keeps its evidence: the image the cut left, the history
+//! and the I/O log stay in a directory it names; `POWER_LOSS_DEBUG=1` also prints the
+//! history.
 //! `scripts/power-loss-long.sh` runs many more.
 
 mod common;
@@ -630,7 +632,9 @@ fn check_cut(image: &Path, base: &[u8], events: &[IoEvent], history: &[Done], cu
     }
 }
 
-fn print_history(history: &[Done]) {
+/// The history, one operation a line, with the span of I/O log events it covers.
+fn format_history(history: &[Done]) -> String {
+    let mut out = String::new();
     for d in history {
         let what = match &d.kind {
             Kind::Write { name, sector, tags, fua } => {
@@ -638,8 +642,22 @@ fn print_history(history: &[Done]) {
             }
             other => format!("{other:?}"),
         };
-        eprintln!("[{:6}..{:6}] {what}", d.start, d.end);
+        out += &format!("[{:6}..{:6}] {what}\n", d.start, d.end);
     }
+    out
+}
+
+/// The I/O log, one event a line (writes by offset and length, not their bytes).
+fn format_events(events: &[IoEvent]) -> String {
+    let mut out = String::new();
+    for (i, e) in events.iter().enumerate() {
+        let line = match e {
+            IoEvent::Write { offset, data, dsync } => format!("write {offset:#x}+{:#x} dsync {dsync}", data.len()),
+            other => format!("{other:?}"),
+        };
+        out += &format!("{i:6} {line}\n");
+    }
+    out
 }
 
 fn run_seed(seed: u64, cuts: usize) {
@@ -676,18 +694,26 @@ fn run_seed(seed: u64, cuts: usize) {
             } else {
                 rng.below(events.len() as u64 + 1) as usize
             };
+            let before = rng.clone();
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 check_cut(&image, &base, &events, &history, cut, &mut rng)
             }));
             if let Err(e) = r {
+                // Threads race, so a seed does not replay a schedule: keep the evidence.
+                // The directory keeps the image the cut left before recovery touched
+                // it (built again from the same draws), the history and the I/O log.
+                cut_image(&image, &base, &events, cut, &mut before.clone());
+                let _ = std::fs::write(dir.path().join("history.txt"), format_history(&history));
+                let _ = std::fs::write(dir.path().join("events.txt"), format_events(&events));
                 if std::env::var_os("POWER_LOSS_DEBUG").is_some() {
-                    print_history(&history);
+                    eprint!("{}", format_history(&history));
                 }
                 let _ = writeln!(
                     std::io::stderr(),
-                    "concurrent power-loss failure: seed {seed:#x}, workload {w} ({plane:?}), cut {cut} of {} events \
-                     (POWER_LOSS_DEBUG=1 prints the history)",
-                    events.len()
+                    "concurrent power-loss failure: seed {seed:#x}, workload {w} ({plane:?}), cut {cut} of {} events; \
+                     the cut's image, history.txt and events.txt are kept in {}",
+                    events.len(),
+                    dir.keep().display()
                 );
                 std::panic::resume_unwind(e);
             }
