@@ -1,0 +1,181 @@
+//! Pools written by older builds, kept in `tests/fixtures/` as gzip-compressed images,
+//! open with this build and are upgraded to its format version (docs/on-disk-format.md
+//! section 8). Each fixture holds volumes, a snapshot taken before copy-on-write
+//! writes, a clone of it, labels, an attachment, a resize and a trim, partly in its
+//! checkpoint and partly in a log this build must replay (the image was copied from a
+//! running pool after a flush, as a crash would leave it).
+//!
+//! A fixture is never regenerated: it is what a user's pool of that version holds.
+//! `FERROVOL_WRITE_FIXTURE=PATH cargo nextest run -p storage-engine --test
+//! format_fixtures` writes a new one with the build at hand (the recipe below), for
+//! the day this build's version is the older one.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::path::Path;
+
+use common::*;
+use storage_engine::format::{Superblock, FORMAT_VERSION, SUPERBLOCK_OFFSETS};
+use storage_engine::{Labels, Pool, PoolOptions};
+
+const K: u64 = 1024;
+
+/// What the recipe leaves in each volume and snapshot: `(name, size, [(offset, len,
+/// byte)])`, every byte outside the listed ranges zero.
+fn expected() -> Vec<(&'static str, u64, Vec<(u64, u64, u8)>)> {
+    vec![
+        (
+            "db",
+            16 * MIB,
+            vec![
+                (0, 4 * K, 0xa4),
+                (4 * K, 60 * K, 0xa1),
+                (64 * K, 64 * K, 0xa2),
+                (192 * K, 64 * K, 0xa1),
+                (12 * MIB, 4 * K, 0xa3),
+            ],
+        ),
+        ("db@monday", 8 * MIB, vec![(0, 256 * K, 0xa1)]),
+        (
+            "db@tuesday",
+            16 * MIB,
+            vec![(0, 64 * K, 0xa1), (64 * K, 64 * K, 0xa2), (192 * K, 64 * K, 0xa1), (12 * MIB, 4 * K, 0xa3)],
+        ),
+        ("dbc", 8 * MIB, vec![(0, 4 * K, 0xc1), (4 * K, 252 * K, 0xa1)]),
+        ("logs", 4 * MIB, vec![(MIB, 64 * K, 0xb1)]),
+    ]
+}
+
+/// Builds the fixture's pool in `dir` and returns a copy of its image taken while it
+/// runs, after a flush.
+fn recipe(dir: &Path) -> Vec<u8> {
+    let rt = rt();
+    let path = pool_path(dir);
+    let opts = PoolOptions { size: 64 * MIB, unit_size: 64 * 1024, ..Default::default() };
+    let pool = Pool::create(&path, &opts).unwrap();
+    let labels: Labels = [("app".to_string(), "pg".to_string())].into();
+    // Into the checkpoint: volumes, a snapshot, copy on write, a clone of the snapshot.
+    rt.block_on(pool.create_volume_with("db", 8 * MIB, &labels)).unwrap();
+    let db = pool.volume("db").unwrap();
+    rt.block_on(write(&db, 0, &[0xa1; 256 * 1024], false)).unwrap();
+    rt.block_on(pool.create_volume("logs", 4 * MIB)).unwrap();
+    let logs = pool.volume("logs").unwrap();
+    rt.block_on(write(&logs, MIB, &[0xb1; 64 * 1024], false)).unwrap();
+    rt.block_on(pool.create_snapshot("db", "monday")).unwrap();
+    rt.block_on(write(&db, 64 * K, &[0xa2; 64 * 1024], false)).unwrap();
+    rt.block_on(pool.clone_volume("db@monday", "dbc")).unwrap();
+    let dbc = pool.volume("dbc").unwrap();
+    rt.block_on(write(&dbc, 0, &[0xc1; 4096], false)).unwrap();
+    drop((db, logs, dbc));
+    pool.close().unwrap();
+    // Into the log only: a volume made and deleted, a resize, a FUA write, a trim, an
+    // attachment, a second snapshot and a write after it.
+    let pool = Pool::open(&path).unwrap();
+    rt.block_on(pool.create_volume("gone", MIB)).unwrap();
+    let gone = pool.volume("gone").unwrap();
+    rt.block_on(write(&gone, 0, &[0xdd; 8192], false)).unwrap();
+    drop(gone);
+    rt.block_on(pool.delete_volume("gone")).unwrap();
+    rt.block_on(pool.resize_volume("db", 16 * MIB)).unwrap();
+    let db = pool.volume("db").unwrap();
+    rt.block_on(write(&db, 12 * MIB, &[0xa3; 4096], true)).unwrap();
+    rt.block_on(db.trim(128 * K, 64 * K, false)).unwrap();
+    rt.block_on(pool.attach("db", "n1", false, false)).unwrap();
+    rt.block_on(pool.create_snapshot("db", "tuesday")).unwrap();
+    rt.block_on(write(&db, 0, &[0xa4; 4096], false)).unwrap();
+    rt.block_on(db.flush()).unwrap();
+    let image = std::fs::read(&path).unwrap();
+    drop(db);
+    pool.close().unwrap();
+    image
+}
+
+fn gunzip(path: &Path) -> Vec<u8> {
+    let mut out = Vec::new();
+    flate2::read::GzDecoder::new(std::fs::File::open(path).unwrap()).read_to_end(&mut out).unwrap();
+    out
+}
+
+fn slot_version(image: &Path, at: u64) -> u32 {
+    use std::os::unix::fs::FileExt;
+    use zerocopy::FromBytes;
+    let mut b = [0u8; 256];
+    std::fs::File::open(image).unwrap().read_exact_at(&mut b, at).unwrap();
+    Superblock::read_from_bytes(&b).unwrap().version.get()
+}
+
+/// Checks that the pool at `path` holds what the recipe left.
+fn assert_recipe_content(pool: &Pool) {
+    let rt = rt();
+    let mut names = pool.names();
+    names.sort();
+    assert_eq!(names, ["db", "db@monday", "db@tuesday", "dbc", "logs"]);
+    for (name, size, ranges) in expected() {
+        let v = pool.volume(name).unwrap();
+        assert_eq!(v.size(), size, "{name}");
+        let mut want = vec![0u8; size as usize];
+        for (off, len, byte) in ranges {
+            want[off as usize..(off + len) as usize].fill(byte);
+        }
+        let got = rt.block_on(read(&v, 0, size));
+        if let Some(i) = got.iter().zip(&want).position(|(a, b)| a != b) {
+            panic!("{name}: byte {i} is {:#x}, expected {:#x}", got[i], want[i]);
+        }
+        assert!(!v.is_pristine(), "{name} holds data");
+    }
+    let db = pool.volume_info("db").unwrap();
+    assert_eq!(db.labels.get("app").map(String::as_str), Some("pg"));
+    assert_eq!(db.attachments.iter().map(|a| a.node_id.as_str()).collect::<Vec<_>>(), ["n1"]);
+    assert!(!db.attachments[0].read_only);
+    assert!(pool.volume_info("logs").unwrap().attachments.is_empty());
+    // Snapshots and the clone share what they did not change: the units of db's first
+    // 256 KiB that no write replaced are shared.
+    assert!(pool.volume_info("db@monday").unwrap().shared > 0);
+}
+
+/// A version 4 pool, written by the build of that version, opens (its checkpoint read,
+/// its log replayed), holds every volume, snapshot, clone, label and attachment it
+/// held, is written as this build's version from that open on, and opens again.
+#[test]
+fn a_version_4_pool_from_an_older_build_opens_and_is_upgraded() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = pool_path(dir.path());
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/pool-v4.img.gz");
+    std::fs::write(&path, gunzip(&fixture)).unwrap();
+    for at in SUPERBLOCK_OFFSETS {
+        assert_eq!(slot_version(&path, at), 4, "the fixture's slot at byte {at}");
+    }
+    let r = storage_engine::check(&path).unwrap();
+    assert!(r.problems.is_empty(), "{r:?}");
+    let pool = Pool::open(&path).unwrap();
+    assert!(pool.recovery().batches_replayed > 0, "the fixture's log holds commits to replay");
+    assert_recipe_content(&pool);
+    pool.close().unwrap();
+    for at in SUPERBLOCK_OFFSETS {
+        assert_eq!(slot_version(&path, at), FORMAT_VERSION, "slot at byte {at} after the upgrading open");
+    }
+    assert_clean(dir.path());
+    let pool = Pool::open(&path).unwrap();
+    assert_recipe_content(&pool);
+    pool.close().unwrap();
+}
+
+/// The recipe itself, run with this build: what it leaves reads back as expected, and
+/// with `FERROVOL_WRITE_FIXTURE=PATH` the image is written there, compressed.
+#[test]
+fn the_fixture_recipe_leaves_what_the_checks_expect() {
+    let dir = tempfile::tempdir().unwrap();
+    let image = recipe(dir.path());
+    if let Some(out) = std::env::var_os("FERROVOL_WRITE_FIXTURE") {
+        let mut gz = flate2::write::GzEncoder::new(std::fs::File::create(out).unwrap(), flate2::Compression::best());
+        gz.write_all(&image).unwrap();
+        gz.finish().unwrap();
+    }
+    let crashed = tempfile::tempdir().unwrap();
+    std::fs::write(pool_path(crashed.path()), &image).unwrap();
+    let pool = Pool::open(&pool_path(crashed.path())).unwrap();
+    assert!(pool.recovery().batches_replayed > 0);
+    assert_recipe_content(&pool);
+    pool.close().unwrap();
+}
