@@ -199,7 +199,7 @@ fn attachments_and_keys_survive_a_crash() {
     let again = json(&s.cli_ok(&["host", "info", "--json"]));
     assert_eq!(host["host_id"], again["host_id"]);
     assert_eq!(host["host_id"], s.pool_status()["uuid"]);
-    assert_eq!(again["format_version"], 4);
+    assert_eq!(again["format_version"], 5);
     s.cli_ok(&["volume", "unpublish", "v", "--node", "node-1"]);
     s.kill9();
     s.restart();

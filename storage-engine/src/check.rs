@@ -39,7 +39,15 @@ pub fn check(path: &Path) -> Result<CheckReport> {
     let mut read = read_at_file(&file);
     let loaded = journal::load(&mut read, size, journal::Accept::default())?;
     let mut problems = Vec::new();
-    let warnings: Vec<String> = loaded.superblock_warning.iter().chain(loaded.log_warning.iter()).cloned().collect();
+    let mut warnings: Vec<String> =
+        loaded.superblock_warning.iter().chain(loaded.log_warning.iter()).cloned().collect();
+    let unknown = journal::unknown_ro_compat(&loaded.sb);
+    if unknown != 0 {
+        warnings.push(format!(
+            "pool uses read-only-compatible features {unknown:#x} this build does not know: checked what this build \
+             reads; it will not open the pool"
+        ));
+    }
     for (u, stored, derived) in &loaded.refcount_mismatches {
         problems
             .push(format!("checkpoint refcount of data unit {u} is {stored} but {derived} mapping pages reference it"));

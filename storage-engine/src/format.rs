@@ -16,8 +16,21 @@ pub const SUPERBLOCK_MAGIC: [u8; 8] = *b"FERROVOL";
 /// acknowledged one; version 4 added volume properties ([`REC_PROPS`]: labels and
 /// attachments) and [`VOLUME_FLAG_WRITTEN`]. An older pool opens and is written as the
 /// current version from its first checkpoint on (every open writes one), so older
-/// builds refuse it afterwards.
-pub const FORMAT_VERSION: u32 = 4;
+/// builds refuse it afterwards. Version 5 added the three feature sets of the
+/// superblock ([`Superblock::incompat_features`], [`Superblock::compat_features`],
+/// [`Superblock::ro_compat_features`], ext4's scheme): later additions to the format
+/// are feature bits, so that a build opens every pool whose features it knows, or
+/// that adds only compatible ones, and the version changes no more.
+pub const FORMAT_VERSION: u32 = 5;
+/// First format version whose superblock carries compatible and read-only-compatible
+/// feature bits (before it, those bytes were reserved and zero).
+pub const FEATURES_VERSION: u32 = 5;
+/// Incompatible features this build knows: none.
+pub const INCOMPAT_FEATURES_KNOWN: u64 = 0;
+/// Read-only-compatible features this build knows: none.
+pub const RO_COMPAT_FEATURES_KNOWN: u64 = 0;
+/// Compatible features this build knows: none (unknown ones are kept, never refused).
+pub const COMPAT_FEATURES_KNOWN: u64 = 0;
 /// First format version whose checkpoints carry [`VOLUME_FLAG_WRITTEN`] (before it, a
 /// volume counts as written when it maps a unit).
 pub const WRITTEN_FLAG_VERSION: u32 = 4;
@@ -93,10 +106,20 @@ pub struct Superblock {
     pub checkpoint_seq: U64,
     /// Absolute log position (bytes, not yet reduced modulo `log_size`) where replay starts.
     pub log_head: U64,
-    /// Feature bits; none are defined and a non-zero value is refused.
-    pub features: U64,
+    /// Incompatible feature bits (version 5; `features` before, always zero): a build
+    /// that does not know one of them refuses the pool. None are defined yet
+    /// ([`INCOMPAT_FEATURES_KNOWN`]).
+    pub incompat_features: U64,
+    /// Compatible feature bits (version 5): a build that does not know one of them
+    /// opens, checks and writes the pool as usual, and keeps the bit. None are defined
+    /// yet ([`COMPAT_FEATURES_KNOWN`]).
+    pub compat_features: U64,
+    /// Read-only-compatible feature bits (version 5): a build that does not know one of
+    /// them may read the pool (`check`) but refuses to open it, since an open writes.
+    /// None are defined yet ([`RO_COMPAT_FEATURES_KNOWN`]).
+    pub ro_compat_features: U64,
     /// Zero.
-    pub reserved: [u8; 120],
+    pub reserved: [u8; 104],
     /// CRC-32C of bytes 0..248.
     pub crc: U32,
     /// Zero.

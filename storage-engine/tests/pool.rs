@@ -475,14 +475,75 @@ fn damage_newer_slot(path: &std::path::Path) {
 
 /// Sets the format version of both superblock slots of the pool file `f`.
 fn set_version(f: &std::fs::File, version: u32) {
+    edit_slots(f, |sb| sb.version = version.into());
+}
+
+/// Changes both superblock slots of the pool file `f` with `edit`, checksums kept valid.
+fn edit_slots(f: &std::fs::File, edit: impl Fn(&mut storage_engine::format::Superblock)) {
     use std::os::unix::fs::FileExt;
     use zerocopy::IntoBytes;
     for at in storage_engine::format::SUPERBLOCK_OFFSETS {
         let mut sb = slot(f, at);
-        sb.version = version.into();
+        edit(&mut sb);
         sb.crc = sb.compute_crc().into();
         f.write_all_at(sb.as_bytes(), at).unwrap();
     }
+}
+
+/// Feature bits this build does not know are honoured by kind (docs/on-disk-format.md
+/// section 8): an incompatible one refuses the pool, to `check` too; a
+/// read-only-compatible one lets `check` read it (with a warning) but refuses the
+/// open, which writes; a compatible one is ignored and kept. A refused pool is left
+/// unchanged, and a pool of a newer version is named as written by a newer build.
+#[test]
+fn unknown_feature_bits_are_honoured_by_kind() {
+    use storage_engine::format::SUPERBLOCK_OFFSETS;
+    let dir = tempfile::tempdir().unwrap();
+    let path = pool_path(dir.path());
+    let rt = rt();
+    let pool = create(dir.path(), 64 * MIB);
+    rt.block_on(pool.create_volume("v", 4 * MIB)).unwrap();
+    let v = pool.volume("v").unwrap();
+    rt.block_on(write(&v, 0, &[0x3c; 8192], false)).unwrap();
+    drop(v);
+    pool.close().unwrap();
+    let f = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
+    let clean = sha(&path);
+
+    edit_slots(&f, |sb| sb.incompat_features = (1u64 << 7).into());
+    let before = sha(&path);
+    let e = Pool::open(&path).err().expect("an unknown incompatible feature refuses the pool");
+    assert!(e.to_string().contains("incompatible features 0x80 this build does not know"), "{e}");
+    let e = storage_engine::check(&path).err().expect("check refuses it too");
+    assert!(e.to_string().contains("incompatible features 0x80"), "{e}");
+    assert_eq!(sha(&path), before, "nothing is written to a refused pool");
+
+    std::fs::write(&path, &clean).unwrap();
+    edit_slots(&f, |sb| sb.ro_compat_features = (1u64 << 40).into());
+    let before = sha(&path);
+    let e = Pool::open(&path).err().expect("an unknown read-only-compatible feature refuses the open");
+    assert!(e.to_string().contains("read-only-compatible features 0x10000000000"), "{e}");
+    let r = storage_engine::check(&path).unwrap();
+    assert!(r.problems.is_empty(), "{r:?}");
+    assert!(r.warnings.iter().any(|w| w.contains("read-only-compatible features 0x10000000000")), "{r:?}");
+    assert_eq!(sha(&path), before, "nothing is written to a refused pool");
+
+    std::fs::write(&path, &clean).unwrap();
+    edit_slots(&f, |sb| sb.compat_features = (1u64 << 2).into());
+    let pool = Pool::open(&path).unwrap();
+    let v = pool.volume("v").unwrap();
+    assert_eq!(rt.block_on(read(&v, 0, 8192)), vec![0x3c; 8192]);
+    drop(v);
+    pool.close().unwrap();
+    for at in SUPERBLOCK_OFFSETS {
+        assert_eq!(slot(&f, at).compat_features.get(), 1 << 2, "the compatible bit is kept (slot at byte {at})");
+    }
+    assert_clean(dir.path());
+
+    edit_slots(&f, |sb| sb.version = 6.into());
+    let e = Pool::open(&path).err().unwrap();
+    assert!(e.to_string().contains("version 6 is not supported"), "{e}");
+    assert!(e.to_string().contains("written by a newer ferrovol"), "{e}");
 }
 
 /// The open that upgrades an older pool writes both superblock slots in the new

@@ -19,6 +19,6 @@ mod verify;
 pub(crate) use records::{encode_batches, Record};
 pub(crate) use recovery::{load, read_at_file, Accept, Loaded, LogCursor};
 pub(crate) use state::{checkpoint_bytes_bound, checkpoint_units_bound, derive_refcounts, State, VolumeMeta};
-pub(crate) use superblock::Geometry;
+pub(crate) use superblock::{unknown_ro_compat, Geometry};
 pub use verify::RefcountRepair;
 pub(crate) use verify::{rebuild_refcounts, volume_problems};

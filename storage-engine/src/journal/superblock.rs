@@ -39,17 +39,31 @@ pub(crate) fn validate_superblock(sb: &Superblock, size: u64) -> Result<Geometry
     if sb.magic != SUPERBLOCK_MAGIC {
         return Err(Error::not_a_pool("not a ferrovol pool: superblock magic is missing"));
     }
-    if !(MIN_READ_VERSION..=FORMAT_VERSION).contains(&sb.version.get()) {
+    let version = sb.version.get();
+    if !(MIN_READ_VERSION..=FORMAT_VERSION).contains(&version) {
+        let newer = if version > FORMAT_VERSION {
+            ": it was written by a newer ferrovol, and a pool is never downgraded; open it with that version or a later one"
+        } else {
+            ""
+        };
         return Err(Error::corrupt(format!(
-            "pool format version {} is not supported by this build (it reads versions {MIN_READ_VERSION} to {FORMAT_VERSION})",
-            sb.version.get()
+            "pool format version {version} is not supported by this build (it reads versions {MIN_READ_VERSION} to {FORMAT_VERSION}){newer}"
         )));
     }
     if sb.compute_crc() != sb.crc.get() {
         return Err(Error::corrupt("superblock checksum mismatch"));
     }
-    if sb.features.get() != 0 {
-        return Err(Error::corrupt(format!("pool uses unknown feature bits {:#x}", sb.features.get())));
+    let unknown = sb.incompat_features.get() & !INCOMPAT_FEATURES_KNOWN;
+    if unknown != 0 {
+        return Err(Error::corrupt(format!(
+            "pool uses incompatible features {unknown:#x} this build does not know: it was written by a newer \
+             ferrovol; open it with that version or a later one"
+        )));
+    }
+    if version < FEATURES_VERSION && (sb.compat_features.get() != 0 || sb.ro_compat_features.get() != 0) {
+        return Err(Error::corrupt(format!(
+            "superblock of format version {version} holds feature bits in its reserved bytes"
+        )));
     }
     let unit_size = sb.unit_size.get();
     let g = Geometry {
@@ -169,4 +183,10 @@ pub(crate) fn read_superblock(
     };
     let (sb, g) = slots.swap_remove(v);
     Ok((sb, g.expect("valid"), Some(warning), rolled_back))
+}
+
+/// The read-only-compatible features of `sb` this build does not know: a pool with any
+/// may be read (checked) but not opened, since every open writes (a checkpoint).
+pub(crate) fn unknown_ro_compat(sb: &Superblock) -> u64 {
+    sb.ro_compat_features.get() & !RO_COMPAT_FEATURES_KNOWN
 }

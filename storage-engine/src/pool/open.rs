@@ -223,6 +223,14 @@ impl Pool {
             };
             journal::load(&mut read, size, accept).map_err(|e| e.op("open pool"))?
         };
+        let unknown = journal::unknown_ro_compat(&loaded.sb);
+        if unknown != 0 {
+            return Err(Error::corrupt(format!(
+                "pool uses read-only-compatible features {unknown:#x} this build does not know: it can check the \
+                 pool (`ferrovol check`) but not open it, since opening writes; use the newer ferrovol that wrote it"
+            ))
+            .op("open pool"));
+        }
         for w in loaded.superblock_warning.iter().chain(loaded.log_warning.iter()) {
             tracing::warn!(path = %path.display(), "{w}");
         }
@@ -354,8 +362,10 @@ fn new_superblock(size: u64, unit: u64, log_size: u64, data_offset: u64, unit_co
         checkpoint_chunks: 0.into(),
         checkpoint_seq: 0.into(),
         log_head: 0.into(),
-        features: 0.into(),
-        reserved: [0; 120],
+        incompat_features: 0.into(),
+        compat_features: 0.into(),
+        ro_compat_features: 0.into(),
+        reserved: [0; 104],
         crc: 0.into(),
         pad: 0.into(),
     }
