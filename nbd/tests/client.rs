@@ -103,11 +103,14 @@ fn each_refusal_is_its_own_error() {
         Err(e @ HandshakeError::Refused { .. }) => assert!(e.to_string().contains("refuses export \"secret\""), "{e}"),
         other => panic!("{other:?}"),
     }
-    // Nobody listening; something that is not NBD.
-    let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = free.local_addr().unwrap().port();
-    drop(free);
+    // Nobody listening (a socket bound but not listening holds the port, so no other
+    // test can take it meanwhile, and connections to it are refused); something that
+    // is not NBD.
+    let bound = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    bound.bind(&std::net::SocketAddr::from(([127, 0, 0, 1], 0)).into()).unwrap();
+    let port = bound.local_addr().unwrap().as_socket().unwrap().port();
     assert!(matches!(connect(&Target::Tcp(format!("127.0.0.1:{port}")), "disk", T), Err(HandshakeError::Io { .. })));
+    drop(bound);
     let http = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let http_addr = http.local_addr().unwrap().to_string();
     std::thread::spawn(move || {
