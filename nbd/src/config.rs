@@ -67,6 +67,10 @@ pub struct ServerConfig {
     pub shutdown_grace: Duration,
     /// What a connection does with requests that arrive after [`Server::shut_down`].
     pub soft_disconnect: SoftDisconnect,
+    /// TLS (proto.md, "TLS support"): `None`, the default, is the spec's NOTLS mode
+    /// (`NBD_OPT_STARTTLS` gets `NBD_REP_ERR_UNSUP`); otherwise TLS is offered or
+    /// required as [`crate::NbdTls::mode`] says.
+    pub tls: Option<crate::NbdTls>,
 }
 
 /// How a shutting-down server treats requests it has not started (proto.md
@@ -100,6 +104,7 @@ impl Default for ServerConfig {
             idle_timeout: None,
             shutdown_grace: Duration::from_secs(2),
             soft_disconnect: SoftDisconnect::Close,
+            tls: None,
         }
     }
 }

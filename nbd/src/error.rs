@@ -45,6 +45,11 @@ pub enum Error {
     /// in flight were answered, then the server closed the connection.
     #[error("access to the export was revoked; connection closed")]
     Revoked,
+    /// The TLS handshake after `NBD_OPT_STARTTLS` failed (the client's certificate was
+    /// refused, or the connection broke); with the ACK sent there is no going back to
+    /// plain text, so the connection was closed (proto.md, "FORCEDTLS mode").
+    #[error("TLS handshake failed: {0}")]
+    Tls(std::io::Error),
     /// No request arrived for `idle_timeout` while none was in flight.
     #[error("connection idle for {0:?}")]
     IdleTimeout(Duration),

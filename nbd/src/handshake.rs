@@ -3,10 +3,11 @@
 //!
 //! Lives here: the server greeting, the client-flags check, the option loop answering
 //! `NBD_OPT_EXPORT_NAME`, `NBD_OPT_GO`, `NBD_OPT_INFO`, `NBD_OPT_LIST`, `NBD_OPT_ABORT`,
-//! `NBD_OPT_STRUCTURED_REPLY`, `NBD_OPT_LIST_META_CONTEXT` and `NBD_OPT_SET_META_CONTEXT`
-//! (everything else gets `NBD_REP_ERR_UNSUP`, including `NBD_OPT_STARTTLS`: this server runs
-//! in NOTLS mode), and the choice of transmission flags and block-size limits that the
-//! transmission phase then enforces.
+//! `NBD_OPT_STRUCTURED_REPLY`, `NBD_OPT_LIST_META_CONTEXT`, `NBD_OPT_SET_META_CONTEXT`
+//! and `NBD_OPT_STARTTLS` with the rules of the server's TLS mode (proto.md, "TLS
+//! support": NOTLS without [`ServerConfig::tls`], else SELECTIVETLS or FORCEDTLS);
+//! everything else gets `NBD_REP_ERR_UNSUP`. Also the choice of transmission flags and
+//! block-size limits that the transmission phase then enforces.
 //! Not here: the handshake timeout (applied by `server::serve_connection`) and anything
 //! after option haggling (see `transmission`).
 
@@ -19,7 +20,8 @@ use crate::error::Error;
 use crate::export::{BlockSizes, Client, Export, ExportFlags, ExportRegistry, Refusal};
 use crate::proto::*;
 use crate::slots::{ExportSlot, Live};
-use crate::stream::read_full_or_eof;
+use crate::stream::{read_full_or_eof, Tracked};
+use crate::tls::{MaybeTls, TlsMode};
 
 /// The metadata context id given to `base:allocation` by `NBD_OPT_SET_META_CONTEXT`.
 pub(crate) const BASE_ALLOCATION_ID: u32 = 1;
@@ -165,7 +167,7 @@ async fn send_final<S: AsyncWrite + Unpin>(
 /// closing the connection between options), `Ok(Some(_))` after `NBD_OPT_GO` or
 /// `NBD_OPT_EXPORT_NAME` succeeded, and an [`Error`] for a hard disconnect.
 pub(crate) async fn handshake<R, S>(
-    stream: &mut S,
+    stream: &mut Tracked<'_, MaybeTls<S>>,
     registry: &R,
     client: &Client,
     config: &ServerConfig,
@@ -204,6 +206,17 @@ where
         stream.read_exact(&mut data).await?;
         let option = header.option;
         tracing::trace!(option, length = header.length, "option received");
+
+        let tls_required = config.tls.as_ref().is_some_and(|t| t.mode == TlsMode::Required);
+        if tls_required && !stream.inner().is_tls() && option != NBD_OPT_STARTTLS && option != NBD_OPT_ABORT {
+            if option == NBD_OPT_EXPORT_NAME {
+                // It cannot be answered with an error (proto.md, "FORCEDTLS mode").
+                return Err(Error::protocol("NBD_OPT_EXPORT_NAME before NBD_OPT_STARTTLS, which this server requires"));
+            }
+            send_final(stream, option, NBD_REP_ERR_TLS_REQD, b"this server requires TLS: send NBD_OPT_STARTTLS first")
+                .await?;
+            continue;
+        }
 
         match option {
             NBD_OPT_EXPORT_NAME => {
@@ -256,7 +269,24 @@ where
                 meta_context(stream, registry, client, &mut state, option, &data).await?;
             }
             NBD_OPT_STARTTLS => {
-                send_final(stream, option, NBD_REP_ERR_UNSUP, b"TLS is not supported").await?;
+                let Some(tls) = &config.tls else {
+                    send_final(stream, option, NBD_REP_ERR_UNSUP, b"this server does not offer TLS").await?;
+                    continue;
+                };
+                if stream.inner().is_tls() {
+                    send_final(stream, option, NBD_REP_ERR_INVALID, b"TLS is already in use").await?;
+                    continue;
+                }
+                if !data.is_empty() {
+                    send_final(stream, option, NBD_REP_ERR_INVALID, b"NBD_OPT_STARTTLS takes no data").await?;
+                    continue;
+                }
+                send_final(stream, option, NBD_REP_ACK, &[]).await?;
+                stream.inner().start_tls(tls.source.server_config()).await.map_err(Error::Tls)?;
+                // Nothing agreed in plain text, where anyone on the path could have
+                // changed it, carries over into the TLS session.
+                state = Haggle::default();
+                tracing::debug!("TLS started");
             }
             _ => {
                 send_final(stream, option, NBD_REP_ERR_UNSUP, b"unsupported option").await?;

@@ -6,9 +6,10 @@
 //! TCP and Unix sockets. The protocol follows the NetworkBlockDevice `doc/proto.md`; doc
 //! comments name the section they implement.
 //! Not here: storage. Data lives behind the [`Export`] trait, exports are found through
-//! [`ExportRegistry`]; this crate does not depend on any storage implementation. TLS and
-//! extended headers are not implemented (`NBD_OPT_STARTTLS` and
-//! `NBD_OPT_EXTENDED_HEADERS` are answered with `NBD_REP_ERR_UNSUP`).
+//! [`ExportRegistry`]; this crate does not depend on any storage implementation. TLS
+//! (`NBD_OPT_STARTTLS`, rustls) when [`ServerConfig::tls`] says so; extended headers
+//! are not implemented (`NBD_OPT_EXTENDED_HEADERS` is answered with
+//! `NBD_REP_ERR_UNSUP`).
 //!
 //! Entry points: a [`Server`] (exports, [`ServerConfig`] limits, live connection counts)
 //! with its accept loops for TCP and Unix sockets and `serve_connection` for one
@@ -32,9 +33,11 @@ mod slots;
 mod stream;
 #[cfg(any(test, feature = "test-utils"))]
 pub mod testing;
+mod tls;
 mod transmission;
 
 pub use config::SoftDisconnect;
 pub use error::Error;
 pub use export::{BlockSizes, Client, Errno, Export, ExportFlags, ExportRegistry, Extent, ReadData, Refusal};
 pub use server::{serve_connection, serve_tcp, serve_unix, Server, ServerConfig};
+pub use tls::{NbdTls, TlsMode, TlsSource};

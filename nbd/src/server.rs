@@ -23,6 +23,7 @@ use crate::error::Error;
 use crate::export::{Client, ExportRegistry};
 use crate::slots::{ConnectionSlot, Live, Placement, PlacementSlot};
 use crate::stream::{Progress, Rehome, HANDSHAKE_TIMEOUTS_IN_ALL};
+use crate::tls::MaybeTls;
 use crate::{budget, handshake, transmission};
 
 /// An NBD server: the exports it offers, its limits, and the connections it has open
@@ -129,11 +130,12 @@ impl<R: ExportRegistry> Server<R> {
     /// lookups and listings are given. Ends with [`Error::Revoked`] when the export is
     /// revoked from the client ([`crate::Export::revoked`]), after answering what is in
     /// flight.
-    pub async fn serve_connection_from<S>(&self, mut stream: S, client: Client) -> Result<(), Error>
+    pub async fn serve_connection_from<S>(&self, stream: S, client: Client) -> Result<(), Error>
     where
         S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
         let config = &self.config;
+        let mut stream = MaybeTls::Plain(stream);
         let progress = Progress::new();
         let mut tracked = progress.track(&mut stream);
         let negotiated = tokio::select! {
@@ -152,6 +154,7 @@ impl<R: ExportRegistry> Server<R> {
         };
         tracing::debug!(
             export = %self.registry.shown_name(&negotiated.name),
+            tls = stream.is_tls(),
             structured = negotiated.params.structured,
             block_status = negotiated.params.base_allocation.is_some(),
             "entering transmission phase"

@@ -109,6 +109,13 @@ pub(crate) struct Tracked<'a, S> {
     progress: &'a Progress,
 }
 
+impl<S> Tracked<'_, S> {
+    /// The stream itself (what is done through this is not counted as progress).
+    pub(crate) fn inner(&mut self) -> &mut S {
+        self.inner
+    }
+}
+
 impl<S: AsyncRead + Unpin> AsyncRead for Tracked<'_, S> {
     fn poll_read(
         mut self: std::pin::Pin<&mut Self>,

@@ -52,8 +52,12 @@ pub struct HostOptions {
     pub mgmt_socket: Option<PathBuf>,
     /// TCP address for the management API, served only with mutual TLS (`tls`).
     pub api_listen: Option<SocketAddr>,
-    /// The management API's TLS files (required with `api_listen`).
+    /// The TLS files of the management API (required with `api_listen`) and of NBD
+    /// (required with `nbd_tls`).
     pub tls: Option<TlsFiles>,
+    /// NBD over TLS (`NBD_OPT_STARTTLS`) with the `tls` files, offered or required;
+    /// `None`: NBD without TLS.
+    pub nbd_tls: Option<nbd::TlsMode>,
     /// HTTP address for Prometheus metrics (`GET /metrics`); none by default.
     pub metrics_listen: Option<SocketAddr>,
     /// NBD data-plane threads (at least 1).
@@ -82,6 +86,7 @@ impl HostOptions {
             mgmt_socket: None,
             api_listen: None,
             tls: None,
+            nbd_tls: None,
             metrics_listen: None,
             dataplane_threads: 1,
             nbd: nbd::ServerConfig::default(),
@@ -158,10 +163,18 @@ impl Host {
             "--api-listen serves the management API over TCP only with mutual TLS: give --tls-cert, --tls-key and \
              --tls-client-ca"
         );
+        anyhow::ensure!(
+            opts.nbd_tls.is_none() || opts.tls.is_some(),
+            "--nbd-tls needs the TLS files: give --tls-cert, --tls-key and --tls-client-ca"
+        );
         let tls = match &opts.tls {
-            Some(files) => Some(Arc::new(MtlsAcceptor::load(files.clone()).context("the management API's TLS files")?)),
+            Some(files) => Some(Arc::new(MtlsAcceptor::load(files.clone()).context("the TLS files")?)),
             None => None,
         };
+        let mut nbd_config = opts.nbd.clone();
+        if let (Some(mode), Some(tls)) = (opts.nbd_tls, &tls) {
+            nbd_config.tls = Some(nbd::NbdTls { mode, source: Arc::clone(tls) as Arc<dyn nbd::TlsSource> });
+        }
         let data_dir = &opts.data_dir;
         std::fs::create_dir_all(data_dir).with_context(|| format!("create data dir {}", data_dir.display()))?;
         let dataplane = DataPlane::start(opts.dataplane_threads).context("start the NBD data-plane threads")?;
@@ -232,7 +245,7 @@ impl Host {
                 .with_crash_generation(&generation.current),
         );
         tracing::info!(crash_generation = %generation.current, "pool generation");
-        let nbd_server = nbd::Server::new_on(registry, opts.nbd.clone(), dataplane.handles.clone());
+        let nbd_server = nbd::Server::new_on(registry, nbd_config, dataplane.handles.clone());
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
             let _ = rx.wait_for(|s| *s).await;

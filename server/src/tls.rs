@@ -1,5 +1,6 @@
-//! The management API over TCP with mutual TLS (rustls): the server certificate and
-//! key, the CA that client certificates must chain to, reloaded on demand (SIGHUP);
+//! The management API over TCP with mutual TLS (rustls), and NBD's TLS sessions with
+//! the same files: the server certificate and key, the CA that client certificates
+//! must chain to, reloaded on demand (SIGHUP);
 //! the TLS handshake of each connection before any call is read, and who called
 //! ([`Caller`], the client certificate's subject, in each request's extensions).
 //!
@@ -47,6 +48,8 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 pub struct MtlsAcceptor {
     files: TlsFiles,
     config: RwLock<Arc<rustls::ServerConfig>>,
+    /// The same files for NBD sessions (no ALPN: NBD clients offer none).
+    nbd_config: RwLock<Arc<rustls::ServerConfig>>,
 }
 
 impl MtlsAcceptor {
@@ -55,22 +58,39 @@ impl MtlsAcceptor {
     /// Errors: a file that cannot be read or holds no certificate, key or CA; a key
     /// that does not match the certificate.
     pub fn load(files: TlsFiles) -> anyhow::Result<MtlsAcceptor> {
-        let config = server_config(&files)?;
-        Ok(MtlsAcceptor { files, config: RwLock::new(Arc::new(config)) })
+        let (config, nbd_config) = server_configs(&files)?;
+        Ok(MtlsAcceptor { files, config: RwLock::new(Arc::new(config)), nbd_config: RwLock::new(Arc::new(nbd_config)) })
     }
 
     /// Reads the files again; on error the configuration in force stays.
     ///
     /// Errors: as [`MtlsAcceptor::load`].
     pub fn reload(&self) -> anyhow::Result<()> {
-        let config = server_config(&self.files)?;
+        let (config, nbd_config) = server_configs(&self.files)?;
         *self.config.write() = Arc::new(config);
+        *self.nbd_config.write() = Arc::new(nbd_config);
         Ok(())
     }
 
     fn acceptor(&self) -> tokio_rustls::TlsAcceptor {
         tokio_rustls::TlsAcceptor::from(Arc::clone(&self.config.read()))
     }
+}
+
+/// NBD sessions (`NBD_OPT_STARTTLS`) take the files in force when they start: the
+/// same certificate, key and client CA as the management API.
+impl nbd::TlsSource for MtlsAcceptor {
+    fn server_config(&self) -> Arc<rustls::ServerConfig> {
+        Arc::clone(&self.nbd_config.read())
+    }
+}
+
+/// The management API's configuration (ALPN `h2`) and NBD's (no ALPN) from the files.
+fn server_configs(f: &TlsFiles) -> anyhow::Result<(rustls::ServerConfig, rustls::ServerConfig)> {
+    let mut api = server_config(f)?;
+    let nbd = api.clone();
+    api.alpn_protocols = vec![b"h2".to_vec()];
+    Ok((api, nbd))
 }
 
 fn server_config(f: &TlsFiles) -> anyhow::Result<rustls::ServerConfig> {
@@ -85,13 +105,12 @@ fn server_config(f: &TlsFiles) -> anyhow::Result<rustls::ServerConfig> {
     let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), Arc::clone(&provider))
         .build()
         .context("client certificate verifier")?;
-    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+    let config = rustls::ServerConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
         .context("TLS versions")?
         .with_client_cert_verifier(verifier)
         .with_single_cert(certs, key)
         .with_context(|| format!("the key {} with the certificate {}", f.key.display(), f.cert.display()))?;
-    config.alpn_protocols = vec![b"h2".to_vec()];
     Ok(config)
 }
 

@@ -165,14 +165,22 @@ pub(crate) struct ServeArgs {
     /// (--tls-cert, --tls-key, --tls-client-ca; the files are read again on SIGHUP).
     #[arg(long, requires_all = ["server_tls_cert", "server_tls_key", "tls_client_ca"])]
     pub(crate) api_listen: Option<SocketAddr>,
-    /// With --api-listen: the server's certificate chain (PEM).
-    #[arg(long = "tls-cert", id = "server_tls_cert", value_name = "FILE")]
+    /// NBD over TLS (NBD_OPT_STARTTLS) with the --tls-* files, mutual (a client
+    /// presents a certificate of --tls-client-ca): `optional` (TLS at the client's
+    /// choice) or `required` (every option before STARTTLS is refused with
+    /// NBD_REP_ERR_TLS_REQD). The Linux kernel's client cannot do TLS.
+    #[arg(long, value_enum, default_value_t = NbdTlsArg::Off,
+          requires_ifs = [("optional", "server_tls_cert"), ("required", "server_tls_cert")])]
+    pub(crate) nbd_tls: NbdTlsArg,
+    /// With --api-listen or --nbd-tls: the server's certificate chain (PEM).
+    #[arg(long = "tls-cert", id = "server_tls_cert", value_name = "FILE",
+          requires_all = ["server_tls_key", "tls_client_ca"])]
     pub(crate) server_tls_cert: Option<PathBuf>,
-    /// With --api-listen: the server's private key (PEM).
+    /// With --api-listen or --nbd-tls: the server's private key (PEM).
     #[arg(long = "tls-key", id = "server_tls_key", value_name = "FILE")]
     pub(crate) server_tls_key: Option<PathBuf>,
-    /// With --api-listen: CA certificates (PEM) a client's certificate must chain to;
-    /// a client without one is refused before any call.
+    /// With --api-listen or --nbd-tls: CA certificates (PEM) a client's certificate
+    /// must chain to; a client without one is refused before any call or option.
     #[arg(long)]
     pub(crate) tls_client_ca: Option<PathBuf>,
     /// With --pool on a block device: if the device holds no ferrovol pool, format it
@@ -366,6 +374,17 @@ pub(crate) enum SnapshotCmd {
     },
 }
 
+/// `--nbd-tls`.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum NbdTlsArg {
+    /// NBD without TLS (NBD_OPT_STARTTLS is answered NBD_REP_ERR_UNSUP).
+    Off,
+    /// TLS at the client's choice.
+    Optional,
+    /// TLS before any other option.
+    Required,
+}
+
 /// `--soft-disconnect`.
 #[derive(Clone, Copy, clap::ValueEnum)]
 pub(crate) enum SoftDisconnectArg {
@@ -550,6 +569,11 @@ impl ServeArgs {
             o.tls =
                 Some(ferrovol::tls::TlsFiles { cert: cert.clone(), key: key.clone(), client_ca: client_ca.clone() });
         }
+        o.nbd_tls = match self.nbd_tls {
+            NbdTlsArg::Off => None,
+            NbdTlsArg::Optional => Some(nbd::TlsMode::Optional),
+            NbdTlsArg::Required => Some(nbd::TlsMode::Required),
+        };
         o.mgmt_socket = Some(mgmt_socket);
         o.metrics_listen = self.metrics_listen;
         o.dataplane_threads = self.dataplane_threads as usize;

@@ -1,0 +1,240 @@
+//! NBD over TLS (proto.md, "TLS support") against a real `ferrovol serve --nbd-tls`,
+//! with qemu-io (gnutls, `tls-creds-x509`) and nbdinfo (libnbd, `nbds://` with
+//! `tls-certificates`) as clients: data written over TLS reads back; in `required`
+//! mode a client without TLS, with no certificate, or with a certificate of another CA
+//! is refused and nothing it asked for runs; in `optional` mode plain and TLS clients
+//! are both served.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::certs::{ca, leaf, write, Ca};
+use common::*;
+
+/// A client's credentials directory in gnutls's layout (what qemu's `tls-creds-x509`
+/// and libnbd's `tls-certificates` read): `ca-cert.pem` to verify the server, and
+/// with `signer` a `client-cert.pem` and `client-key.pem` it signed.
+fn client_dir(root: &Path, tag: &str, trust: &Ca, signer: Option<&Ca>) -> PathBuf {
+    let dir = root.join(tag);
+    std::fs::create_dir_all(&dir).unwrap();
+    write(&dir, "ca-cert.pem", &trust.pem);
+    if let Some(signer) = signer {
+        let (cert, key) = leaf(signer, tag, &[], true);
+        write(&dir, "client-cert.pem", &cert);
+        write(&dir, "client-key.pem", &key);
+    }
+    dir
+}
+
+/// qemu-io on export `name` of the server at `port`, over TLS with the credentials in
+/// `creds` (or in plain text with `None`).
+fn qemu_io_tls(port: u16, name: &str, creds: Option<&Path>, cmds: &[&str]) -> std::process::Output {
+    let mut c = peer("qemu-io");
+    let mut opts = format!("driver=nbd,server.type=inet,server.host=127.0.0.1,server.port={port},export={name}");
+    if let Some(dir) = creds {
+        c.args(["--object", &format!("tls-creds-x509,id=tls0,endpoint=client,dir={}", dir.display())]);
+        opts += ",tls-creds=tls0";
+    }
+    c.arg("--image-opts");
+    for cmd in cmds {
+        c.args(["-c", cmd]);
+    }
+    c.arg(opts);
+    output(&mut c)
+}
+
+/// Starts a server with `--nbd-tls MODE` and the TLS files of `ca1`; returns it and the
+/// directory for client credentials.
+fn start(td: &TestDir, mode: &str, ca1: &Ca) -> Server {
+    let dir = td.path();
+    let (scert, skey) = leaf(ca1, "storage-1", &["127.0.0.1", "localhost"], false);
+    let cert = write(dir, "server.pem", &scert);
+    let key = write(dir, "server-key.pem", &skey);
+    let client_ca = write(dir, "client-ca.pem", &ca1.pem);
+    Server::start_with(
+        &td.data(),
+        "2GiB",
+        &[
+            "--nbd-tls",
+            mode,
+            "--tls-cert",
+            cert.to_str().unwrap(),
+            "--tls-key",
+            key.to_str().unwrap(),
+            "--tls-client-ca",
+            client_ca.to_str().unwrap(),
+        ],
+    )
+}
+
+#[test]
+fn required_tls_serves_clients_of_the_configured_ca_and_refuses_the_rest() {
+    require("qemu-io");
+    require("nbdinfo");
+    let td = TestDir::new();
+    let (ca1, ca2) = (ca("ferrovol test CA"), ca("another CA"));
+    let s = start(&td, "required", &ca1);
+    s.create_volume("v", "8MiB");
+    let good = client_dir(td.path(), "node-1", &ca1, Some(&ca1));
+    let foreign = client_dir(td.path(), "intruder", &ca1, Some(&ca2));
+    let anonymous = client_dir(td.path(), "anonymous", &ca1, None);
+
+    // Written and read back over TLS by qemu (gnutls).
+    let o = qemu_io_tls(s.port, "v", Some(&good), &["write -P 0x5a 0 64k", "flush", "read -P 0x5a 0 64k"]);
+    assert!(qemu_io_succeeded(&o), "qemu-io over TLS: {}", text(&o));
+    // nbdinfo (libnbd) over TLS sees the export.
+    let uri = format!("nbds://127.0.0.1:{}/v?tls-certificates={}", s.port, good.display());
+    let o = output(peer("nbdinfo").args(["--size", &uri]));
+    assert!(o.status.success(), "nbdinfo over TLS: {}", text(&o));
+    assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), (8u64 << 20).to_string());
+
+    // Refused: plain text, no client certificate, a certificate of another CA. None
+    // of their writes land.
+    let o = qemu_io_tls(s.port, "v", None, &["write -P 0x11 0 4k"]);
+    assert!(!o.status.success(), "a plain client was served: {}", text(&o));
+    assert!(text(&o).contains("TLS"), "the refusal names TLS: {}", text(&o));
+    let o = output(peer("nbdinfo").args(["--size", &format!("nbd://127.0.0.1:{}/v", s.port)]));
+    assert!(!o.status.success(), "nbdinfo in plain text was served: {}", text(&o));
+    for creds in [&anonymous, &foreign] {
+        let o = qemu_io_tls(s.port, "v", Some(creds), &["write -P 0x22 0 4k"]);
+        assert!(!o.status.success(), "{} was served: {}", creds.display(), text(&o));
+    }
+    let o = qemu_io_tls(s.port, "v", Some(&good), &["read -P 0x5a 0 64k"]);
+    assert!(qemu_io_succeeded(&o), "the data is untouched: {}", text(&o));
+    assert!(s.log_text().contains("TLS handshake failed"), "the refused handshakes are logged");
+}
+
+#[test]
+fn optional_tls_serves_plain_and_tls_clients() {
+    require("qemu-io");
+    let td = TestDir::new();
+    let ca1 = ca("ferrovol test CA");
+    let s = start(&td, "optional", &ca1);
+    s.create_volume("v", "8MiB");
+    let good = client_dir(td.path(), "node-1", &ca1, Some(&ca1));
+    let o = qemu_io_tls(s.port, "v", None, &["write -P 0x33 0 64k", "flush"]);
+    assert!(qemu_io_succeeded(&o), "plain: {}", text(&o));
+    let o = qemu_io_tls(s.port, "v", Some(&good), &["read -P 0x33 0 64k", "write -P 0x44 64k 64k", "flush"]);
+    assert!(qemu_io_succeeded(&o), "TLS: {}", text(&o));
+    let o = qemu_io_tls(s.port, "v", None, &["read -P 0x44 64k 64k"]);
+    assert!(qemu_io_succeeded(&o), "plain again: {}", text(&o));
+}
+
+#[test]
+fn nbd_tls_without_its_files_is_refused_at_start() {
+    let td = TestDir::new();
+    let o = cli(&td.data(), &["serve", "--nbd-tls", "required"]);
+    assert!(!o.status.success());
+    assert!(text(&o).contains("--tls-cert"), "{}", text(&o));
+}
+
+/// The option rules of FORCEDTLS on the wire (proto.md, "TLS support"), spoken by hand:
+/// options before `NBD_OPT_STARTTLS` get `NBD_REP_ERR_TLS_REQD` (abort excepted),
+/// `NBD_OPT_STARTTLS` with data or a second time gets `NBD_REP_ERR_INVALID`, after TLS
+/// the options are served, and `NBD_OPT_EXPORT_NAME` before TLS ends the connection.
+/// A client that stops halfway through its TLS handshake is closed, and others are
+/// served meanwhile.
+#[test]
+fn the_forced_tls_option_rules_hold_on_the_wire() {
+    use nbd::proto::*;
+    use std::io::{Read, Write};
+    use std::net::TcpStream;
+    use std::sync::Arc;
+
+    fn greet(port: u16) -> TcpStream {
+        let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        s.set_read_timeout(Some(std::time::Duration::from_secs(20))).unwrap();
+        let mut g = [0u8; 18];
+        s.read_exact(&mut g).unwrap();
+        s.write_all(&(NBD_FLAG_C_FIXED_NEWSTYLE | NBD_FLAG_C_NO_ZEROES).to_be_bytes()).unwrap();
+        s
+    }
+    fn send(s: &mut impl Write, option: u32, data: &[u8]) {
+        let mut m = IHAVEOPT.to_be_bytes().to_vec();
+        m.extend_from_slice(&option.to_be_bytes());
+        m.extend_from_slice(&(data.len() as u32).to_be_bytes());
+        m.extend_from_slice(data);
+        s.write_all(&m).unwrap();
+        s.flush().unwrap();
+    }
+    /// The reply type to `option`, after skipping `NBD_REP_SERVER` and `NBD_REP_INFO`.
+    fn reply(s: &mut impl Read, option: u32) -> u32 {
+        loop {
+            let mut h = [0u8; 20];
+            s.read_exact(&mut h).unwrap();
+            let (opt, ty) =
+                (u32::from_be_bytes(h[8..12].try_into().unwrap()), u32::from_be_bytes(h[12..16].try_into().unwrap()));
+            let mut data = vec![0u8; u32::from_be_bytes(h[16..20].try_into().unwrap()) as usize];
+            s.read_exact(&mut data).unwrap();
+            assert_eq!(opt, option);
+            if ty != NBD_REP_SERVER && ty != NBD_REP_INFO {
+                return ty;
+            }
+        }
+    }
+
+    let td = TestDir::new();
+    let ca1 = ca("ferrovol test CA");
+    let s = start(&td, "required", &ca1);
+    s.create_volume("v", "8MiB");
+    let mut go = 1u32.to_be_bytes().to_vec();
+    go.extend_from_slice(b"v");
+    go.extend_from_slice(&0u16.to_be_bytes());
+
+    let mut c = greet(s.port);
+    for (option, data) in [(NBD_OPT_LIST, &[][..]), (NBD_OPT_INFO, &go[..]), (NBD_OPT_STRUCTURED_REPLY, &[][..])] {
+        send(&mut c, option, data);
+        assert_eq!(reply(&mut c, option), NBD_REP_ERR_TLS_REQD, "option {option} before TLS");
+    }
+    send(&mut c, NBD_OPT_STARTTLS, b"x");
+    assert_eq!(reply(&mut c, NBD_OPT_STARTTLS), NBD_REP_ERR_INVALID, "NBD_OPT_STARTTLS with data");
+    send(&mut c, NBD_OPT_STARTTLS, &[]);
+    assert_eq!(reply(&mut c, NBD_OPT_STARTTLS), NBD_REP_ACK);
+    // The TLS handshake, as node-1.
+    use rustls::pki_types::pem::PemObject;
+    let (cert, key) = leaf(&ca1, "node-1", &[], true);
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(rustls::pki_types::CertificateDer::from_pem_slice(ca1.pem.as_bytes()).unwrap()).unwrap();
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_client_auth_cert(
+            vec![rustls::pki_types::CertificateDer::from_pem_slice(cert.as_bytes()).unwrap()],
+            rustls::pki_types::PrivateKeyDer::from_pem_slice(key.as_bytes()).unwrap(),
+        )
+        .unwrap();
+    let name = rustls::pki_types::ServerName::try_from("127.0.0.1").unwrap();
+    let conn = rustls::ClientConnection::new(Arc::new(config), name).unwrap();
+    let mut t = rustls::StreamOwned::new(conn, c);
+    send(&mut t, NBD_OPT_STARTTLS, &[]);
+    assert_eq!(reply(&mut t, NBD_OPT_STARTTLS), NBD_REP_ERR_INVALID, "a second NBD_OPT_STARTTLS");
+    send(&mut t, NBD_OPT_LIST, &[]);
+    assert_eq!(reply(&mut t, NBD_OPT_LIST), NBD_REP_ACK, "NBD_OPT_LIST over TLS");
+    send(&mut t, NBD_OPT_INFO, &go);
+    assert_eq!(reply(&mut t, NBD_OPT_INFO), NBD_REP_ACK, "NBD_OPT_INFO over TLS");
+    send(&mut t, NBD_OPT_ABORT, &[]);
+    assert_eq!(reply(&mut t, NBD_OPT_ABORT), NBD_REP_ACK);
+
+    // NBD_OPT_EXPORT_NAME cannot be refused: the connection ends.
+    let mut c = greet(s.port);
+    send(&mut c, NBD_OPT_EXPORT_NAME, b"v");
+    let mut b = [0u8; 1];
+    assert!(matches!(c.read(&mut b), Ok(0) | Err(_)), "the connection stays open after EXPORT_NAME before TLS");
+
+    // A TLS handshake cut off halfway: closed, and nobody else waits for it.
+    let mut c = greet(s.port);
+    send(&mut c, NBD_OPT_STARTTLS, &[]);
+    assert_eq!(reply(&mut c, NBD_OPT_STARTTLS), NBD_REP_ACK);
+    c.write_all(&[0x16, 0x03, 0x01, 0x02, 0x00, 0x01]).unwrap(); // a ClientHello's first bytes
+    let good = client_dir(td.path(), "node-1", &ca1, Some(&ca1));
+    let o = qemu_io_tls(s.port, "v", Some(&good), &["write -P 0x66 0 4k", "read -P 0x66 0 4k"]);
+    assert!(qemu_io_succeeded(&o), "served beside a stuck handshake: {}", text(&o));
+    drop(c);
+    let t0 = std::time::Instant::now();
+    while !s.log_text().contains("TLS handshake failed") {
+        assert!(t0.elapsed() < std::time::Duration::from_secs(10), "the cut handshake is not logged");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
