@@ -152,7 +152,7 @@ pub trait Export: Send + Sync + 'static {
 
 /// Who is asking for an export: what the accept loop knows of the peer, for the
 /// registry's access decision.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Client {
     /// A TCP client: its address and the local address it connected to.
     Tcp {
@@ -160,6 +160,17 @@ pub enum Client {
         peer: SocketAddr,
         /// The server address the connection came in on.
         local: SocketAddr,
+    },
+    /// A TCP client that started TLS (`NBD_OPT_STARTTLS`): what the registry sees
+    /// from then on, with the certificate the client presented.
+    Tls {
+        /// The client's address.
+        peer: SocketAddr,
+        /// The server address the connection came in on.
+        local: SocketAddr,
+        /// The client's certificate (DER, the leaf), verified by the server's TLS
+        /// configuration; `None` if it presented none and the configuration let it.
+        certificate: Option<Arc<[u8]>>,
     },
     /// A client on a Unix socket: a local process with the socket's permissions.
     Unix,

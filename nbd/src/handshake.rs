@@ -190,6 +190,9 @@ where
     let no_zeroes = client_flags & NBD_FLAG_C_NO_ZEROES != 0;
 
     let mut state = Haggle::default();
+    // Who the client is can change once: at the start of TLS, by its certificate.
+    let mut client = client.clone();
+    let client = &mut client;
     loop {
         let mut header = [0u8; OPTION_HEADER_LEN];
         if !read_full_or_eof(stream, &mut header).await? {
@@ -283,6 +286,9 @@ where
                 }
                 send_final(stream, option, NBD_REP_ACK, &[]).await?;
                 stream.inner().start_tls(tls.source.server_config()).await.map_err(Error::Tls)?;
+                if let Client::Tcp { peer, local } = *client {
+                    *client = Client::Tls { peer, local, certificate: stream.inner().peer_certificate() };
+                }
                 // Nothing agreed in plain text, where anyone on the path could have
                 // changed it, carries over into the TLS session.
                 state = Haggle::default();

@@ -94,6 +94,14 @@ impl<S: AsyncRead + AsyncWrite + Unpin> MaybeTls<S> {
     pub(crate) fn is_tls(&self) -> bool {
         matches!(self, MaybeTls::Tls(_))
     }
+
+    /// The client's certificate (DER, the leaf), when TLS is in use and it gave one.
+    pub(crate) fn peer_certificate(&self) -> Option<Arc<[u8]>> {
+        match self {
+            MaybeTls::Tls(t) => t.get_ref().1.peer_certificates()?.first().map(|c| Arc::from(c.as_ref())),
+            _ => None,
+        }
+    }
 }
 
 fn gone() -> io::Error {

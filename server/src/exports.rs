@@ -166,6 +166,8 @@ const NEEDS_KEY: &str = "this server serves a volume over TCP only to a node it 
                          export name that PublishVolume returned (VOLUME/KEY)";
 /// Told to a client whose key is not (or no longer) one of the volume's attachments.
 const NOT_PUBLISHED: &str = "the volume is not published with this key (unpublished, or another volume's key)";
+const OTHER_NODE: &str = "the volume is published with this key to another node than the one the client's \
+                          certificate names";
 
 impl PoolRegistry {
     /// Exports every volume of `pool`, present and future, counting their requests in
@@ -201,11 +203,23 @@ fn describe(vol: &Volume) -> String {
     format!("ferrovol {kind} {}, {} bytes, {} KiB data units{fresh}", vol.name(), vol.size(), vol.unit_size() / 1024)
 }
 
+/// Whether `client` may use an attachment to `node_id` as far as TLS goes: a client
+/// that started TLS must have presented a certificate naming that node; one without
+/// TLS is judged by the key alone.
+fn tls_names(client: &Client, node_id: &str) -> bool {
+    match client {
+        Client::Tls { certificate: Some(der), .. } => crate::tls::names_node(der, node_id),
+        Client::Tls { certificate: None, .. } => false,
+        _ => true,
+    }
+}
+
 impl ExportRegistry for PoolRegistry {
     type Export = VolumeExport;
 
     /// `VOLUME/KEY` opens a volume published with that key, read-only when published
-    /// so, for as long as it stays published; a plain name opens it for unix-socket
+    /// so, for as long as it stays published, and over TLS only for a client whose
+    /// certificate names the node it is published to; a plain name opens it for unix-socket
     /// clients, and for TCP ones under [`NbdAccess::Open`].
     fn lookup(&self, name: &str, client: &Client) -> Result<Arc<VolumeExport>, Refusal> {
         match ExportName::parse(name) {
@@ -225,6 +239,23 @@ impl ExportRegistry for PoolRegistry {
                 // after the look raises the signal this connection then holds.
                 let fence = self.fences.subscribe(&key);
                 match vol.attachments().into_iter().find(|a| a.key == key) {
+                    // Over TLS the key is not enough: the certificate must name the
+                    // node the volume is published to.
+                    Some(a) if !tls_names(client, &a.node_id) => {
+                        drop(fence);
+                        self.fences.forget_unused(&key);
+                        let subject = match client {
+                            Client::Tls { certificate: Some(der), .. } => crate::tls::certificate_subject(der),
+                            _ => "none".to_owned(),
+                        };
+                        tracing::info!(
+                            volume = name,
+                            node = a.node_id,
+                            certificate = subject,
+                            "refused: the certificate names another node"
+                        );
+                        Err(Refusal::Denied(OTHER_NODE.into()))
+                    }
                     Some(a) => Ok(self.export(vol, a.read_only, Some(fence))),
                     None => {
                         drop(fence);

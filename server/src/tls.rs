@@ -132,6 +132,31 @@ fn subject(der: &[u8]) -> String {
     }
 }
 
+/// Whether the DER certificate `der` names the CSI node `node_id`: as its subject's
+/// common name, or as one of its DNS subject alternative names. A certificate that does
+/// not parse names nobody.
+pub fn names_node(der: &[u8], node_id: &str) -> bool {
+    let Ok((_, cert)) = x509_parser::parse_x509_certificate(der) else {
+        return false;
+    };
+    if cert.subject().iter_common_name().any(|cn| cn.as_str() == Ok(node_id)) {
+        return true;
+    }
+    let Ok(Some(san)) = cert.subject_alternative_name() else {
+        return false;
+    };
+    san.value
+        .general_names
+        .iter()
+        .any(|n| matches!(n, x509_parser::extensions::GeneralName::DNSName(d) if *d == node_id))
+}
+
+/// The subject of the DER certificate `der` (RFC 4514 form), or `?` when it does not
+/// parse.
+pub fn certificate_subject(der: &[u8]) -> String {
+    subject(der)
+}
+
 /// A management connection that completed mutual TLS.
 pub struct MtlsStream {
     inner: tokio_rustls::server::TlsStream<TcpStream>,

@@ -44,28 +44,30 @@ fn qemu_io_tls(port: u16, name: &str, creds: Option<&Path>, cmds: &[&str]) -> st
     output(&mut c)
 }
 
-/// Starts a server with `--nbd-tls MODE` and the TLS files of `ca1`; returns it and the
-/// directory for client credentials.
+/// Starts a server with `--nbd-tls MODE` and the TLS files of `ca1`.
 fn start(td: &TestDir, mode: &str, ca1: &Ca) -> Server {
+    start_with(td, mode, ca1, &[])
+}
+
+/// [`start`] with more arguments.
+fn start_with(td: &TestDir, mode: &str, ca1: &Ca, more: &[&str]) -> Server {
     let dir = td.path();
     let (scert, skey) = leaf(ca1, "storage-1", &["127.0.0.1", "localhost"], false);
     let cert = write(dir, "server.pem", &scert);
     let key = write(dir, "server-key.pem", &skey);
     let client_ca = write(dir, "client-ca.pem", &ca1.pem);
-    Server::start_with(
-        &td.data(),
-        "2GiB",
-        &[
-            "--nbd-tls",
-            mode,
-            "--tls-cert",
-            cert.to_str().unwrap(),
-            "--tls-key",
-            key.to_str().unwrap(),
-            "--tls-client-ca",
-            client_ca.to_str().unwrap(),
-        ],
-    )
+    let mut args = vec![
+        "--nbd-tls",
+        mode,
+        "--tls-cert",
+        cert.to_str().unwrap(),
+        "--tls-key",
+        key.to_str().unwrap(),
+        "--tls-client-ca",
+        client_ca.to_str().unwrap(),
+    ];
+    args.extend_from_slice(more);
+    Server::start_with(&td.data(), "2GiB", &args)
 }
 
 #[test]
@@ -119,6 +121,49 @@ fn optional_tls_serves_plain_and_tls_clients() {
     assert!(qemu_io_succeeded(&o), "TLS: {}", text(&o));
     let o = qemu_io_tls(s.port, "v", None, &["read -P 0x44 64k 64k"]);
     assert!(qemu_io_succeeded(&o), "plain again: {}", text(&o));
+}
+
+/// Over TLS an attachment is bound to its node's identity: the export name of a
+/// volume published to node-1 opens for a client whose certificate names node-1 (its
+/// common name, or a DNS name among its subject alternative names) and is refused to
+/// node-2's certificate, key or not; unpublishing ends node-1's access.
+#[test]
+fn over_tls_a_published_volume_opens_only_for_its_nodes_certificate() {
+    require("qemu-io");
+    let td = TestDir::new();
+    let ca1 = ca("ferrovol test CA");
+    let s = start_with(&td, "required", &ca1, &["--nbd-access", "attached"]);
+    s.create_volume("v", "8MiB");
+    let published = json(&s.cli_ok(&["volume", "publish", "v", "--node", "node-1", "--json"]));
+    let export = published["export_name"].as_str().unwrap().to_owned();
+    let node1 = client_dir(td.path(), "node-1", &ca1, Some(&ca1));
+    let node2 = client_dir(td.path(), "node-2", &ca1, Some(&ca1));
+    // node-1 by a SAN: a certificate whose common name is something else.
+    let by_san = td.path().join("by-san");
+    std::fs::create_dir_all(&by_san).unwrap();
+    write(&by_san, "ca-cert.pem", &ca1.pem);
+    let (cert, key) = leaf(&ca1, "kubelet client", &["node-1"], true);
+    write(&by_san, "client-cert.pem", &cert);
+    write(&by_san, "client-key.pem", &key);
+
+    let o = qemu_io_tls(s.port, &export, Some(&node1), &["write -P 0x77 0 64k", "flush"]);
+    assert!(qemu_io_succeeded(&o), "node-1 over TLS: {}", text(&o));
+    let o = qemu_io_tls(s.port, &export, Some(&by_san), &["read -P 0x77 0 64k"]);
+    assert!(qemu_io_succeeded(&o), "node-1 by its SAN: {}", text(&o));
+    let o = qemu_io_tls(s.port, &export, Some(&node2), &["write -P 0x88 0 4k"]);
+    assert!(!o.status.success(), "node-2 opened node-1's export: {}", text(&o));
+    assert!(text(&o).contains("another node"), "the refusal says why: {}", text(&o));
+    assert!(s.log_text().contains("the certificate names another node"), "the refusal is logged");
+    s.cli_ok(&["volume", "unpublish", "v", "--node", "node-1"]);
+    let o = qemu_io_tls(s.port, &export, Some(&node1), &["read 0 4k"]);
+    assert!(!o.status.success(), "node-1 still opens after the unpublish: {}", text(&o));
+    // The data node-2 tried to write is not there.
+    let export2 = json(&s.cli_ok(&["volume", "publish", "v", "--node", "node-2", "--json"]))["export_name"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let o = qemu_io_tls(s.port, &export2, Some(&node2), &["read -P 0x77 0 64k"]);
+    assert!(qemu_io_succeeded(&o), "node-2 on its own attachment: {}", text(&o));
 }
 
 #[test]
