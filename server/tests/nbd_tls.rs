@@ -14,11 +14,17 @@ use common::*;
 
 /// A client's credentials directory in gnutls's layout (what qemu's `tls-creds-x509`
 /// and libnbd's `tls-certificates` read): `ca-cert.pem` to verify the server, and
-/// with `signer` a `client-cert.pem` and `client-key.pem` it signed.
+/// with `signer` a `client-cert.pem` and `client-key.pem` it signed. The signer's CA
+/// is in `ca-cert.pem` too: qemu refuses to present a certificate it cannot verify
+/// itself, and the server, not the client, must be the one that refuses.
 fn client_dir(root: &Path, tag: &str, trust: &Ca, signer: Option<&Ca>) -> PathBuf {
     let dir = root.join(tag);
     std::fs::create_dir_all(&dir).unwrap();
-    write(&dir, "ca-cert.pem", &trust.pem);
+    let mut cas = trust.pem.clone();
+    if let Some(signer) = signer.filter(|s| s.pem != trust.pem) {
+        cas += &signer.pem;
+    }
+    write(&dir, "ca-cert.pem", &cas);
     if let Some(signer) = signer {
         let (cert, key) = leaf(signer, tag, &[], true);
         write(&dir, "client-cert.pem", &cert);
@@ -105,6 +111,23 @@ fn required_tls_serves_clients_of_the_configured_ca_and_refuses_the_rest() {
     let o = qemu_io_tls(s.port, "v", Some(&good), &["read -P 0x5a 0 64k"]);
     assert!(qemu_io_succeeded(&o), "the data is untouched: {}", text(&o));
     assert!(s.log_text().contains("TLS handshake failed"), "the refused handshakes are logged");
+
+    // SIGHUP reads the files again: the client CA becomes the other one, for new
+    // sessions.
+    std::fs::write(td.path().join("client-ca.pem"), &ca2.pem).unwrap();
+    let o = output(std::process::Command::new("kill").args(["-HUP", &s.pid().to_string()]));
+    assert!(o.status.success());
+    let t0 = std::time::Instant::now();
+    loop {
+        let o = qemu_io_tls(s.port, "v", Some(&foreign), &["read -P 0x5a 0 64k"]);
+        if qemu_io_succeeded(&o) {
+            break;
+        }
+        assert!(t0.elapsed() < std::time::Duration::from_secs(10), "the reloaded CA is not in force: {}", text(&o));
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let o = qemu_io_tls(s.port, "v", Some(&good), &["read 0 4k"]);
+    assert!(!o.status.success(), "the old CA still admits: {}", text(&o));
 }
 
 #[test]
