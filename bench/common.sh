@@ -3,7 +3,8 @@
 #
 #   build                          cargo build --release; sets BIN (honours CARGO_TARGET_DIR)
 #   start_server DIR PORT [ARGS]   serve DIR on 127.0.0.1:PORT (extra serve ARGS, e.g.
-#                                  --pool-size); waits until the pool is open (a
+#                                  --pool-size; pinned with taskset to $SERVER_CPUS
+#                                  when set); waits until the pool is open (a
 #                                  `pool status` answers) and the NBD port accepts;
 #                                  sets PID; the log goes to DIR.log
 #   stop_server                    SIGTERM, then wait for a clean exit
@@ -18,7 +19,8 @@ build() {
 start_server() {
   local dir=$1 port=$2; shift 2
   mkdir -p "$dir"
-  "$BIN" --data-dir "$dir" serve --listen "127.0.0.1:$port" "$@" >/dev/null 2>"$dir.log" &
+  ${SERVER_CPUS:+taskset -c "$SERVER_CPUS"} "$BIN" --data-dir "$dir" serve --listen "127.0.0.1:$port" "$@" \
+    >/dev/null 2>"$dir.log" &
   PID=$!
   for _ in $(seq 300); do
     if [ -S "$dir/ferrovol.sock" ] && (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null &&

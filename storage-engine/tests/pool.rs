@@ -544,6 +544,34 @@ fn unknown_feature_bits_are_honoured_by_kind() {
     let e = Pool::open(&path).err().unwrap();
     assert!(e.to_string().contains("version 6 is not supported"), "{e}");
     assert!(e.to_string().contains("written by a newer ferrovol"), "{e}");
+
+    // A newer build's slot beside one of this build's (that build wrote one slot of
+    // two so far) is not damage: no rollback over it, even when rollbacks are accepted.
+    std::fs::write(&path, &clean).unwrap();
+    let newer = *SUPERBLOCK_OFFSETS.iter().max_by_key(|&&at| slot(&f, at).generation.get()).unwrap();
+    for (what, edit) in [
+        (
+            "an unknown incompatible feature",
+            &(|sb: &mut storage_engine::format::Superblock| sb.incompat_features = 1u64.into())
+                as &dyn Fn(&mut storage_engine::format::Superblock),
+        ),
+        ("a newer version", &|sb: &mut storage_engine::format::Superblock| sb.version = 6.into()),
+    ] {
+        std::fs::write(&path, &clean).unwrap();
+        {
+            use std::os::unix::fs::FileExt;
+            use zerocopy::IntoBytes;
+            let mut sb = slot(&f, newer);
+            edit(&mut sb);
+            sb.crc = sb.compute_crc().into();
+            f.write_all_at(sb.as_bytes(), newer).unwrap();
+        }
+        let before = sha(&path);
+        let opts = PoolOptions { accept_superblock_rollback: true, ..Default::default() };
+        let e = Pool::open_or_create(&path, &opts).err().unwrap_or_else(|| panic!("rolled back over {what}"));
+        assert!(e.to_string().contains("written by a newer ferrovol"), "{what}: {e}");
+        assert_eq!(sha(&path), before, "{what}: nothing is written");
+    }
 }
 
 /// The open that upgrades an older pool writes both superblock slots in the new

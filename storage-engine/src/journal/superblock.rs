@@ -161,6 +161,14 @@ pub(crate) fn read_superblock(
             "{note}; its generation field reads {read_gen}, one older than slot {v}'s {gen}: opened from slot {v}, \
              and the next checkpoint rewrites slot {d}"
         )
+    } else if written_by_newer_build(damaged) {
+        // Not damage: a newer build wrote it (perhaps one slot of two so far). Rolling
+        // back to the other slot would have this build write over that build's pool.
+        return Err(Error::corrupt(format!(
+            "{note}: it was written by a newer ferrovol, with generation {read_gen} against slot {v}'s {gen}; \
+             a pool is never downgraded, nor rolled back over a newer build's slot: open it with that version or \
+             a later one"
+        )));
     } else if gen <= 1 && damaged.as_bytes().iter().all(|&b| b == 0) {
         // Creation writes generation 0 and 1 (both naming no checkpoint) with one sync
         // after both: either may be missing after a cut, and neither holds anything.
@@ -183,6 +191,15 @@ pub(crate) fn read_superblock(
     };
     let (sb, g) = slots.swap_remove(v);
     Ok((sb, g.expect("valid"), Some(warning), rolled_back))
+}
+
+/// Whether `sb` is a slot of a newer build rather than damage: the pool magic with a
+/// version above this build's (whatever its checksum layout), or a valid checksum with
+/// incompatible features this build does not know.
+fn written_by_newer_build(sb: &Superblock) -> bool {
+    sb.magic == SUPERBLOCK_MAGIC
+        && (sb.version.get() > FORMAT_VERSION
+            || (sb.compute_crc() == sb.crc.get() && sb.incompat_features.get() & !INCOMPAT_FEATURES_KNOWN != 0))
 }
 
 /// The read-only-compatible features of `sb` this build does not know: a pool with any
