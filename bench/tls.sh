@@ -43,7 +43,7 @@ job() { # job NAME URI RW BS QD FIELD -> the figure
 print(int(r['iops']) if '$6'=='iops' else round(r['bw']/1024))"
 }
 start_server "$D" "$PORT" --pool-size 4GiB --nbd-tls optional --tls-cert "$D.pki/server.pem" \
-  --tls-key "$D.pki/server-key.pem" --tls-client-ca "$D.pki/ca.pem"
+  --tls-key "$D.pki/server-key.pem" --nbd-tls-client-ca "$D.pki/ca.pem"
 "$BIN" --data-dir "$D" volume create v --size 2GiB >/dev/null
 PLAIN=nbd://127.0.0.1:$PORT/v
 TLS="nbds://127.0.0.1:$PORT/v?tls-certificates=$D.pki/client"

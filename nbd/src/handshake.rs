@@ -210,7 +210,10 @@ where
         let option = header.option;
         tracing::trace!(option, length = header.length, "option received");
 
-        let tls_required = config.tls.as_ref().is_some_and(|t| t.mode == TlsMode::Required);
+        // A unix-socket client is local: it is not made to use TLS (the spec lets the
+        // mode depend on the connection, consistently for each).
+        let tls_required =
+            config.tls.as_ref().is_some_and(|t| t.mode == TlsMode::Required) && !matches!(*client, Client::Unix);
         if tls_required && !stream.inner().is_tls() && option != NBD_OPT_STARTTLS && option != NBD_OPT_ABORT {
             if option == NBD_OPT_EXPORT_NAME {
                 // It cannot be answered with an error (proto.md, "FORCEDTLS mode").

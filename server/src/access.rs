@@ -29,7 +29,8 @@ pub enum NbdAccess {
     /// names are refused (`NBD_REP_ERR_POLICY`) and nothing is listed. Protects
     /// against a client that reaches the port but was never given a key, and against a
     /// node that was unpublished (its key stops working, its connections are closed).
-    /// It does not protect the key in transit: NBD over TCP is plain text.
+    /// It does not protect the key in transit unless NBD runs over TLS (`--nbd-tls`),
+    /// which also binds the key to the node's certificate.
     Attached,
 }
 

@@ -159,14 +159,27 @@ impl Host {
             "--max-total-in-flight-bytes must be at least 1MiB (one maximum-size request may still exceed it)"
         );
         anyhow::ensure!(
-            opts.api_listen.is_none() || opts.tls.is_some(),
+            opts.api_listen.is_none() || opts.tls.as_ref().is_some_and(|t| t.client_ca.is_some()),
             "--api-listen serves the management API over TCP only with mutual TLS: give --tls-cert, --tls-key and \
              --tls-client-ca"
         );
         anyhow::ensure!(
-            opts.nbd_tls.is_none() || opts.tls.is_some(),
-            "--nbd-tls needs the TLS files: give --tls-cert, --tls-key and --tls-client-ca"
+            opts.nbd_tls.is_none() || opts.tls.as_ref().is_some_and(|t| t.nbd_client_ca.is_some()),
+            "--nbd-tls needs the TLS files: give --tls-cert, --tls-key and --nbd-tls-client-ca"
         );
+        if let Some(TlsFiles { client_ca: Some(api), nbd_client_ca: Some(nbd), .. }) = &opts.tls {
+            let same =
+                std::fs::canonicalize(api).ok().zip(std::fs::canonicalize(nbd).ok()).is_some_and(|(a, b)| a == b)
+                    || std::fs::read(api).ok().zip(std::fs::read(nbd).ok()).is_some_and(|(a, b)| a == b);
+            anyhow::ensure!(
+                !same,
+                "--tls-client-ca and --nbd-tls-client-ca name the same CA: every node's certificate would also be \
+                 a management API caller's (able to publish any volume to itself); give the nodes a CA of their own"
+            );
+        }
+        if opts.tls.is_some() && opts.api_listen.is_none() && opts.nbd_tls.is_none() {
+            tracing::warn!("TLS files given without --api-listen or --nbd-tls: nothing uses them");
+        }
         let tls = match &opts.tls {
             Some(files) => Some(Arc::new(MtlsAcceptor::load(files.clone()).context("the TLS files")?)),
             None => None,
@@ -332,7 +345,8 @@ impl Host {
         self.api_addr
     }
 
-    /// Reads the management API's TLS files again (SIGHUP): new connections use them;
+    /// Reads the TLS files again (SIGHUP): new management API connections and new NBD
+    /// TLS sessions use them (sessions already open keep theirs);
     /// on error the files in force stay and the error is returned. Nothing to do
     /// without TLS.
     ///

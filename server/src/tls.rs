@@ -26,17 +26,21 @@ use tokio::net::{TcpListener, TcpStream};
 #[derive(Debug, Clone)]
 pub struct Caller(pub String);
 
-/// PEM files of the management API's TLS: `cert` (the server's chain, leaf first),
-/// `key` (its private key: PKCS#8, PKCS#1 or SEC1), `client_ca` (the CA certificates a
-/// client's certificate must chain to).
+/// PEM files of the host's TLS: `cert` (the server's chain, leaf first), `key` (its
+/// private key: PKCS#8, PKCS#1 or SEC1), and for each service the CA certificates a
+/// client's certificate must chain to: `client_ca` for the management API's callers,
+/// `nbd_client_ca` for NBD clients (nodes). The two must differ: a node's certificate
+/// must not also be a management API caller's.
 #[derive(Debug, Clone)]
 pub struct TlsFiles {
     /// Server certificate chain.
     pub cert: PathBuf,
     /// Server private key.
     pub key: PathBuf,
-    /// CA certificates for client certificates.
-    pub client_ca: PathBuf,
+    /// CA certificates for management API callers' certificates (with `--api-listen`).
+    pub client_ca: Option<PathBuf>,
+    /// CA certificates for NBD clients' certificates (with `--nbd-tls`).
+    pub nbd_client_ca: Option<PathBuf>,
 }
 
 /// How long a client may take over the TLS handshake before its connection is closed.
@@ -47,9 +51,10 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// keep theirs.
 pub struct MtlsAcceptor {
     files: TlsFiles,
-    config: RwLock<Arc<rustls::ServerConfig>>,
-    /// The same files for NBD sessions (no ALPN: NBD clients offer none).
-    nbd_config: RwLock<Arc<rustls::ServerConfig>>,
+    /// The management API's (ALPN `h2`), with `client_ca`.
+    config: RwLock<Option<Arc<rustls::ServerConfig>>>,
+    /// NBD sessions' (no ALPN: NBD clients offer none), with `nbd_client_ca`.
+    nbd_config: RwLock<Option<Arc<rustls::ServerConfig>>>,
 }
 
 impl MtlsAcceptor {
@@ -59,7 +64,7 @@ impl MtlsAcceptor {
     /// that does not match the certificate.
     pub fn load(files: TlsFiles) -> anyhow::Result<MtlsAcceptor> {
         let (config, nbd_config) = server_configs(&files)?;
-        Ok(MtlsAcceptor { files, config: RwLock::new(Arc::new(config)), nbd_config: RwLock::new(Arc::new(nbd_config)) })
+        Ok(MtlsAcceptor { files, config: RwLock::new(config), nbd_config: RwLock::new(nbd_config) })
     }
 
     /// Reads the files again; on error the configuration in force stays.
@@ -67,40 +72,54 @@ impl MtlsAcceptor {
     /// Errors: as [`MtlsAcceptor::load`].
     pub fn reload(&self) -> anyhow::Result<()> {
         let (config, nbd_config) = server_configs(&self.files)?;
-        *self.config.write() = Arc::new(config);
-        *self.nbd_config.write() = Arc::new(nbd_config);
+        *self.config.write() = config;
+        *self.nbd_config.write() = nbd_config;
         Ok(())
     }
 
-    fn acceptor(&self) -> tokio_rustls::TlsAcceptor {
-        tokio_rustls::TlsAcceptor::from(Arc::clone(&self.config.read()))
+    /// The management API's acceptor; `None` without `client_ca`.
+    fn acceptor(&self) -> Option<tokio_rustls::TlsAcceptor> {
+        self.config.read().clone().map(tokio_rustls::TlsAcceptor::from)
     }
 }
 
 /// NBD sessions (`NBD_OPT_STARTTLS`) take the files in force when they start: the
 /// same certificate, key and client CA as the management API.
 impl nbd::TlsSource for MtlsAcceptor {
+    /// Panics without `nbd_client_ca` (the host starts NBD TLS only with it).
     fn server_config(&self) -> Arc<rustls::ServerConfig> {
-        Arc::clone(&self.nbd_config.read())
+        self.nbd_config.read().clone().expect("NBD TLS is on only with its client CA")
     }
 }
 
-/// The management API's configuration (ALPN `h2`) and NBD's (no ALPN) from the files.
-fn server_configs(f: &TlsFiles) -> anyhow::Result<(rustls::ServerConfig, rustls::ServerConfig)> {
-    let mut api = server_config(f)?;
-    let nbd = api.clone();
-    api.alpn_protocols = vec![b"h2".to_vec()];
+/// The management API's configuration (ALPN `h2`) and NBD's (no ALPN), each when its
+/// client CA is given.
+type Configs = (Option<Arc<rustls::ServerConfig>>, Option<Arc<rustls::ServerConfig>>);
+
+fn server_configs(f: &TlsFiles) -> anyhow::Result<Configs> {
+    let api = match &f.client_ca {
+        Some(ca) => {
+            let mut c = server_config(f, ca)?;
+            c.alpn_protocols = vec![b"h2".to_vec()];
+            Some(Arc::new(c))
+        }
+        None => None,
+    };
+    let nbd = match &f.nbd_client_ca {
+        Some(ca) => Some(Arc::new(server_config(f, ca)?)),
+        None => None,
+    };
     Ok((api, nbd))
 }
 
-fn server_config(f: &TlsFiles) -> anyhow::Result<rustls::ServerConfig> {
+fn server_config(f: &TlsFiles, client_ca: &std::path::Path) -> anyhow::Result<rustls::ServerConfig> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let certs = read_certs(&f.cert)?;
     let key =
         PrivateKeyDer::from_pem_file(&f.key).with_context(|| format!("read a private key from {}", f.key.display()))?;
     let mut roots = rustls::RootCertStore::empty();
-    for ca in read_certs(&f.client_ca)? {
-        roots.add(ca).with_context(|| format!("a CA certificate in {}", f.client_ca.display()))?;
+    for ca in read_certs(client_ca)? {
+        roots.add(ca).with_context(|| format!("a CA certificate in {}", client_ca.display()))?;
     }
     let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), Arc::clone(&provider))
         .build()
@@ -132,23 +151,34 @@ fn subject(der: &[u8]) -> String {
     }
 }
 
-/// Whether the DER certificate `der` names the CSI node `node_id`: as its subject's
-/// common name, or as one of its DNS subject alternative names. A certificate that does
-/// not parse names nobody.
+/// Whether the DER certificate `der` names the CSI node `node_id`: as one of its DNS
+/// subject alternative names when it has any (RFC 6125: then the common name is not
+/// looked at), else as its subject's common name; compared without regard to ASCII
+/// case, as DNS names are (Kubernetes node names are lowercase DNS names). A
+/// certificate naming several nodes may open what is published to each: issue one per
+/// node. A certificate that does not parse names nobody.
 pub fn names_node(der: &[u8], node_id: &str) -> bool {
     let Ok((_, cert)) = x509_parser::parse_x509_certificate(der) else {
         return false;
     };
-    if cert.subject().iter_common_name().any(|cn| cn.as_str() == Ok(node_id)) {
-        return true;
-    }
-    let Ok(Some(san)) = cert.subject_alternative_name() else {
-        return false;
+    let dns: Vec<&str> = match cert.subject_alternative_name() {
+        Ok(Some(san)) => san
+            .value
+            .general_names
+            .iter()
+            .filter_map(|n| match n {
+                x509_parser::extensions::GeneralName::DNSName(d) => Some(*d),
+                _ => None,
+            })
+            .collect(),
+        _ => Vec::new(),
     };
-    san.value
-        .general_names
-        .iter()
-        .any(|n| matches!(n, x509_parser::extensions::GeneralName::DNSName(d) if *d == node_id))
+    if !dns.is_empty() {
+        return dns.iter().any(|d| d.eq_ignore_ascii_case(node_id));
+    }
+    let named =
+        cert.subject().iter_common_name().any(|cn| cn.as_str().is_ok_and(|cn| cn.eq_ignore_ascii_case(node_id)));
+    named
 }
 
 /// The subject of the DER certificate `der` (RFC 4514 form), or `?` when it does not
@@ -213,7 +243,10 @@ pub fn incoming(
                 },
                 () = tx.closed() => return,
             };
-            let tls = acceptor.acceptor();
+            let Some(tls) = acceptor.acceptor() else {
+                tracing::error!(%peer, "management API: no client CA; closing the connection");
+                continue;
+            };
             let tx = tx.clone();
             tokio::spawn(async move {
                 let _ = tcp.set_nodelay(true);

@@ -170,17 +170,22 @@ pub(crate) struct ServeArgs {
     /// choice) or `required` (every option before STARTTLS is refused with
     /// NBD_REP_ERR_TLS_REQD). The Linux kernel's client cannot do TLS.
     #[arg(long, value_enum, default_value_t = NbdTlsArg::Off,
-          requires_ifs = [("optional", "server_tls_cert"), ("required", "server_tls_cert")])]
+          requires_ifs = [("optional", "server_tls_cert"), ("required", "server_tls_cert"),
+                          ("optional", "nbd_tls_client_ca"), ("required", "nbd_tls_client_ca")])]
     pub(crate) nbd_tls: NbdTlsArg,
+    /// With --nbd-tls: CA certificates (PEM) an NBD client's (a node's) certificate
+    /// must chain to. Not the management API's --tls-client-ca: a node's certificate
+    /// must not be able to call the API.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) nbd_tls_client_ca: Option<PathBuf>,
     /// With --api-listen or --nbd-tls: the server's certificate chain (PEM).
-    #[arg(long = "tls-cert", id = "server_tls_cert", value_name = "FILE",
-          requires_all = ["server_tls_key", "tls_client_ca"])]
+    #[arg(long = "tls-cert", id = "server_tls_cert", value_name = "FILE", requires = "server_tls_key")]
     pub(crate) server_tls_cert: Option<PathBuf>,
     /// With --api-listen or --nbd-tls: the server's private key (PEM).
     #[arg(long = "tls-key", id = "server_tls_key", value_name = "FILE")]
     pub(crate) server_tls_key: Option<PathBuf>,
-    /// With --api-listen or --nbd-tls: CA certificates (PEM) a client's certificate
-    /// must chain to; a client without one is refused before any call or option.
+    /// With --api-listen: CA certificates (PEM) a management API caller's certificate
+    /// must chain to; a client without one is refused before any call.
     #[arg(long)]
     pub(crate) tls_client_ca: Option<PathBuf>,
     /// With --pool on a block device: if the device holds no ferrovol pool, format it
@@ -563,11 +568,13 @@ impl ServeArgs {
         o.nbd_access = self.nbd_access;
         o.advertise = self.advertise.clone();
         o.api_listen = self.api_listen;
-        if let (Some(cert), Some(key), Some(client_ca)) =
-            (&self.server_tls_cert, &self.server_tls_key, &self.tls_client_ca)
-        {
-            o.tls =
-                Some(ferrovol::tls::TlsFiles { cert: cert.clone(), key: key.clone(), client_ca: client_ca.clone() });
+        if let (Some(cert), Some(key)) = (&self.server_tls_cert, &self.server_tls_key) {
+            o.tls = Some(ferrovol::tls::TlsFiles {
+                cert: cert.clone(),
+                key: key.clone(),
+                client_ca: self.tls_client_ca.clone(),
+                nbd_client_ca: self.nbd_tls_client_ca.clone(),
+            });
         }
         o.nbd_tls = match self.nbd_tls {
             NbdTlsArg::Off => None,

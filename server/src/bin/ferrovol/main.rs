@@ -81,7 +81,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     _ = interrupt.recv() => break,
                     _ = term.recv() => break,
                     _ = hangup.recv() => match host.reload_tls() {
-                        Ok(()) => tracing::info!("SIGHUP: the management API's TLS files were read again"),
+                        Ok(()) => tracing::info!("SIGHUP: the TLS files were read again (new management API connections and NBD sessions use them)"),
                         Err(e) => tracing::error!(error = format!("{e:#}"), "SIGHUP: the TLS files do not load; the ones in force stay"),
                     },
                 }
