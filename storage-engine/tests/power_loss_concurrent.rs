@@ -21,7 +21,9 @@
 //!
 //! # The model, per sector
 //! Operations are intervals of the I/O log: `start` events were recorded before one
-//! began, `end` when it returned. The writes of one volume come from one thread, one at
+//! began, `end` when it returned. Whether one operation returned before another began
+//! is read from a clock both take (`CLOCK`), not from the log: two threads that saw
+//! the same log length may have run in either order. The writes of one volume come from one thread, one at
 //! a time, so a sector's writes form a sequence. A write is durable at a cut `c` if it
 //! returned before `c` and was FUA, or returned before a flush-like operation began that
 //! itself returned before `c` (a flush of any volume, or any management operation: each
@@ -137,6 +139,26 @@ struct Done {
     kind: Kind,
     start: usize,
     end: usize,
+    /// [`CLOCK`] when it began and after it returned: `a.end_t < b.start_t` says that
+    /// `a` returned before `b` began. (Log positions cannot: with no I/O event between
+    /// the two, both read the same length whatever their order.)
+    start_t: u64,
+    end_t: u64,
+}
+
+/// Orders the operations of all threads (module docs).
+static CLOCK: AtomicU64 = AtomicU64::new(1);
+
+/// When an operation begins: the I/O log's length and the clock.
+#[derive(Clone, Copy)]
+struct Stamp {
+    log: usize,
+    t: u64,
+}
+
+fn stamp(log: &IoLog) -> Stamp {
+    let t = CLOCK.fetch_add(1, Ordering::SeqCst);
+    Stamp { log: log.len(), t }
 }
 
 impl Done {
@@ -264,9 +286,9 @@ impl<'a> Model<'a> {
         sizes
     }
 
-    /// The values `name`'s sector may hold after a cut at `cut`, given the start of the
-    /// last flush-like operation that returned before it (`flushed`).
-    fn allowed(&self, name: &str, sector: u64, cut: usize, flushed: usize) -> BTreeSet<u64> {
+    /// The values `name`'s sector may hold after a cut at `cut`, given the clock at the
+    /// start of the last flush-like operation that returned before it (`flushed`).
+    fn allowed(&self, name: &str, sector: u64, cut: usize, flushed: u64) -> BTreeSet<u64> {
         let ops: Vec<(&Done, u64)> = self
             .ops
             .get(name)
@@ -275,7 +297,7 @@ impl<'a> Model<'a> {
             .filter(|d| d.start < cut)
             .filter_map(|d| d.value(name, sector).map(|v| (*d, v)))
             .collect();
-        let durable = |d: &Done| d.end <= cut && (matches!(d.kind, Kind::Write { fua: true, .. }) || d.end <= flushed);
+        let durable = |d: &Done| d.end <= cut && (matches!(d.kind, Kind::Write { fua: true, .. }) || d.end_t < flushed);
         match ops.iter().rposition(|(d, _)| durable(d)) {
             Some(i) => ops[i..].iter().map(|(_, v)| *v).collect(),
             None => {
@@ -294,10 +316,10 @@ impl<'a> Model<'a> {
             .get(src)
             .into_iter()
             .flatten()
-            .filter(|d| d.start < made.end)
+            .filter(|d| d.start_t < made.end_t)
             .filter_map(|d| d.value(src, sector).map(|v| (*d, v)))
             .collect();
-        match ops.iter().rposition(|(d, _)| d.end <= made.start) {
+        match ops.iter().rposition(|(d, _)| d.end_t < made.start_t) {
             Some(i) => ops[i..].iter().map(|(_, v)| *v).collect(),
             None => {
                 let mut set = self.first_content(src, sector);
@@ -340,9 +362,15 @@ struct Shared {
 }
 
 impl Shared {
-    fn record(&self, kind: Kind, start: usize) {
-        let end = self.log.len();
-        self.history.lock().unwrap().push(Done { kind, start, end });
+    fn record(&self, kind: Kind, start: Stamp) {
+        let end = stamp(&self.log);
+        self.history.lock().unwrap().push(Done {
+            kind,
+            start: start.log,
+            end: end.log,
+            start_t: start.t,
+            end_t: end.t,
+        });
     }
 }
 
@@ -364,7 +392,7 @@ async fn data_thread(sh: Arc<Shared>, me: usize, seed: u64) {
         }
         let v = sh.pool.volume(&name).unwrap();
         let r = rng.below(100);
-        let start = sh.log.len();
+        let start = stamp(&sh.log);
         let region = region_start(rng.below(REGIONS));
         if r < 60 {
             let count = if rng.chance(80) { 1 + rng.below(16) } else { 1 + rng.below(80) };
@@ -405,7 +433,7 @@ fn management(sh: &Shared, rt: &tokio::runtime::Runtime, rng: &mut Rng, done: &s
         let vols: Vec<&String> = names.iter().filter(|n| !n.contains('@')).collect();
         let clones: Vec<&String> = vols.iter().copied().filter(|n| n.starts_with('c')).collect();
         let r = rng.below(100);
-        let start = sh.log.len();
+        let start = stamp(&sh.log);
         if r < 30 && names.len() < 12 {
             let source = vols[rng.index(vols.len())].clone();
             let snap = format!("s{n}");
@@ -434,7 +462,7 @@ fn management(sh: &Shared, rt: &tokio::runtime::Runtime, rng: &mut Rng, done: &s
             sh.owners.lock().unwrap().remove(&name);
             let lock = sh.busy.lock().unwrap()[&name].clone();
             let _held = lock.blocking_lock(); // its thread is done with it
-            let start = sh.log.len();
+            let start = stamp(&sh.log);
             rt.block_on(sh.pool.delete_volume(&name)).unwrap();
             sh.record(Kind::Delete { name }, start);
         } else if r < 88 {
@@ -496,12 +524,13 @@ fn workload(dir: &Path, plane: Plane, rng: &mut Rng) -> (Vec<u8>, Vec<IoEvent>, 
     };
     let io = IoOptions { observer: Some(log.clone()), reaper };
     let pool = Pool::open_with(&path, &io).unwrap();
-    let start = log.len();
+    let start = stamp(&log);
     let mut initial = Vec::new();
     for name in ["a0", "a1", "b0", "b1"] {
         mgmt_rt.block_on(pool.create_volume(name, VOL_SIZE)).unwrap();
     }
-    initial.push(Done { kind: Kind::Create, start, end: log.len() });
+    let end = stamp(&log);
+    initial.push(Done { kind: Kind::Create, start: start.log, end: end.log, start_t: start.t, end_t: end.t });
     let sh = Arc::new(Shared {
         pool,
         log: log.clone(),
@@ -540,7 +569,7 @@ fn workload(dir: &Path, plane: Plane, rng: &mut Rng) -> (Vec<u8>, Vec<IoEvent>, 
     management(&sh, &mgmt_rt, rng, &done);
     watcher.join().unwrap();
     // A last checkpoint: the cut at the end then opens from one holding every refcount.
-    let start = log.len();
+    let start = stamp(&log);
     mgmt_rt.block_on(sh.pool.checkpoint()).unwrap();
     sh.record(Kind::Flush, start);
     let history = sh.history.lock().unwrap().clone();
@@ -598,7 +627,7 @@ fn check_cut(image: &Path, base: &[u8], events: &[IoEvent], history: &[Done], cu
     let rt = rt();
     let pool = Pool::open(image).unwrap_or_else(|e| panic!("the pool does not open after the cut: {e}"));
     let model = Model::new(history);
-    let flushed = history.iter().filter(|d| d.flush_like() && d.end <= cut).map(|d| d.start).max().unwrap_or(0);
+    let flushed = history.iter().filter(|d| d.flush_like() && d.end <= cut).map(|d| d.start_t).max().unwrap_or(0);
     let present: BTreeSet<String> = pool.names().into_iter().collect();
     for name in model.names() {
         match model.exists(name, cut) {
@@ -642,7 +671,7 @@ fn format_history(history: &[Done]) -> String {
             }
             other => format!("{other:?}"),
         };
-        out += &format!("[{:6}..{:6}] {what}\n", d.start, d.end);
+        out += &format!("[{:6}..{:6}] (clock {}..{}) {what}\n", d.start, d.end, d.start_t, d.end_t);
     }
     out
 }
@@ -705,6 +734,15 @@ fn run_seed(seed: u64, cuts: usize) {
                 cut_image(&image, &base, &events, cut, &mut before.clone());
                 let _ = std::fs::write(dir.path().join("history.txt"), format_history(&history));
                 let _ = std::fs::write(dir.path().join("events.txt"), format_events(&events));
+                let why = e
+                    .downcast_ref::<String>()
+                    .map(String::as_str)
+                    .or_else(|| e.downcast_ref::<&str>().copied())
+                    .unwrap_or("(no message)");
+                let _ = std::fs::write(
+                    dir.path().join("failure.txt"),
+                    format!("seed {seed:#x}, workload {w} ({plane:?}), cut {cut} of {} events:\n{why}\n", events.len()),
+                );
                 if std::env::var_os("POWER_LOSS_DEBUG").is_some() {
                     eprint!("{}", format_history(&history));
                 }
