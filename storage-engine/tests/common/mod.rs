@@ -50,6 +50,14 @@ pub fn assert_clean(dir: &Path) {
     assert!(r.problems.is_empty(), "check found problems: {:?}", r.problems);
 }
 
+/// The power-loss simulators' time mode: `POWER_LOSS_MINUTES=M` runs workloads and
+/// their cut points for about `M` minutes in all (half per seed) instead of a count
+/// (`scripts/power-loss-long.sh`). `None` when unset.
+pub fn power_loss_budget_per_seed() -> Option<std::time::Duration> {
+    let minutes: f64 = std::env::var("POWER_LOSS_MINUTES").ok()?.parse().ok()?;
+    Some(std::time::Duration::from_secs_f64(minutes * 60.0 / 2.0))
+}
+
 /// Bytes in a sector, the unit of the power-loss simulators' models.
 pub const SECTOR: u64 = 512;
 
