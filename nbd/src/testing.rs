@@ -270,10 +270,31 @@ impl ExportRegistry for MemRegistry {
     }
 }
 
-/// Runs a server over an in-memory stream whose client side sends `data` and then
-/// closes its write side; reads and discards everything the server sends. Returns when
-/// the server ends the connection. Never panics unless the server does.
-async fn feed(data: Vec<u8>) {
+/// A self-signed certificate and its key (P-256, valid until 2126) for servers in
+/// tests and fuzz bodies that offer TLS: nothing secret, never for a real server.
+pub const TEST_CERT_PEM: &str = "-----BEGIN CERTIFICATE-----\nMIIBfTCCASOgAwIBAgIUH968a8H/Iq0pzRTg0ZgONDeOQRcwCgYIKoZIzj0EAwIw\nEzERMA8GA1UEAwwIbmJkLWZ1enowIBcNMjYxMjA0MTUwNDEyWhgPMjEyNjExMTAx\nNTA0MTJaMBMxETAPBgNVBAMMCG5iZC1mdXp6MFkwEwYHKoZIzj0CAQYIKoZIzj0D\nAQcDQgAEM48T2qlpUQBEl56AsIpNnyiMZnRoszpT5egX4r7xJFf1R+0P1e7uj4rE\njlqaQmzqllSlPPSmb9V2w+ezxAmrHKNTMFEwHQYDVR0OBBYEFNAQL9D23deQhrDN\nQF15DGALgIUAMB8GA1UdIwQYMBaAFNAQL9D23deQhrDNQF15DGALgIUAMA8GA1Ud\nEwEB/wQFMAMBAf8wCgYIKoZIzj0EAwIDSAAwRQIgCGPZ27P0VOthlNOKTqCnieOQ\nKJmiDiH/q3snWubiv48CIQDvo7vX4nv4csDW0mvj0EriPxpVH5vm5pv+tN7Yvo1R\nTQ==\n-----END CERTIFICATE-----\n";
+/// The key of [`TEST_CERT_PEM`] (PKCS#8).
+pub const TEST_KEY_PEM: &str = "-----BEGIN PRIVATE KEY-----\nMIGHAgEAMBMGByqGSM49AgEGCCqGSM49AwEHBG0wawIBAQQgduWweV4zbhioJ5ms\nolyCLNRvDmkNmBdgp+ykiDyDTbehRANCAAQzjxPaqWlRAESXnoCwik2fKIxmdGiz\nOlPl6BfivvEkV/VH7Q/V7u6PisSOWppCbOqWVKU89KZv1XbD57PECasc\n-----END PRIVATE KEY-----\n";
+
+/// A rustls server configuration with [`TEST_CERT_PEM`] and no client authentication.
+pub fn test_tls_config() -> Arc<rustls::ServerConfig> {
+    use rustls::pki_types::pem::PemObject;
+    let cert = rustls::pki_types::CertificateDer::from_pem_slice(TEST_CERT_PEM.as_bytes()).expect("test certificate");
+    let key = rustls::pki_types::PrivateKeyDer::from_pem_slice(TEST_KEY_PEM.as_bytes()).expect("test key");
+    let config = rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .expect("TLS versions")
+        .with_no_client_auth()
+        .with_single_cert(vec![cert], key)
+        .expect("test certificate and key");
+    Arc::new(config)
+}
+
+/// Runs a server (TLS as `tls` says: `None` is NOTLS) over an in-memory stream whose
+/// client side sends `data` and then closes its write side; reads and discards
+/// everything the server sends. Returns when the server ends the connection. Never
+/// panics unless the server does.
+async fn feed(data: Vec<u8>, tls: Option<crate::TlsMode>) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let registry = Arc::new(
         MemRegistry::default().with("fuzz", MemExport::new(1 << 20)).with("ro", MemExport::new(64 * 1024).read_only()),
@@ -281,6 +302,7 @@ async fn feed(data: Vec<u8>) {
     let config = crate::ServerConfig {
         handshake_timeout: Duration::from_secs(5),
         max_in_flight_bytes: 4 << 20,
+        tls: tls.map(|mode| crate::NbdTls { mode, source: Arc::new(test_tls_config()) }),
         ..Default::default()
     };
     let server = crate::Server::new(registry, config);
@@ -310,9 +332,13 @@ fn block_on(f: impl std::future::Future<Output = ()>) {
 }
 
 /// Fuzz target body: `data` is everything a client sends from the first byte on
-/// (client flags, options, and, after a successful `NBD_OPT_GO`, requests).
+/// (client flags, options, and, after a successful `NBD_OPT_GO`, requests), to a server
+/// in each TLS mode: NOTLS, TLS at the client's choice, and TLS required (where the
+/// bytes after an acknowledged `NBD_OPT_STARTTLS` go to the TLS handshake).
 pub fn fuzz_handshake(data: &[u8]) {
-    block_on(feed(data.to_vec()));
+    for tls in [None, Some(crate::TlsMode::Optional), Some(crate::TlsMode::Required)] {
+        block_on(feed(data.to_vec(), tls));
+    }
 }
 
 /// Fuzz target body: a fixed handshake (structured replies, `base:allocation`,
@@ -330,5 +356,5 @@ pub fn fuzz_transmission(data: &[u8]) {
     opt(&mut input, NBD_OPT_SET_META_CONTEXT, &meta.encode());
     opt(&mut input, NBD_OPT_GO, &InfoRequest { name: "fuzz".into(), requests: vec![] }.encode());
     input.extend_from_slice(data);
-    block_on(feed(input));
+    block_on(feed(input, None));
 }
