@@ -55,6 +55,14 @@ pub struct Metrics {
     pool_freeing: Gauge,
     pool_reserved: Gauge,
     pool_failed: Gauge,
+    commits: Counter,
+    commit_seconds: Counter<f64, std::sync::atomic::AtomicU64>,
+    commit_max_seconds: Gauge<f64, std::sync::atomic::AtomicU64>,
+    checkpoints: Counter,
+    checkpoint_seconds: Counter<f64, std::sync::atomic::AtomicU64>,
+    checkpoint_max_seconds: Gauge<f64, std::sync::atomic::AtomicU64>,
+    checkpoint_bytes: Counter,
+    checkpoint_hold_max_seconds: Gauge<f64, std::sync::atomic::AtomicU64>,
     nbd_connections: Gauge,
     nbd_stalled: Counter,
     /// Names that have series, so that those of deleted volumes can be dropped.
@@ -88,6 +96,14 @@ impl Metrics {
             pool_freeing: Gauge::default(),
             pool_reserved: Gauge::default(),
             pool_failed: Gauge::default(),
+            commits: Counter::default(),
+            commit_seconds: Counter::default(),
+            commit_max_seconds: Gauge::default(),
+            checkpoints: Counter::default(),
+            checkpoint_seconds: Counter::default(),
+            checkpoint_max_seconds: Gauge::default(),
+            checkpoint_bytes: Counter::default(),
+            checkpoint_hold_max_seconds: Gauge::default(),
             nbd_connections: Gauge::default(),
             nbd_stalled: Counter::default(),
             labelled: Default::default(),
@@ -117,6 +133,27 @@ impl Metrics {
             m.pool_reserved.clone(),
         );
         r.register("pool_failed", "1 when the pool refuses writes after an I/O error", m.pool_failed.clone());
+        r.register("pool_commits", "metadata commit cycles that wrote log batches", m.commits.clone());
+        r.register("pool_commit_seconds", "seconds the commit cycles took", m.commit_seconds.clone());
+        r.register(
+            "pool_commit_max_seconds",
+            "the longest commit cycle since the pool opened",
+            m.commit_max_seconds.clone(),
+        );
+        r.register("pool_checkpoints", "metadata checkpoints written", m.checkpoints.clone());
+        r.register("pool_checkpoint_seconds", "seconds the checkpoints took", m.checkpoint_seconds.clone());
+        r.register(
+            "pool_checkpoint_max_seconds",
+            "the longest checkpoint since the pool opened",
+            m.checkpoint_max_seconds.clone(),
+        );
+        r.register("pool_checkpoint_bytes", "bytes of checkpoint chunks written", m.checkpoint_bytes.clone());
+        r.register(
+            "pool_checkpoint_hold_max_seconds",
+            "the longest a checkpoint's first step held the volumes' maps and the allocator (writes that map or \
+             allocate waited that long)",
+            m.checkpoint_hold_max_seconds.clone(),
+        );
         r.register("nbd_connections", "NBD connections open", m.nbd_connections.clone());
         r.register(
             "nbd_stalled_connections",
@@ -192,6 +229,16 @@ impl Metrics {
         self.pool_reserved.set(s.reserved as i64);
         self.forget_deleted(pool);
         self.pool_failed.set(i64::from(s.failed));
+        let c = pool.commit_stats();
+        // The pool's totals only grow; the counters follow them.
+        self.commits.inc_by(c.commits.saturating_sub(self.commits.get()));
+        self.commit_seconds.inc_by((c.commit_seconds - self.commit_seconds.get()).max(0.0));
+        self.commit_max_seconds.set(c.commit_max_seconds);
+        self.checkpoints.inc_by(c.checkpoints.saturating_sub(self.checkpoints.get()));
+        self.checkpoint_seconds.inc_by((c.checkpoint_seconds - self.checkpoint_seconds.get()).max(0.0));
+        self.checkpoint_max_seconds.set(c.checkpoint_max_seconds);
+        self.checkpoint_bytes.inc_by(c.checkpoint_bytes.saturating_sub(self.checkpoint_bytes.get()));
+        self.checkpoint_hold_max_seconds.set(c.checkpoint_hold_max_seconds);
         self.nbd_connections.set(nbd.connections as i64);
         // The server's count only grows; the counter follows it.
         let seen = self.nbd_stalled.get();

@@ -1,6 +1,7 @@
 //! The Prometheus endpoint (`serve --metrics-listen`): after qemu-io writes, reads and
 //! flushes a volume, a scrape shows exactly those bytes for that volume, the latency
-//! histograms, the pool's used bytes and the NBD connection gauge; once the volume is
+//! histograms, the pool's used bytes, its commits and checkpoints, and the NBD
+//! connection gauge; once the volume is
 //! deleted its series are gone, also when a volume of the same name replaces it.
 
 mod common;
@@ -35,6 +36,21 @@ fn metrics_count_volume_io_and_pool_usage() {
     assert!(sample(&text, "ferrovol_pool_freeing_bytes").is_some(), "freeing gauge:\n{text}");
     let (free, reserved) = (sample(&text, "ferrovol_pool_free_bytes"), sample(&text, "ferrovol_pool_reserved_bytes"));
     assert!(reserved.is_some_and(|r| r > 0.0 && Some(r) < free), "reserved gauge:\n{text}");
+
+    // Commits and checkpoints: the volume creates and the flush committed; the open
+    // wrote a checkpoint, of at least one data unit; the maxima bound nothing below them.
+    assert!(sample(&text, "ferrovol_pool_commits_total").is_some_and(|n| n >= 1.0), "commits:\n{text}");
+    assert!(sample(&text, "ferrovol_pool_commit_seconds_total").is_some_and(|t| t > 0.0), "commit time:\n{text}");
+    assert!(sample(&text, "ferrovol_pool_checkpoints_total").is_some_and(|n| n >= 1.0), "checkpoints:\n{text}");
+    assert!(
+        sample(&text, "ferrovol_pool_checkpoint_bytes_total").is_some_and(|b| b >= 65536.0),
+        "checkpoint bytes:\n{text}"
+    );
+    let (longest, hold) = (
+        sample(&text, "ferrovol_pool_checkpoint_max_seconds"),
+        sample(&text, "ferrovol_pool_checkpoint_hold_max_seconds"),
+    );
+    assert!(longest.is_some_and(|l| l > 0.0) && hold.is_some_and(|h| h > 0.0 && Some(h) <= longest), "{text}");
 
     s.cli_ok(&["volume", "delete", "m"]);
     let text = scrape(port);

@@ -70,6 +70,33 @@ pub struct PoolStatus {
     pub failed: bool,
 }
 
+/// What the pool's commits and checkpoints have cost since it was opened
+/// ([`Pool::commit_stats`]): for finding where writes wait (a flush waits for a commit;
+/// a checkpoint's first step holds the volumes' maps and the allocator, so every write
+/// that maps or allocates waits for it).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct CommitStats {
+    /// Commit cycles that wrote log batches (a flush with nothing new to log pays one
+    /// `fdatasync` and is not counted).
+    pub commits: u64,
+    /// Seconds those commit cycles took in all.
+    pub commit_seconds: f64,
+    /// The longest commit cycle, seconds.
+    pub commit_max_seconds: f64,
+    /// Checkpoints written (at open, when the log fills, on request, at close).
+    pub checkpoints: u64,
+    /// Seconds the checkpoints took in all.
+    pub checkpoint_seconds: f64,
+    /// The longest checkpoint, seconds.
+    pub checkpoint_max_seconds: f64,
+    /// Bytes of checkpoint chunks written (whole data units).
+    pub checkpoint_bytes: u64,
+    /// The longest time a checkpoint's first step (a copy of all metadata) held the
+    /// volumes' maps and the allocator, seconds: writes that map or allocate waited
+    /// that long.
+    pub checkpoint_hold_max_seconds: f64,
+}
+
 /// What the last [`Pool::open`] read to recover the pool: the checkpoint and the log
 /// batches after it. Recovery reads grow with these, never with the pool's size (the
 /// data area is not scanned; see docs/on-disk-format.md, section 7).

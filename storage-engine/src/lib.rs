@@ -30,7 +30,7 @@ mod volume;
 
 pub use check::{check, repair, CheckReport, RepairReport};
 pub use error::{Error, ErrorKind, Result};
-pub use info::{PoolStatus, Recovery, VolumeInfo};
+pub use info::{CommitStats, PoolStatus, Recovery, VolumeInfo};
 pub use io::{AlignedBuf, IoOptions, Reaper};
 pub use journal::RefcountRepair;
 pub use names::{validate_name, MAX_NAME_LEN, MAX_VOLUME_SIZE};

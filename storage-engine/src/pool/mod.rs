@@ -105,6 +105,11 @@ impl Pool {
         self.store.volumes().read().values().filter(|v| !v.snapshot).map(|v| self.store.info(v)).collect()
     }
 
+    /// What commits and checkpoints have cost since the pool was opened.
+    pub fn commit_stats(&self) -> crate::CommitStats {
+        self.store.costs.stats()
+    }
+
     /// Space accounting of the pool.
     pub fn status(&self) -> PoolStatus {
         // The registry before the allocator, never while holding it: deletes and

@@ -58,8 +58,10 @@ impl Store {
 
     /// [`Self::checkpoint`] with the log lock held by the caller.
     pub(super) fn checkpoint_locked(&self, log: &mut LogState, seq_jump: u64) -> Result<()> {
+        let began = std::time::Instant::now();
         // K1: a consistent snapshot of all volume maps, the allocator and the journal.
         let Snapshot { state, pending, upto, mut reserved } = self.snapshot_for_checkpoint();
+        let hold = began.elapsed();
         self.writes_since_sync.store(0, Ordering::SeqCst);
         // At least one past the last batch: the log that follows this checkpoint never
         // continues the sequence of the one before it, so a replay from the previous
@@ -106,6 +108,8 @@ impl Store {
         a.release_pending(pending, &self.pins);
         drop(a);
         self.records_durable.fetch_max(upto, Ordering::SeqCst);
+        let bytes = log.checkpoint_units.len() as u64 * self.geo.unit_size;
+        self.costs.checkpoint(began.elapsed(), hold, bytes);
         Ok(())
     }
 

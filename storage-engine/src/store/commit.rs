@@ -251,6 +251,7 @@ impl Store {
             return None;
         }
         let number = self.cycles_started.fetch_add(1, Ordering::SeqCst) + 1;
+        let began = std::time::Instant::now();
         let (pending, records, upto) = self.take_records();
         let Some(plan) = self.place_batches(&log, &records).transpose() else {
             self.untake_records(records);
@@ -282,6 +283,7 @@ impl Store {
             Ok(plan) => {
                 self.finish_cycle(&mut log, plan, pending, upto);
                 self.cycles_done.store(number, Ordering::SeqCst);
+                self.costs.commit(began.elapsed(), records.len());
                 Ok(())
             }
             Err(e) => {
@@ -314,6 +316,7 @@ impl Store {
     }
 
     fn commit_cycle_locked(&self, log: &mut LogState) -> Result<()> {
+        let began = std::time::Instant::now();
         if self.checkpoint_due(log) {
             return self.checkpoint_locked(log, 0);
         }
@@ -338,6 +341,7 @@ impl Store {
             return Err(e);
         }
         self.finish_cycle(log, plan, pending, upto);
+        self.costs.commit(began.elapsed(), records.len());
         Ok(())
     }
 

@@ -145,6 +145,65 @@ pub(crate) struct LogState {
 }
 
 /// The shared state of one open pool (module docs).
+/// Counters behind [`crate::CommitStats`]: durations in nanoseconds.
+#[derive(Default)]
+pub(crate) struct Costs {
+    commits: AtomicU64,
+    commit_nanos: AtomicU64,
+    commit_max_nanos: AtomicU64,
+    checkpoints: AtomicU64,
+    checkpoint_nanos: AtomicU64,
+    checkpoint_max_nanos: AtomicU64,
+    checkpoint_bytes: AtomicU64,
+    checkpoint_hold_max_nanos: AtomicU64,
+}
+
+/// A commit cycle or checkpoint longer than this is logged (info), with what it cost.
+const SLOW: std::time::Duration = std::time::Duration::from_millis(100);
+
+impl Costs {
+    pub(crate) fn commit(&self, took: std::time::Duration, bytes: usize) {
+        let n = took.as_nanos() as u64;
+        self.commits.fetch_add(1, Ordering::Relaxed);
+        self.commit_nanos.fetch_add(n, Ordering::Relaxed);
+        self.commit_max_nanos.fetch_max(n, Ordering::Relaxed);
+        if took > SLOW {
+            tracing::info!(ms = took.as_millis() as u64, log_bytes = bytes, "slow commit");
+        }
+    }
+
+    pub(crate) fn checkpoint(&self, took: std::time::Duration, hold: std::time::Duration, bytes: u64) {
+        let n = took.as_nanos() as u64;
+        self.checkpoints.fetch_add(1, Ordering::Relaxed);
+        self.checkpoint_nanos.fetch_add(n, Ordering::Relaxed);
+        self.checkpoint_max_nanos.fetch_max(n, Ordering::Relaxed);
+        self.checkpoint_bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.checkpoint_hold_max_nanos.fetch_max(hold.as_nanos() as u64, Ordering::Relaxed);
+        if took > SLOW {
+            tracing::info!(
+                ms = took.as_millis() as u64,
+                hold_ms = hold.as_millis() as u64,
+                bytes,
+                "slow checkpoint (writes that map or allocate waited for hold_ms)"
+            );
+        }
+    }
+
+    pub(crate) fn stats(&self) -> crate::CommitStats {
+        let s = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64 / 1e9;
+        crate::CommitStats {
+            commits: self.commits.load(Ordering::Relaxed),
+            commit_seconds: s(&self.commit_nanos),
+            commit_max_seconds: s(&self.commit_max_nanos),
+            checkpoints: self.checkpoints.load(Ordering::Relaxed),
+            checkpoint_seconds: s(&self.checkpoint_nanos),
+            checkpoint_max_seconds: s(&self.checkpoint_max_nanos),
+            checkpoint_bytes: self.checkpoint_bytes.load(Ordering::Relaxed),
+            checkpoint_hold_max_seconds: s(&self.checkpoint_hold_max_nanos),
+        }
+    }
+}
+
 pub(crate) struct Store {
     path: PathBuf,
     /// The pool file or device (for what the ring does not do: its holes, its room).
@@ -211,6 +270,8 @@ pub(crate) struct Store {
     /// syncs).
     cycles_started: AtomicU64,
     cycles_done: AtomicU64,
+    /// What commits and checkpoints cost ([`crate::CommitStats`]).
+    pub(crate) costs: Costs,
 }
 
 /// What [`Store::assemble`] builds a store from: a pool loaded and validated.
@@ -265,6 +326,7 @@ impl Store {
             syncs_done: AtomicU64::new(0),
             cycles_started: AtomicU64::new(0),
             cycles_done: AtomicU64::new(0),
+            costs: Costs::default(),
         })
     }
 
