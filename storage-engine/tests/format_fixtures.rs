@@ -21,9 +21,12 @@ use storage_engine::{Labels, Pool, PoolOptions};
 
 const K: u64 = 1024;
 
-/// What the recipe leaves in each volume and snapshot: `(name, size, [(offset, len,
-/// byte)])`, every byte outside the listed ranges zero.
-fn expected() -> Vec<(&'static str, u64, Vec<(u64, u64, u8)>)> {
+/// A volume's expected content: `(name, size, [(offset, len, byte)])`.
+type Content = (&'static str, u64, Vec<(u64, u64, u8)>);
+
+/// What the recipe leaves in each volume and snapshot, every byte outside the listed
+/// ranges zero.
+fn expected() -> Vec<Content> {
     vec![
         (
             "db",

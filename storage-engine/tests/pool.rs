@@ -514,7 +514,7 @@ fn unknown_feature_bits_are_honoured_by_kind() {
     let before = sha(&path);
     let e = Pool::open(&path).err().expect("an unknown incompatible feature refuses the pool");
     assert!(e.to_string().contains("incompatible features 0x80 this build does not know"), "{e}");
-    let e = storage_engine::check(&path).err().expect("check refuses it too");
+    let e = storage_engine::check(&path).expect_err("check refuses it too");
     assert!(e.to_string().contains("incompatible features 0x80"), "{e}");
     assert_eq!(sha(&path), before, "nothing is written to a refused pool");
 
