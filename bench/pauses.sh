@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# bench/pauses.sh [seconds] — where 4 KiB writes at QD32 wait: fio's nbd engine logs
+# every completion, and for each job this prints the longest gap between two
+# completions, the p99 and maximum latency, and the server's commit and checkpoint
+# costs over the job (its metrics: cycles, the longest commit, checkpoints, the longest,
+# and the longest a checkpoint held the maps and the allocator). Jobs, each SECONDS
+# long (default 60):
+#   overwrite    random writes over 1 GiB of written data (nothing to log)
+#   snapshot     the same, with a snapshot taken at a third of the job and deleted at
+#                two thirds (copy on write, then frees)
+#   allocating   random writes over a fresh 4 GiB volume (every first write to a unit
+#                maps it: commits, and checkpoints as the log fills)
+# Env: WORK, PORT, SERVER_CPUS and CLIENT_CPUS (taskset lists).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SECS=${1:-60}
+WORK=${WORK:-$HOME/.cache/ferrovol-bench}
+PORT=${PORT:-10859}
+MPORT=$((PORT + 1))
+. bench/common.sh
+build
+D=$WORK/pauses
+rm -rf "$D"
+trap 'stop_server; rm -rf "$D" "$D.lat"*' EXIT
+start_server "$D" "$PORT" --pool-size 8GiB --metrics-listen "127.0.0.1:$MPORT"
+F="$BIN --data-dir $D"
+$F volume create w --size 2GiB >/dev/null
+$F volume create fresh --size 4GiB >/dev/null
+CLIENT=${CLIENT_CPUS:+taskset -c $CLIENT_CPUS}
+$CLIENT fio --name=pre --ioengine=nbd --uri="nbd://127.0.0.1:$PORT/w" --bs=1m --iodepth=8 --rw=write --size=1g >/dev/null
+metrics() { curl -s "http://127.0.0.1:$MPORT/metrics" | grep -E '^ferrovol_pool_(commit|checkpoint)' | sort; }
+job() { # job NAME VOLUME SIZE [during...]
+  local name=$1 vol=$2 size=$3; shift 3
+  local before; before=$(metrics)
+  rm -f "$D.lat"*
+  $CLIENT fio --name="$name" --ioengine=nbd --uri="nbd://127.0.0.1:$PORT/$vol" --bs=4k --iodepth=32 \
+    --rw=randwrite --size="$size" --time_based --runtime="$SECS" --write_lat_log="$D.lat" \
+    --log_avg_msec=0 >/dev/null &
+  local fio=$!
+  "$@"
+  wait $fio
+  local after; after=$(metrics)
+  /usr/bin/python3 - "$name" "$D.lat_lat.1.log" <<'PY' "$before" "$after"
+import sys
+name, path, before, after = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+t, lat = [], []
+for line in open(path):
+    f = line.split(',')
+    t.append(int(f[0])); lat.append(int(f[1]))
+t.sort(); lat.sort()
+gap = max((b - a for a, b in zip(t, t[1:])), default=0)
+p99 = lat[int(len(lat) * 0.99)] / 1e6 if lat else 0
+m = lambda s: {l.split()[0]: float(l.split()[1]) for l in s.splitlines() if l and not l.startswith('#')}
+b, a = m(before), m(after)
+d = lambda k: a.get(k, 0) - b.get(k, 0)
+print(f"{name:11} IOPS {len(t) / (t[-1] / 1000):8.0f}  longest gap {gap:4d} ms  p99 {p99:6.2f} ms  max {lat[-1] / 1e6:7.1f} ms  "
+      f"commits {d('ferrovol_pool_commits_total'):5.0f} (longest so far {a.get('ferrovol_pool_commit_max_seconds', 0) * 1000:.0f} ms)  "
+      f"checkpoints {d('ferrovol_pool_checkpoints_total'):3.0f} (longest so far {a.get('ferrovol_pool_checkpoint_max_seconds', 0) * 1000:.0f} ms, "
+      f"held {a.get('ferrovol_pool_checkpoint_hold_max_seconds', 0) * 1000:.1f} ms)")
+PY
+}
+snap() {
+  sleep $((SECS / 3)); $F snapshot create w s >/dev/null
+  sleep $((SECS / 3)); $F snapshot delete w s >/dev/null
+}
+job overwrite w 1g true
+job snapshot w 1g snap
+job allocating fresh 4g true
