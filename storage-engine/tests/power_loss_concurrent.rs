@@ -45,7 +45,8 @@
 //! workloads), `POWER_LOSS_SEED` replays one seed's operations; each run uses a fixed
 //! seed and a random one, printed on failure. Schedules are not replayed exactly
 //! (threads race), so a failure keeps its evidence: the image the cut left, the history
-//! and the I/O log stay in a directory it names; `POWER_LOSS_DEBUG=1` also prints the
+//! (with clock values), the I/O log and the failure's message stay in a directory it
+//! names; `POWER_LOSS_DEBUG=1` also prints the
 //! history.
 //! `scripts/power-loss-long.sh` runs many more.
 
@@ -156,9 +157,13 @@ struct Stamp {
     t: u64,
 }
 
+/// The log first, then the clock: an end stamp's log position then counts no event
+/// later than its clock value (a thread that stalls between the two reads would
+/// otherwise stamp a write's end past a later flush's events, and the model would take
+/// it for not yet durable when it was).
 fn stamp(log: &IoLog) -> Stamp {
-    let t = CLOCK.fetch_add(1, Ordering::SeqCst);
-    Stamp { log: log.len(), t }
+    let log = log.len();
+    Stamp { log, t: CLOCK.fetch_add(1, Ordering::SeqCst) }
 }
 
 impl Done {
@@ -270,6 +275,8 @@ impl<'a> Model<'a> {
     fn sizes(&self, name: &str, at: usize) -> BTreeSet<u64> {
         let mut sizes: BTreeSet<u64> = match self.source(name) {
             None => [VOL_SIZE].into(),
+            // Log positions compare safely here: grows, snapshots and clones all run on
+            // the management thread, one after another.
             Some((src, d)) => self.sizes(src, d.start),
         };
         for d in self.history {
@@ -760,7 +767,7 @@ fn run_seed(seed: u64, cuts: usize) {
                 let _ = writeln!(
                     std::io::stderr(),
                     "concurrent power-loss failure: seed {seed:#x}, workload {w} ({plane:?}), cut {cut} of {} events; \
-                     the cut's image, history.txt and events.txt are kept in {}",
+                     the cut's image, history.txt, events.txt and failure.txt are kept in {}",
                     events.len(),
                     dir.keep().display()
                 );
