@@ -234,7 +234,13 @@ impl ExportRegistry for PoolRegistry {
                 Ok(self.export(vol, false, None))
             }
             ExportName::Keyed(name, key) => {
-                let vol = self.pool.volume(name).map_err(|_| Refusal::Unknown)?;
+                // Under attached access a key for a volume that does not exist gets the
+                // answer a wrong key gets: a client without a key learns no names.
+                let hidden = self.access == NbdAccess::Attached && *client != Client::Unix;
+                let vol = self.pool.volume(name).map_err(|_| match hidden {
+                    true => Refusal::Denied(NOT_PUBLISHED.into()),
+                    false => Refusal::Unknown,
+                })?;
                 // Subscribe before looking: an unpublish that removes the attachment
                 // after the look raises the signal this connection then holds.
                 let fence = self.fences.subscribe(&key);

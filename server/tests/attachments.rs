@@ -59,9 +59,18 @@ fn attached_access_serves_a_volume_only_with_its_key() {
     assert_eq!(publish(&s, "v", "node-1", &[]).0, name);
     qemu_io_ok(&s.uri(&name), false, &["write -P 0x5a 0 1M", "read -P 0x5a 0 1M"]);
 
-    // A wrong key, another volume's key, and a malformed one are refused.
+    // A wrong key, another volume's key, and a malformed one are refused. A key for a
+    // volume that does not exist gets the same answer as a wrong key: no name leaks.
     let wrong = format!("v/{}", "0".repeat(32));
-    assert!(!qemu_io(&s.uri(&wrong), true, &["read 0 4k"]).status.success());
+    let refused = |uri: &str| {
+        let o = qemu_io(uri, true, &["read 0 4k"]);
+        assert!(!o.status.success(), "{uri} was served");
+        text(&o).replace(uri, "URI")
+    };
+    let wrong_key = refused(&s.uri(&wrong));
+    let no_volume = refused(&s.uri(&format!("nothing/{}", "0".repeat(32))));
+    assert!(wrong_key.contains("not published with this key"), "{wrong_key}");
+    assert_eq!(no_volume.replace("nothing", "v"), wrong_key, "a missing volume is told apart from a wrong key");
     s.create_volume("w", "64MiB");
     let (w_name, _) = publish(&s, "w", "node-1", &[]);
     let crossed = format!("v/{}", &w_name[2..]);
