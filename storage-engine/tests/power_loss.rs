@@ -422,14 +422,7 @@ fn check_cut(
 fn run_seed(seed: u64, cuts: usize) {
     let mut rng = Rng::new(seed);
     // The long mode (many cuts) spreads them over more workloads, 125 cuts each.
-    let budget = power_loss_budget_per_seed();
-    let (workloads, per_workload) = match budget {
-        Some(_) => (usize::MAX, 125),
-        None => {
-            let workloads = WORKLOADS_PER_SEED.max(cuts / 125);
-            (workloads, cuts.div_ceil(workloads))
-        }
-    };
+    let (workloads, per_workload, budget) = cut_plan(cuts, WORKLOADS_PER_SEED, 125);
     let started = std::time::Instant::now();
     let mut ran = 0;
     for w in 0..workloads {

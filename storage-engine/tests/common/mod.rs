@@ -58,6 +58,20 @@ pub fn power_loss_budget_per_seed() -> Option<std::time::Duration> {
     Some(std::time::Duration::from_secs_f64(minutes * 60.0 / 2.0))
 }
 
+/// How a power-loss simulator spreads its cut points for one seed: `(workloads, cut
+/// points per workload, time budget)`. In the time mode ([`power_loss_budget_per_seed`])
+/// workloads of `per` cut points run until the budget is spent; otherwise `cuts` are
+/// spread over at least `min_workloads` workloads, `per` each when there are many.
+pub fn cut_plan(cuts: usize, min_workloads: usize, per: usize) -> (usize, usize, Option<std::time::Duration>) {
+    match power_loss_budget_per_seed() {
+        Some(budget) => (usize::MAX, per, Some(budget)),
+        None => {
+            let workloads = min_workloads.max(cuts / per);
+            (workloads, cuts.div_ceil(workloads), None)
+        }
+    }
+}
+
 /// Bytes in a sector, the unit of the power-loss simulators' models.
 pub const SECTOR: u64 = 512;
 
