@@ -142,9 +142,9 @@ fn read_certs(path: &std::path::Path) -> anyhow::Result<Vec<CertificateDer<'stat
     Ok(certs)
 }
 
-/// The subject of a DER certificate, or `?` when it does not parse (rustls verified
-/// it, so it does).
-fn subject(der: &[u8]) -> String {
+/// The subject of the DER certificate `der` (RFC 4514 form), or `?` when it does not
+/// parse (rustls verified it, so it does).
+pub fn certificate_subject(der: &[u8]) -> String {
     match x509_parser::parse_x509_certificate(der) {
         Ok((_, cert)) => cert.subject().to_string(),
         Err(_) => "?".to_owned(),
@@ -179,12 +179,6 @@ pub fn names_node(der: &[u8], node_id: &str) -> bool {
     let named =
         cert.subject().iter_common_name().any(|cn| cn.as_str().is_ok_and(|cn| cn.eq_ignore_ascii_case(node_id)));
     named
-}
-
-/// The subject of the DER certificate `der` (RFC 4514 form), or `?` when it does not
-/// parse.
-pub fn certificate_subject(der: &[u8]) -> String {
-    subject(der)
 }
 
 /// A management connection that completed mutual TLS.
@@ -252,7 +246,12 @@ pub fn incoming(
                 let _ = tcp.set_nodelay(true);
                 match tokio::time::timeout(HANDSHAKE_TIMEOUT, tls.accept(tcp)).await {
                     Ok(Ok(stream)) => {
-                        let who = stream.get_ref().1.peer_certificates().and_then(|c| c.first()).map(|c| subject(c));
+                        let who = stream
+                            .get_ref()
+                            .1
+                            .peer_certificates()
+                            .and_then(|c| c.first())
+                            .map(|c| certificate_subject(c));
                         let caller = Caller(who.unwrap_or_else(|| "?".to_owned()));
                         tracing::debug!(%peer, caller = %caller.0, "management API: client authenticated");
                         let _ = tx.send(Ok(MtlsStream { inner: stream, caller })).await;

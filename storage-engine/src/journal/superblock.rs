@@ -53,7 +53,7 @@ pub(crate) fn validate_superblock(sb: &Superblock, size: u64) -> Result<Geometry
     if sb.compute_crc() != sb.crc.get() {
         return Err(Error::corrupt("superblock checksum mismatch"));
     }
-    let unknown = sb.incompat_features.get() & !INCOMPAT_FEATURES_KNOWN;
+    let unknown = unknown_incompat(sb);
     if unknown != 0 {
         return Err(Error::corrupt(format!(
             "pool uses incompatible features {unknown:#x} this build does not know: it was written by a newer \
@@ -198,8 +198,13 @@ pub(crate) fn read_superblock(
 /// incompatible features this build does not know.
 fn written_by_newer_build(sb: &Superblock) -> bool {
     sb.magic == SUPERBLOCK_MAGIC
-        && (sb.version.get() > FORMAT_VERSION
-            || (sb.compute_crc() == sb.crc.get() && sb.incompat_features.get() & !INCOMPAT_FEATURES_KNOWN != 0))
+        && (sb.version.get() > FORMAT_VERSION || (sb.compute_crc() == sb.crc.get() && unknown_incompat(sb) != 0))
+}
+
+/// The incompatible features of `sb` this build does not know: a pool with any is
+/// refused.
+fn unknown_incompat(sb: &Superblock) -> u64 {
+    sb.incompat_features.get() & !INCOMPAT_FEATURES_KNOWN
 }
 
 /// The read-only-compatible features of `sb` this build does not know: a pool with any
