@@ -55,6 +55,9 @@ pub mod publish_context {
     /// The node the volume is published to: a node plugin refuses a context made for
     /// another node.
     pub const NODE_ID: &str = "nodeId";
+    /// NBD over TLS on the storage host: `off`, `optional` or `required` (its
+    /// `--nbd-tls`; absent from hosts of older builds, read as `off`).
+    pub const NBD_TLS: &str = "nbdTls";
 }
 
 /// Keys of the volume_context of a created volume.
@@ -641,6 +644,7 @@ impl Controller {
             (publish_context::READ_ONLY.to_string(), a.read_only.to_string()),
             (publish_context::HOST.to_string(), h.name().to_string()),
             (publish_context::NODE_ID.to_string(), r.node_id.clone()),
+            (publish_context::NBD_TLS.to_string(), if a.nbd_tls.is_empty() { "off".into() } else { a.nbd_tls }),
         ];
         Ok(pb::ControllerPublishVolumeResponse { publish_context: ctx.into_iter().collect() })
     }

@@ -36,6 +36,11 @@ pub struct AttachOptions {
     pub connections: u32,
     /// The most volumes this node takes (NodeGetInfo `max_volumes_per_node`; 0: no limit).
     pub max_volumes: i64,
+    /// The node's NBD TLS credentials (`ca.crt`, `tls.crt`, `tls.key`; the certificate
+    /// names the node): volumes of storage hosts with `--nbd-tls required` are attached
+    /// over TLS with them (and of hosts with `optional` too, when given); none: such
+    /// hosts' volumes cannot be staged here.
+    pub tls_dir: Option<PathBuf>,
 }
 
 impl Default for AttachOptions {
@@ -45,6 +50,7 @@ impl Default for AttachOptions {
             dead_timeout: Duration::from_secs(120),
             connections: 1,
             max_volumes: 0,
+            tls_dir: None,
         }
     }
 }
@@ -189,7 +195,12 @@ fn capability(c: Option<&pb::VolumeCapability>) -> Result<(Cap, bool), CsiError>
 }
 
 /// The export URIs of a publish_context, one per address.
-fn uris(ctx: &std::collections::HashMap<String, String>) -> Result<Vec<String>, CsiError> {
+/// The NBD URIs to try for a publish_context, over TLS (`nbds://`) when the storage
+/// host requires it, or offers it and the node has credentials (`tls_dir`).
+///
+/// Errors: INVALID_ARGUMENT (a context not made by ferrovol's controller);
+/// FAILED_PRECONDITION (the host requires TLS and the node has no credentials).
+fn uris(ctx: &std::collections::HashMap<String, String>, tls_dir: Option<&Path>) -> Result<Vec<String>, CsiError> {
     let addrs = ctx.get(publish_context::NBD_ADDRESSES).filter(|a| !a.is_empty());
     let export = ctx.get(publish_context::EXPORT_NAME).filter(|e| !e.is_empty());
     let (Some(addrs), Some(export)) = (addrs, export) else {
@@ -199,7 +210,21 @@ fn uris(ctx: &std::collections::HashMap<String, String>) -> Result<Vec<String>, 
             publish_context::EXPORT_NAME
         )));
     };
-    Ok(addrs.split(',').map(|a| format!("nbd://{}/{export}", a.trim())).collect())
+    let tls =
+        match ctx.get(publish_context::NBD_TLS).map(String::as_str) {
+            None | Some("off") => false,
+            Some("optional") => tls_dir.is_some(),
+            Some("required") if tls_dir.is_some() => true,
+            Some("required") => return Err(CsiError::new(
+                Code::FailedPrecondition,
+                "the storage host requires NBD over TLS and this node plugin has no TLS credentials (--nbd-tls-dir)",
+            )),
+            Some(other) => {
+                return Err(CsiError::invalid(format!("publish_context {}={other:?}", publish_context::NBD_TLS)))
+            }
+        };
+    let scheme = if tls { "nbds" } else { "nbd" };
+    Ok(addrs.split(',').map(|a| format!("{scheme}://{}/{export}", a.trim())).collect())
 }
 
 /// Maps an attach error for volume `id`.
@@ -287,7 +312,7 @@ impl Node {
                 ),
             ));
         }
-        let uris = uris(&r.publish_context)?;
+        let uris = uris(&r.publish_context, self.attach.tls_dir.as_deref())?;
         if let Some(other) = r.publish_context.get(publish_context::NODE_ID).filter(|n| **n != self.node_id()) {
             return Err(CsiError::new(
                 Code::FailedPrecondition,
@@ -319,6 +344,7 @@ impl Node {
                         dead_timeout: Some(self.attach.dead_timeout),
                         backend: Some(backend_of(id)),
                         run_dir: self.attach.run_dir.clone(),
+                        tls_dir: self.attach.tls_dir.clone(),
                     };
                     match attach::attach(&o) {
                         Ok(a) => {
@@ -720,5 +746,36 @@ impl pb::node_server::Node for Node {
             max_volumes_per_node: self.attach.max_volumes,
             accessible_topology,
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uris_follow_the_hosts_tls_mode_and_the_nodes_credentials() {
+        let ctx = |tls: Option<&str>| {
+            let mut c: std::collections::HashMap<String, String> = [
+                (publish_context::NBD_ADDRESSES.to_string(), "h1:10809, h2:7000".to_string()),
+                (publish_context::EXPORT_NAME.to_string(), "vol/key".to_string()),
+            ]
+            .into_iter()
+            .collect();
+            if let Some(t) = tls {
+                c.insert(publish_context::NBD_TLS.to_string(), t.to_string());
+            }
+            c
+        };
+        let dir = Path::new("/etc/ferrovol/nbd-tls");
+        let plain = vec!["nbd://h1:10809/vol/key".to_string(), "nbd://h2:7000/vol/key".to_string()];
+        let tls = vec!["nbds://h1:10809/vol/key".to_string(), "nbds://h2:7000/vol/key".to_string()];
+        assert_eq!(uris(&ctx(None), Some(dir)).unwrap(), plain, "a host of an older build");
+        assert_eq!(uris(&ctx(Some("off")), Some(dir)).unwrap(), plain);
+        assert_eq!(uris(&ctx(Some("optional")), None).unwrap(), plain);
+        assert_eq!(uris(&ctx(Some("optional")), Some(dir)).unwrap(), tls);
+        assert_eq!(uris(&ctx(Some("required")), Some(dir)).unwrap(), tls);
+        assert_eq!(uris(&ctx(Some("required")), None).unwrap_err().code, Code::FailedPrecondition);
+        assert_eq!(uris(&ctx(Some("sometimes")), Some(dir)).unwrap_err().code, Code::InvalidArgument);
     }
 }

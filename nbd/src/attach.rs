@@ -76,8 +76,8 @@ pub enum AttachError {
     },
 }
 
-/// Parses `nbd://HOST[:PORT]/EXPORT` (port 10809 by default) or
-/// `nbd+unix:///EXPORT?socket=PATH`. The export name is the rest of the path, `/`
+/// Parses `nbd://HOST[:PORT]/EXPORT` (port 10809 by default), `nbds://` the same over
+/// TLS, or `nbd+unix:///EXPORT?socket=PATH`. The export name is the rest of the path, `/`
 /// included (ferrovol's `VOLUME/KEY`); no percent-decoding.
 ///
 /// Errors: [`AttachError::Invalid`].
@@ -91,9 +91,11 @@ pub fn parse_uri(uri: &str) -> Result<(Target, String), AttachError> {
             .ok_or_else(|| bad("an nbd+unix URI needs ?socket=PATH"))?;
         return Ok((Target::Unix(socket.into()), export.to_string()));
     }
-    let rest = uri
-        .strip_prefix("nbd://")
-        .ok_or_else(|| bad("not nbd://HOST[:PORT]/EXPORT or nbd+unix:///EXPORT?socket=PATH"))?;
+    let (tls, rest) = match (uri.strip_prefix("nbd://"), uri.strip_prefix("nbds://")) {
+        (Some(rest), _) => (false, rest),
+        (_, Some(rest)) => (true, rest),
+        _ => return Err(bad("not nbd[s]://HOST[:PORT]/EXPORT or nbd+unix:///EXPORT?socket=PATH")),
+    };
     let rest = rest.split(['?', '#']).next().unwrap_or_default();
     let (authority, export) = rest.split_once('/').unwrap_or((rest, ""));
     if authority.is_empty() || authority.contains('@') {
@@ -108,7 +110,7 @@ pub fn parse_uri(uri: &str) -> Result<(Target, String), AttachError> {
         }
         _ => format!("{authority}:10809"),
     };
-    Ok((Target::Tcp(addr), export.to_string()))
+    Ok((if tls { Target::Tls(addr) } else { Target::Tcp(addr) }, export.to_string()))
 }
 
 /// Parses `/dev/nbdN`, `nbdN` or `N`.
@@ -161,6 +163,9 @@ pub struct Options {
     pub backend: Option<String>,
     /// The run directory for the record ([`DEFAULT_RUN_DIR`]).
     pub run_dir: PathBuf,
+    /// The client's TLS credentials directory ([`client::ClientTls`]), for `nbds://`
+    /// URIs; kept in the record, so that reconnects read it again.
+    pub tls_dir: Option<PathBuf>,
 }
 
 /// A device attached by [`attach`].
@@ -197,6 +202,8 @@ pub struct Record {
     pub connections: u32,
     /// The server's crash generation at attach or the last reconnect, if it tells one.
     pub generation: Option<CrashGeneration>,
+    /// The TLS credentials directory for `nbds://`, read at each reconnect.
+    pub tls_dir: Option<PathBuf>,
     /// How the device fares.
     pub health: Health,
 }
@@ -215,6 +222,9 @@ impl Record {
         );
         if let Some(g) = &self.generation {
             s += &format!("generation={g}\n");
+        }
+        if let Some(d) = &self.tls_dir {
+            s += &format!("tls_dir={}\n", d.display().to_string().replace('\n', ""));
         }
         s += &match &self.health {
             Health::Alive => "health=alive\n".to_string(),
@@ -241,6 +251,7 @@ impl Record {
                 Some(g) => Some(CrashGeneration::parse(g)?),
                 None => None,
             },
+            tls_dir: kv.get("tls_dir").map(PathBuf::from),
             health,
         })
     }
@@ -280,17 +291,34 @@ fn now() -> u64 {
     SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
-/// Opens `connections` handshaken connections to `uri`; all must describe the export
-/// alike.
-fn open_connections(uri: &str, connections: u32) -> Result<(Vec<client::Stream>, ExportInfo), AttachError> {
+/// Opens `connections` handshaken connections to `uri`, over TLS with the credentials
+/// in `tls_dir` for an `nbds://` URI; all must describe the export alike.
+fn open_connections(
+    uri: &str,
+    connections: u32,
+    tls_dir: Option<&Path>,
+) -> Result<(Vec<client::Stream>, ExportInfo), AttachError> {
     let (target, export) = parse_uri(uri)?;
     if connections == 0 || connections > MAX_CONNECTIONS {
         return Err(AttachError::Invalid(format!("--connections {connections}: 1 to {MAX_CONNECTIONS}")));
     }
+    let tls = match (&target, tls_dir) {
+        (Target::Tls(_), Some(dir)) => Some(
+            client::ClientTls::load(dir)
+                .map_err(|e| AttachError::Invalid(format!("the TLS credentials in {}: {e}", dir.display())))?,
+        ),
+        (Target::Tls(_), None) => {
+            return Err(AttachError::Invalid(format!(
+                "{} is over TLS: give the directory of the client's TLS credentials (ca.crt, tls.crt, tls.key)",
+                shown(uri)
+            )))
+        }
+        _ => None,
+    };
     let mut streams = Vec::new();
     let mut info: Option<ExportInfo> = None;
     for _ in 0..connections {
-        let (s, i) = client::connect(&target, &export, HANDSHAKE_TIMEOUT)?;
+        let (s, i) = client::connect(&target, &export, HANDSHAKE_TIMEOUT, tls.as_ref())?;
         if connections > 1 && !i.multi_conn() {
             return Err(AttachError::Export(format!(
                 "{} does not allow several connections (no NBD_FLAG_CAN_MULTI_CONN): use --connections 1",
@@ -319,7 +347,7 @@ fn open_connections(uri: &str, connections: u32) -> Result<(Vec<client::Stream>,
 /// again: without its record it could not be reconnected).
 pub fn attach(o: &Options) -> Result<Attached, AttachError> {
     let (target, export) = parse_uri(&o.uri)?;
-    let (streams, info) = open_connections(&o.uri, o.connections)?;
+    let (streams, info) = open_connections(&o.uri, o.connections, o.tls_dir.as_deref())?;
     let (block_size, warning) = kernel_block_size(&info)?;
     if let Some(w) = warning {
         tracing::warn!("{w}");
@@ -342,6 +370,7 @@ pub fn attach(o: &Options) -> Result<Attached, AttachError> {
         backend,
         connections: o.connections,
         generation: info.crash_generation(),
+        tls_dir: o.tls_dir.clone(),
         health: Health::Alive,
     };
     if let Err(e) = record.store(&o.run_dir) {
@@ -420,7 +449,7 @@ fn device_size(index: u32) -> Option<u64> {
 /// [`AttachError::Handshake`]; [`AttachError::Kernel`].
 pub fn resize(run_dir: &Path, index: u32) -> Result<u64, AttachError> {
     let rec = live_record(run_dir, index)?;
-    let (_probe, info) = open_connections(&rec.uri, 1)?;
+    let (_probe, info) = open_connections(&rec.uri, 1, rec.tls_dir.as_deref())?;
     check_generation(&rec, &info)?;
     let current = device_size(index).unwrap_or(0);
     if info.size < current {
@@ -473,7 +502,7 @@ pub fn reconnect(run_dir: &Path, index: u32, to: Option<(&str, Option<&str>)>) -
             (uri.to_string(), backend.map_or_else(|| backend_of(&target, &export), str::to_string))
         }
     };
-    let (streams, info) = open_connections(&uri, rec.connections)?;
+    let (streams, info) = open_connections(&uri, rec.connections, rec.tls_dir.as_deref())?;
     check_generation(&rec, &info)?;
     let current = device_size(index).unwrap_or(0);
     if info.size < current {
@@ -514,7 +543,7 @@ pub fn find(backend: &str) -> Result<Option<u32>, AttachError> {
 /// Errors: [`AttachError::NoRecord`]; [`AttachError::Handshake`].
 pub fn export_info(run_dir: &Path, index: u32) -> Result<ExportInfo, AttachError> {
     let rec = live_record(run_dir, index)?;
-    Ok(open_connections(&rec.uri, 1)?.1)
+    Ok(open_connections(&rec.uri, 1, rec.tls_dir.as_deref())?.1)
 }
 
 /// How `/dev/nbd{index}` fares, from its record: `None` without one.
@@ -751,6 +780,7 @@ mod tests {
             backend: "h:1/vol".into(),
             connections: 2,
             generation: Some(CrashGeneration { pool: "0123456789ab".into(), generation: 4 }),
+            tls_dir: Some("/etc/ferrovol/nbd-tls".into()),
             health: Health::Alive,
         };
         r.store(&run).unwrap();

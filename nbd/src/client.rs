@@ -4,9 +4,15 @@
 //! transmission phase, with what the export offers. For a kernel attach (the socket is
 //! given to the kernel's NBD driver) and for reconnects.
 //!
+//! Over TLS ([`Target::Tls`], proto.md "TLS support"): `NBD_OPT_STARTTLS` first, the
+//! TLS 1.3 handshake (rustls, mutual: the client shows the certificate of
+//! [`ClientTls`]), the option haggling inside it, then the session is handed to the
+//! kernel ([`crate::ktls`]): the returned socket reads and writes plain NBD, and the
+//! kernel's NBD driver can be given it.
+//!
 //! Blocking, on std sockets with timeouts: it runs once per connection, outside any
 //! data path. Not here: the transmission phase (the kernel does it; tests speak it
-//! themselves), TLS (`NBD_OPT_STARTTLS`), the old-style and non-fixed handshakes.
+//! themselves), the old-style and non-fixed handshakes.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -22,6 +28,9 @@ use crate::proto::*;
 pub enum Target {
     /// `HOST:PORT` over TCP.
     Tcp(String),
+    /// `HOST:PORT` over TCP with TLS (`nbds://`); `HOST` is the name the server's
+    /// certificate must carry.
+    Tls(String),
     /// A unix socket.
     Unix(PathBuf),
 }
@@ -30,6 +39,7 @@ impl std::fmt::Display for Target {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Target::Tcp(a) => f.write_str(a),
+            Target::Tls(a) => write!(f, "tls:{a}"),
             Target::Unix(p) => write!(f, "unix:{}", p.display()),
         }
     }
@@ -257,12 +267,21 @@ pub enum HandshakeError {
         /// The server's message.
         message: String,
     },
-    /// The server requires TLS first (`NBD_REP_ERR_TLS_REQD`), which this client does not
-    /// speak.
-    #[error("{target} requires TLS, which this client does not do")]
+    /// The server requires TLS first (`NBD_REP_ERR_TLS_REQD`) and the URI was not an
+    /// `nbds://` one.
+    #[error("{target} requires TLS: use nbds:// with the client's TLS credentials")]
     TlsRequired {
         /// Where.
         target: String,
+    },
+    /// TLS failed: the server offers none, a certificate was refused (either side's), the
+    /// credentials are missing, or the kernel cannot take the session ([`crate::ktls`]).
+    #[error("{target}: {message}")]
+    Tls {
+        /// Where.
+        target: String,
+        /// What.
+        message: String,
     },
     /// The server does not know `NBD_OPT_GO` (`NBD_REP_ERR_UNSUP`); this client needs it.
     #[error("{target} does not support NBD_OPT_GO (proto.md; a server older than 2016?)")]
@@ -294,17 +313,101 @@ const MAX_REPLY: u32 = 64 * 1024;
 /// The most replies to `NBD_OPT_GO` this client reads before it gives up.
 const MAX_REPLIES: usize = 64;
 
+/// A client's credentials for NBD over TLS, from a directory in the layout of a
+/// Kubernetes TLS Secret (what cert-manager writes): `ca.crt`, the CA certificates the
+/// server's certificate must chain to; `tls.crt`, the client's certificate chain, leaf
+/// first; `tls.key`, its private key. The session is TLS 1.3 with
+/// ChaCha20-Poly1305 only, so that it can be handed to the kernel ([`crate::ktls`]).
+#[derive(Clone)]
+pub struct ClientTls {
+    config: std::sync::Arc<rustls::ClientConfig>,
+}
+
+impl std::fmt::Debug for ClientTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ClientTls")
+    }
+}
+
+impl ClientTls {
+    /// The CA file's name in a credentials directory.
+    pub const CA: &'static str = "ca.crt";
+    /// The certificate file's name.
+    pub const CERT: &'static str = "tls.crt";
+    /// The private key file's name.
+    pub const KEY: &'static str = "tls.key";
+
+    /// Loads the credentials in `dir` (read afresh by each call: a renewed certificate
+    /// is used from the next connection on).
+    ///
+    /// Errors: `InvalidInput` naming the file that is missing or does not load.
+    pub fn load(dir: &std::path::Path) -> std::io::Result<ClientTls> {
+        use rustls::pki_types::pem::PemObject;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+        let bad = |what: &str, path: &std::path::Path, e: &dyn std::fmt::Display| {
+            std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{what} {}: {e}", path.display()))
+        };
+        let certs = |path: &std::path::Path| -> std::io::Result<Vec<CertificateDer<'static>>> {
+            let v = CertificateDer::pem_file_iter(path)
+                .map_err(|e| bad("read", path, &e))?
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| bad("parse", path, &e))?;
+            if v.is_empty() {
+                return Err(bad("no certificate in", path, &"empty"));
+            }
+            Ok(v)
+        };
+        let (ca, cert, key) = (dir.join(Self::CA), dir.join(Self::CERT), dir.join(Self::KEY));
+        let mut roots = rustls::RootCertStore::empty();
+        for c in certs(&ca)? {
+            roots.add(c).map_err(|e| bad("CA certificate in", &ca, &e))?;
+        }
+        let chain = certs(&cert)?;
+        let private = PrivateKeyDer::from_pem_file(&key).map_err(|e| bad("read a private key from", &key, &e))?;
+        let provider = rustls::crypto::CryptoProvider {
+            cipher_suites: vec![crate::ktls::cipher_suite()],
+            ..rustls::crypto::ring::default_provider()
+        };
+        let mut config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(provider))
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(|e| bad("TLS 1.3 for", &cert, &e))?
+            .with_root_certificates(roots)
+            .with_client_auth_cert(chain, private)
+            .map_err(|e| bad("the key does not suit the certificate", &key, &e))?;
+        config.enable_secret_extraction = true;
+        config.resumption = rustls::client::Resumption::disabled();
+        Ok(ClientTls { config: std::sync::Arc::new(config) })
+    }
+}
+
+/// The host of `HOST:PORT` (`[V6]:PORT` too), as the server's certificate must name it.
+fn server_name(addr: &str) -> Option<rustls::pki_types::ServerName<'static>> {
+    let host = match addr.strip_prefix('[') {
+        Some(rest) => rest.split_once(']')?.0,
+        None => addr.rsplit_once(':').map_or(addr, |(h, _)| h),
+    };
+    rustls::pki_types::ServerName::try_from(host.to_string()).ok()
+}
+
 /// Connects to `target`, opens export `name` with `NBD_OPT_GO` (asking for its block
 /// size constraints), and returns the socket in the transmission phase with what the
 /// export offers. Each read, write and the connect itself may take `timeout`; the
-/// socket is returned without timeouts.
+/// socket is returned without timeouts. A [`Target::Tls`] needs `tls` (ignored for the
+/// others) and the kernel's TLS: its socket is returned with the session handed to the
+/// kernel.
 ///
 /// Errors: [`HandshakeError`], one variant per way a handshake fails.
-pub fn connect(target: &Target, name: &str, timeout: Duration) -> Result<(Stream, ExportInfo), HandshakeError> {
+pub fn connect(
+    target: &Target,
+    name: &str,
+    timeout: Duration,
+    tls: Option<&ClientTls>,
+) -> Result<(Stream, ExportInfo), HandshakeError> {
     let where_ = target.to_string();
     let io = |source: std::io::Error| HandshakeError::Io { target: where_.clone(), source };
+    let tls_err = |message: String| HandshakeError::Tls { target: where_.clone(), message };
     let mut s = match target {
-        Target::Tcp(addr) => {
+        Target::Tcp(addr) | Target::Tls(addr) => {
             use std::net::ToSocketAddrs;
             let mut last = std::io::Error::new(std::io::ErrorKind::NotFound, "the address resolves to nothing");
             let mut got = None;
@@ -334,18 +437,104 @@ pub fn connect(target: &Target, name: &str, timeout: Duration) -> Result<(Stream
         Target::Unix(p) => Stream::Unix(UnixStream::connect(p).map_err(io)?),
     };
     s.set_timeout(Some(timeout)).map_err(io)?;
-    let info = handshake(&mut s, &where_, name)?;
+    let info = match (target, s) {
+        (Target::Tls(addr), Stream::Tcp(tcp)) => {
+            let tls = tls.ok_or_else(|| tls_err("nbds:// needs the client's TLS credentials".into()))?;
+            let sn = server_name(addr).ok_or_else(|| tls_err(format!("{addr:?} names no host")))?;
+            let (tcp, info) = handshake_tls(tcp, &where_, name, tls, sn)?;
+            s = Stream::Tcp(tcp);
+            info
+        }
+        (_, mut plain) => {
+            let info = handshake(&mut plain, &where_, name)?;
+            s = plain;
+            info
+        }
+    };
     s.set_timeout(None).map_err(io)?;
     Ok((s, info))
+}
+
+/// The greeting, `NBD_OPT_STARTTLS`, the TLS handshake, `NBD_OPT_GO` inside it, and the
+/// session handed to the kernel.
+fn handshake_tls(
+    mut tcp: TcpStream,
+    target: &str,
+    name: &str,
+    tls: &ClientTls,
+    server_name: rustls::pki_types::ServerName<'static>,
+) -> Result<(TcpStream, ExportInfo), HandshakeError> {
+    let io = |source: std::io::Error| HandshakeError::Io { target: target.to_string(), source };
+    let tls_err = |message: String| HandshakeError::Tls { target: target.to_string(), message };
+    // A TLS failure surfaces as an I/O error carrying rustls's; named as what it is.
+    let named = |e: HandshakeError| match e {
+        HandshakeError::Io { source, .. } if source.get_ref().is_some_and(|i| i.is::<rustls::Error>()) => {
+            tls_err(format!("TLS: {source}"))
+        }
+        other => other,
+    };
+    let client_flags = greet(&mut tcp, target)?;
+    let mut out = Vec::with_capacity(4 + OPTION_HEADER_LEN);
+    out.extend_from_slice(&client_flags.to_be_bytes());
+    out.extend_from_slice(&OptionHeader { option: NBD_OPT_STARTTLS, length: 0 }.encode());
+    tcp.write_all(&out).map_err(io)?;
+    let mut h = [0u8; OPTION_REPLY_HEADER_LEN];
+    tcp.read_exact(&mut h).map_err(io)?;
+    let h = OptionReplyHeader::parse(&h)
+        .map_err(|e| HandshakeError::Protocol { target: target.to_string(), message: format!("option reply: {e}") })?;
+    if h.option != NBD_OPT_STARTTLS || h.length > MAX_REPLY {
+        return Err(HandshakeError::Protocol {
+            target: target.to_string(),
+            message: format!("a reply to option {} of {} bytes while waiting for NBD_OPT_STARTTLS", h.option, h.length),
+        });
+    }
+    let mut data = vec![0u8; h.length as usize];
+    tcp.read_exact(&mut data).map_err(io)?;
+    if h.reply_type != NBD_REP_ACK {
+        return Err(tls_err(format!(
+            "the server does not offer TLS (reply {:#x} to NBD_OPT_STARTTLS{})",
+            h.reply_type,
+            shown(&String::from_utf8_lossy(&data))
+        )));
+    }
+    let conn = rustls::ClientConnection::new(std::sync::Arc::clone(&tls.config), server_name)
+        .map_err(|e| tls_err(format!("TLS: {e}")))?;
+    let mut stream = rustls::StreamOwned::new(conn, tcp);
+    while stream.conn.is_handshaking() {
+        stream.conn.complete_io(&mut stream.sock).map_err(|e| named(io(e)))?;
+    }
+    let info = options(&mut stream, target, name, &[]).map_err(named)?;
+    let rustls::StreamOwned { mut conn, sock } = stream;
+    // Nothing may be left in rustls: the server says nothing after NBD_OPT_GO's
+    // acknowledgement until the first request, and what rustls holds would be lost.
+    let mut probe = [0u8; 1];
+    let leftover = match std::io::Read::read(&mut conn.reader(), &mut probe) {
+        Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
+        Ok(_) => true,
+    };
+    if leftover || conn.wants_write() {
+        return Err(HandshakeError::Protocol {
+            target: target.to_string(),
+            message: "data after the acknowledgement of NBD_OPT_GO".into(),
+        });
+    }
+    let secrets = conn.dangerous_extract_secrets().map_err(|e| tls_err(format!("TLS: {e}")))?;
+    crate::ktls::enable(std::os::fd::AsFd::as_fd(&sock), secrets).map_err(|e| tls_err(e.to_string()))?;
+    Ok((sock, info))
 }
 
 /// The handshake on a connected stream `s` (any `Read + Write`), for export `name`.
 ///
 /// Errors: as [`connect`].
 pub fn handshake<S: Read + Write>(s: &mut S, target: &str, name: &str) -> Result<ExportInfo, HandshakeError> {
+    let client_flags = greet(s, target)?;
+    options(s, target, name, &client_flags.to_be_bytes())
+}
+
+/// Reads the server's greeting and returns the client flags to answer it with.
+fn greet<S: Read>(s: &mut S, target: &str) -> Result<u32, HandshakeError> {
     let io = |source: std::io::Error| HandshakeError::Io { target: target.to_string(), source };
     let not_nbd = |why: String| HandshakeError::NotNbd { target: target.to_string(), why };
-    let proto = |message: String| HandshakeError::Protocol { target: target.to_string(), message };
     let mut greeting = [0u8; GREETING_LEN];
     s.read_exact(&mut greeting).map_err(io)?;
     let magic = u64::from_be_bytes(greeting[0..8].try_into().expect("8 bytes"));
@@ -360,11 +549,17 @@ pub fn handshake<S: Read + Write>(s: &mut S, target: &str, name: &str) -> Result
     if flags & NBD_FLAG_FIXED_NEWSTYLE == 0 {
         return Err(not_nbd("it does not offer the fixed newstyle handshake".into()));
     }
-    let client_flags =
-        NBD_FLAG_C_FIXED_NEWSTYLE | if flags & NBD_FLAG_NO_ZEROES != 0 { NBD_FLAG_C_NO_ZEROES } else { 0 };
+    Ok(NBD_FLAG_C_FIXED_NEWSTYLE | if flags & NBD_FLAG_NO_ZEROES != 0 { NBD_FLAG_C_NO_ZEROES } else { 0 })
+}
+
+/// Sends `prefix` (the client flags, or nothing once they went) and `NBD_OPT_GO` for
+/// `name`, and reads the replies.
+fn options<S: Read + Write>(s: &mut S, target: &str, name: &str, prefix: &[u8]) -> Result<ExportInfo, HandshakeError> {
+    let io = |source: std::io::Error| HandshakeError::Io { target: target.to_string(), source };
+    let proto = |message: String| HandshakeError::Protocol { target: target.to_string(), message };
     let go = InfoRequest { name: name.to_string(), requests: vec![NBD_INFO_BLOCK_SIZE, NBD_INFO_DESCRIPTION] }.encode();
-    let mut out = Vec::with_capacity(4 + OPTION_HEADER_LEN + go.len());
-    out.extend_from_slice(&client_flags.to_be_bytes());
+    let mut out = Vec::with_capacity(prefix.len() + OPTION_HEADER_LEN + go.len());
+    out.extend_from_slice(prefix);
     out.extend_from_slice(&OptionHeader { option: NBD_OPT_GO, length: go.len() as u32 }.encode());
     out.extend_from_slice(&go);
     s.write_all(&out).map_err(io)?;

@@ -26,6 +26,7 @@ pub mod error;
 pub mod export;
 mod handshake;
 pub mod kernel;
+mod ktls;
 pub mod proto;
 mod reply;
 pub mod server;

@@ -73,7 +73,7 @@ fn go_opens_the_export_and_hands_back_a_socket_in_transmission() {
     let dir = tempfile::tempdir().unwrap();
     let (addr, sock) = serve(dir.path());
     for target in [Target::Tcp(addr.clone()), Target::Unix(sock.clone())] {
-        let (mut s, info) = connect(&target, "disk", T).unwrap();
+        let (mut s, info) = connect(&target, "disk", T, None).unwrap();
         assert_eq!(info.size, 1 << 20);
         assert!(!info.read_only() && info.can_flush() && info.can_fua() && info.can_trim(), "{info:?}");
         let bs = info.block_size.expect("block size constraints");
@@ -85,7 +85,7 @@ fn go_opens_the_export_and_hands_back_a_socket_in_transmission() {
         let (err, _) = request(&mut s, NBD_CMD_READ, 1 << 20, 4096, &[]);
         assert_ne!(err, 0, "a read past the end must fail");
     }
-    let (_, info) = connect(&Target::Tcp(addr), "ro", T).unwrap();
+    let (_, info) = connect(&Target::Tcp(addr), "ro", T, None).unwrap();
     assert!(info.read_only());
     assert_eq!(info.size, 2 << 20);
 }
@@ -95,11 +95,11 @@ fn each_refusal_is_its_own_error() {
     let dir = tempfile::tempdir().unwrap();
     let (addr, _sock) = serve(dir.path());
     let tcp = Target::Tcp(addr);
-    match connect(&tcp, "nothing", T) {
+    match connect(&tcp, "nothing", T, None) {
         Err(HandshakeError::UnknownExport { name, .. }) => assert_eq!(name, "nothing"),
         other => panic!("{other:?}"),
     }
-    match connect(&tcp, "secret", T) {
+    match connect(&tcp, "secret", T, None) {
         Err(e @ HandshakeError::Refused { .. }) => assert!(e.to_string().contains("refuses export \"secret\""), "{e}"),
         other => panic!("{other:?}"),
     }
@@ -109,7 +109,10 @@ fn each_refusal_is_its_own_error() {
     let bound = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
     bound.bind(&std::net::SocketAddr::from(([127, 0, 0, 1], 0)).into()).unwrap();
     let port = bound.local_addr().unwrap().as_socket().unwrap().port();
-    assert!(matches!(connect(&Target::Tcp(format!("127.0.0.1:{port}")), "disk", T), Err(HandshakeError::Io { .. })));
+    assert!(matches!(
+        connect(&Target::Tcp(format!("127.0.0.1:{port}")), "disk", T, None),
+        Err(HandshakeError::Io { .. })
+    ));
     drop(bound);
     let http = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let http_addr = http.local_addr().unwrap().to_string();
@@ -118,7 +121,7 @@ fn each_refusal_is_its_own_error() {
             let _ = c.write_all(b"HTTP/1.1 400 Bad Request\r\n\r\n");
         }
     });
-    match connect(&Target::Tcp(http_addr), "disk", T) {
+    match connect(&Target::Tcp(http_addr), "disk", T, None) {
         Err(e @ HandshakeError::NotNbd { .. }) => assert!(e.to_string().contains("not NBDMAGIC"), "{e}"),
         other => panic!("{other:?}"),
     }
@@ -159,18 +162,18 @@ fn qemu_nbd_exports_open_with_their_flags() {
     let sock_s = sock.to_str().unwrap();
     let mut q = spawn("qemu-nbd", &["--persistent", "--shared=4", "-x", "exp", "-f", "raw", "-k", sock_s, img_s]);
     wait_socket(&mut q.0, &sock);
-    let (mut s, info) = connect(&Target::Unix(sock.clone()), "exp", T).unwrap();
+    let (mut s, info) = connect(&Target::Unix(sock.clone()), "exp", T, None).unwrap();
     assert_eq!(info.size, 3 << 20);
     assert!(info.multi_conn() && !info.read_only() && info.can_write_zeroes(), "{info:?}");
     assert_eq!(request(&mut s, NBD_CMD_WRITE, 0, 512, &[9; 512]).0, 0);
     assert_eq!(request(&mut s, NBD_CMD_READ, 0, 512, &[]).1, vec![9; 512]);
-    assert!(matches!(connect(&Target::Unix(sock), "other", T), Err(HandshakeError::UnknownExport { .. })));
+    assert!(matches!(connect(&Target::Unix(sock), "other", T, None), Err(HandshakeError::UnknownExport { .. })));
     drop(q);
     let ro_sock = dir.path().join("r.sock");
     let mut r =
         spawn("qemu-nbd", &["--persistent", "-r", "-x", "exp", "-f", "raw", "-k", ro_sock.to_str().unwrap(), img_s]);
     wait_socket(&mut r.0, &ro_sock);
-    assert!(connect(&Target::Unix(ro_sock), "exp", T).unwrap().1.read_only());
+    assert!(connect(&Target::Unix(ro_sock), "exp", T, None).unwrap().1.read_only());
 }
 
 #[test]
@@ -179,7 +182,7 @@ fn an_old_style_server_is_told_apart() {
     let sock = dir.path().join("k.sock");
     let mut k = spawn("nbdkit", &["-f", "--oldstyle", "-U", sock.to_str().unwrap(), "memory", "1M"]);
     wait_socket(&mut k.0, &sock);
-    match connect(&Target::Unix(sock), "", T) {
+    match connect(&Target::Unix(sock), "", T, None) {
         Err(e @ HandshakeError::NotNbd { .. }) => assert!(e.to_string().contains("old-style"), "{e}"),
         other => panic!("{other:?}"),
     }
@@ -214,7 +217,8 @@ fn scripted(replies: Vec<(u32, Vec<u8>)>, option: u32) -> Target {
 fn a_hostile_or_odd_server_is_refused_with_a_reason() {
     let export = |size: u64| encode_info_export(size, NBD_FLAG_HAS_FLAGS).to_vec();
     let protocol =
-        |replies: Vec<(u32, Vec<u8>)>, option: u32, want: &str| match connect(&scripted(replies, option), "x", T) {
+        |replies: Vec<(u32, Vec<u8>)>, option: u32, want: &str| match connect(&scripted(replies, option), "x", T, None)
+        {
             Err(e @ HandshakeError::Protocol { .. }) => assert!(e.to_string().contains(want), "{e}: want {want:?}"),
             other => panic!("want a protocol error with {want:?}, got {other:?}"),
         };
@@ -233,11 +237,11 @@ fn a_hostile_or_odd_server_is_refused_with_a_reason() {
         "block size constraints",
     );
     assert!(matches!(
-        connect(&scripted(vec![(NBD_REP_ERR_TLS_REQD, vec![])], NBD_OPT_GO), "x", T),
+        connect(&scripted(vec![(NBD_REP_ERR_TLS_REQD, vec![])], NBD_OPT_GO), "x", T, None),
         Err(HandshakeError::TlsRequired { .. })
     ));
     assert!(matches!(
-        connect(&scripted(vec![(NBD_REP_ERR_UNSUP, vec![])], NBD_OPT_GO), "x", T),
+        connect(&scripted(vec![(NBD_REP_ERR_UNSUP, vec![])], NBD_OPT_GO), "x", T, None),
         Err(HandshakeError::GoUnsupported { .. })
     ));
     // Unknown info types are skipped; a good answer after them opens the export.
@@ -245,7 +249,69 @@ fn a_hostile_or_odd_server_is_refused_with_a_reason() {
         &scripted(vec![(NBD_REP_INFO, vec![0, 99]), (NBD_REP_INFO, export(4096)), (NBD_REP_ACK, vec![])], NBD_OPT_GO),
         "x",
         T,
+        None,
     )
     .unwrap();
     assert_eq!(info.size, 4096);
+}
+
+/// A server like [`serve`]'s on TCP only, with TLS required and the test certificate
+/// (`nbd::testing::TEST_CERT_PEM`, a self-signed CA certificate, which no verifier
+/// takes as a server's own).
+fn serve_tls_required() -> String {
+    let registry = Arc::new(MemRegistry::default().with("disk", MemExport::new(1 << 20)));
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let _ = rt.block_on(async move {
+            let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            tx.send(tcp.local_addr().unwrap().to_string()).unwrap();
+            let tls = nbd::NbdTls {
+                mode: nbd::TlsMode::Required,
+                source: Arc::new(nbd::testing::test_tls_config()) as Arc<dyn nbd::TlsSource>,
+            };
+            let config = Arc::new(ServerConfig { tls: Some(tls), ..ServerConfig::default() });
+            nbd::serve_tcp(tcp, registry, config, std::future::pending::<()>()).await
+        });
+    });
+    rx.recv().unwrap()
+}
+
+/// `nbds://` (`Target::Tls`): without credentials, against a server that offers no TLS,
+/// and against a certificate the client cannot verify, each a `Tls` error that says
+/// which; a plain client of a TLS-only server gets `TlsRequired`. (The success path
+/// needs the kernel's TLS: server/tests/nbd_tls.rs runs it in a VM.)
+#[test]
+fn tls_refusals_are_errors_of_their_own() {
+    let dir = tempfile::tempdir().unwrap();
+    let creds = dir.path().join("creds");
+    std::fs::create_dir_all(&creds).unwrap();
+    for f in ["ca.crt", "tls.crt"] {
+        std::fs::write(creds.join(f), nbd::testing::TEST_CERT_PEM).unwrap();
+    }
+    std::fs::write(creds.join("tls.key"), nbd::testing::TEST_KEY_PEM).unwrap();
+    let tls = nbd::client::ClientTls::load(&creds).unwrap();
+    let tls_message = |r: Result<(Stream, nbd::client::ExportInfo), HandshakeError>| match r {
+        Err(HandshakeError::Tls { message, .. }) => message,
+        other => panic!("not a TLS error: {other:?}"),
+    };
+
+    let (plain, _) = serve(dir.path());
+    let m = tls_message(connect(&Target::Tls(plain.clone()), "disk", T, None));
+    assert!(m.contains("credentials"), "{m}");
+    let m = tls_message(connect(&Target::Tls(plain), "disk", T, Some(&tls)));
+    assert!(m.contains("does not offer TLS"), "{m}");
+
+    let required = serve_tls_required();
+    assert!(matches!(
+        connect(&Target::Tcp(required.clone()), "disk", T, None),
+        Err(HandshakeError::TlsRequired { .. })
+    ));
+    let m = tls_message(connect(&Target::Tls(required), "disk", T, Some(&tls)));
+    assert!(m.starts_with("TLS: ") && m.contains("certificate"), "{m}");
+
+    // Files that do not load are named.
+    std::fs::write(creds.join("tls.key"), "not a key").unwrap();
+    let e = nbd::client::ClientTls::load(&creds).unwrap_err();
+    assert!(e.to_string().contains("tls.key"), "{e}");
 }

@@ -250,7 +250,13 @@ impl Host {
             "serving"
         );
         let fences = Arc::new(Fences::default());
-        let identity = mgmt::HostIdentity { endpoints, nbd_addresses, access: nbd_access, fences: Arc::clone(&fences) };
+        let identity = mgmt::HostIdentity {
+            endpoints,
+            nbd_addresses,
+            access: nbd_access,
+            tls: opts.nbd_tls,
+            fences: Arc::clone(&fences),
+        };
 
         let metrics = Arc::new(metrics::Metrics::new());
         let registry = Arc::new(

@@ -36,6 +36,8 @@ pub struct HostIdentity {
     pub nbd_addresses: Vec<String>,
     /// Who may open an export over TCP.
     pub access: NbdAccess,
+    /// NBD over TLS on TCP (`--nbd-tls`), `None` for off.
+    pub tls: Option<nbd::TlsMode>,
     /// The attachments' revocation signals, shared with the NBD registry.
     pub fences: Arc<Fences>,
 }
@@ -47,8 +49,19 @@ impl HostIdentity {
             endpoints: Vec::new(),
             nbd_addresses: Vec::new(),
             access: NbdAccess::Open,
+            tls: None,
             fences: Arc::new(Fences::default()),
         }
+    }
+
+    /// `--nbd-tls` as the management API names it: `off`, `optional` or `required`.
+    pub fn tls_name(&self) -> String {
+        match self.tls {
+            None => "off",
+            Some(nbd::TlsMode::Optional) => "optional",
+            Some(nbd::TlsMode::Required) => "required",
+        }
+        .to_owned()
     }
 }
 
@@ -224,6 +237,7 @@ impl ManagementService {
             nbd_addresses: self.host.nbd_addresses.clone(),
             size_bytes: size,
             created_unix: a.created,
+            nbd_tls: self.host.tls_name(),
         })
     }
 
@@ -374,6 +388,7 @@ impl Management for ManagementService {
             format_version: storage_engine::format::FORMAT_VERSION,
             software_version: env!("CARGO_PKG_VERSION").to_owned(),
             unit_size_bytes: s.unit_size,
+            nbd_tls: self.host.tls_name(),
         }))
     }
 

@@ -427,6 +427,7 @@ fn publish_opens_the_volume_over_nbd_and_unpublish_cuts_the_node_off() {
         assert_eq!(ctx["readOnly"], "false");
         assert_eq!(ctx["nodeId"], "ferrovol:node-1");
         assert_eq!(ctx["nbdAddresses"], format!("127.0.0.1:{}", host.port));
+        assert_eq!(ctx["nbdTls"], "off", "the host serves NBD without TLS");
         let export = ctx["exportName"].clone();
         assert!(export.starts_with("pvc-pub/"), "{export}");
         let uri = format!("nbd://{}/{}", ctx["nbdAddresses"], export);

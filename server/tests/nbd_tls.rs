@@ -137,6 +137,7 @@ fn optional_tls_serves_plain_and_tls_clients() {
     let ca1 = ca("ferrovol test CA");
     let s = start(&td, "optional", &ca1);
     s.create_volume("v", "8MiB");
+    assert_eq!(json(&s.cli_ok(&["host", "info", "--json"]))["nbd_tls"], "optional", "host info tells the mode");
     let good = client_dir(td.path(), "node-1", &ca1, Some(&ca1));
     let o = qemu_io_tls(s.port, "v", None, &["write -P 0x33 0 64k", "flush"]);
     assert!(qemu_io_succeeded(&o), "plain: {}", text(&o));
@@ -342,4 +343,112 @@ fn the_forced_tls_option_rules_hold_on_the_wire() {
         assert!(t0.elapsed() < std::time::Duration::from_secs(10), "the stalled handshake's end is not logged");
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
+}
+
+/// The newest kernel of ../shared/tools/nbd-vm's cache (the one its run.sh boots) and
+/// its modules directory.
+fn vm_kernel_modules() -> PathBuf {
+    let cache = std::env::var_os("NBDVM_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/nbd-vm"));
+    let out = std::process::Command::new("bash")
+        .arg("-c")
+        .arg(format!("ls '{}/kernels' | sort -V | tail -1", cache.display()))
+        .output()
+        .unwrap();
+    let kver = String::from_utf8(out.stdout).unwrap().trim().to_owned();
+    assert!(!kver.is_empty(), "no kernel in {}/kernels (../shared/tools/nbd-vm/setup.sh)", cache.display());
+    cache.join("kernels").join(&kver).join("lib/modules").join(&kver).join("kernel")
+}
+
+/// A credentials directory in the layout the node plugin reads (a Kubernetes TLS
+/// Secret's): `ca.crt` to verify the server, `tls.crt` and `tls.key` signed by `signer`
+/// for node `node`.
+fn node_dir(root: &Path, tag: &str, trust: &Ca, signer: &Ca, node: &str) -> PathBuf {
+    let dir = root.join(tag);
+    std::fs::create_dir_all(&dir).unwrap();
+    write(&dir, "ca.crt", &trust.pem);
+    let (cert, key) = leaf(signer, node, &[], true);
+    write(&dir, "tls.crt", &cert);
+    write(&dir, "tls.key", &key);
+    dir
+}
+
+/// The Linux kernel's NBD client over TLS, in a VM booted by ../shared/tools/nbd-vm:
+/// `ferrovol nbd attach nbds://` hands the TLS session to the kernel, and ext4 on the
+/// device works against a server that requires TLS and binds the attachment to the
+/// node's certificate; a reconnect makes new TLS sessions; plain and foreign-CA
+/// attaches are refused (tests/kernel/guest-tls.sh).
+#[test]
+fn the_kernel_client_attaches_over_tls_with_kernel_tls() {
+    let nbd_vm = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/tools/nbd-vm/run.sh");
+    assert!(nbd_vm.exists(), "{} is missing", nbd_vm.display());
+    let td = TestDir::new();
+    let ca1 = ca("ferrovol test CA");
+    let stranger_ca = ca("another CA");
+    // The guest reaches the host as 10.0.2.2: the server's certificate names it.
+    let dir = td.path();
+    let (scert, skey) = leaf(&ca1, "storage-1", &["10.0.2.2", "127.0.0.1"], false);
+    let cert = write(dir, "server.pem", &scert);
+    let key = write(dir, "server-key.pem", &skey);
+    let client_ca = write(dir, "nodes-ca.pem", &ca1.pem);
+    let s = Server::start_with(
+        &td.data(),
+        "2GiB",
+        &[
+            "--nbd-tls",
+            "required",
+            "--nbd-access",
+            "attached",
+            "--tls-cert",
+            cert.to_str().unwrap(),
+            "--tls-key",
+            key.to_str().unwrap(),
+            "--nbd-tls-client-ca",
+            client_ca.to_str().unwrap(),
+        ],
+    );
+    s.create_volume("kvol", "256MiB");
+    let published = json(&s.cli_ok(&["volume", "publish", "kvol", "--node", "node-1", "--json"]));
+    let export = published["export_name"].as_str().unwrap().to_owned();
+
+    let share = dir.join("share");
+    let mods = share.join("mods");
+    std::fs::create_dir_all(&mods).unwrap();
+    let kernel = vm_kernel_modules();
+    for m in [
+        "lib/crypto/libchacha.ko.xz",
+        "crypto/chacha_generic.ko.xz",
+        "lib/crypto/libpoly1305.ko.xz",
+        "crypto/poly1305_generic.ko.xz",
+        "crypto/chacha20poly1305.ko.xz",
+        "net/tls/tls.ko.xz",
+    ] {
+        let from = kernel.join(m);
+        std::fs::copy(&from, mods.join(from.file_name().unwrap()))
+            .unwrap_or_else(|e| panic!("{}: {e}", from.display()));
+    }
+    node_dir(&share, "node", &ca1, &ca1, "node-1");
+    node_dir(&share, "stranger", &ca1, &stranger_ca, "node-1");
+    let bin = dir.join("ferrovol-stripped");
+    let st = std::process::Command::new("objcopy")
+        .args(["--strip-debug", env!("CARGO_BIN_EXE_ferrovol"), bin.to_str().unwrap()])
+        .status()
+        .unwrap();
+    assert!(st.success(), "objcopy --strip-debug");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/kernel/guest-tls.sh");
+    let out = std::process::Command::new("bash")
+        .arg(&nbd_vm)
+        .args(["-t", "300", "-s", share.to_str().unwrap()])
+        .args(["-e", &format!("PORT={}", s.port), "-e", &format!("EXPORT={export}")])
+        .args(["-f", &format!("{}:/usr/bin/ferrovol", bin.display())])
+        .arg(&script)
+        .output()
+        .unwrap();
+    print!("{}", String::from_utf8_lossy(&out.stdout));
+    eprint!("{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "guest-tls.sh failed with {} (console output above)", out.status);
+    assert!(share.join("sum").exists(), "the guest did not finish");
+    let info = json(&s.cli_ok(&["volume", "info", "kvol", "--json"]));
+    assert!(info["allocated_bytes"].as_u64().unwrap() >= 12 << 20, "12 MiB written over TLS: {info}");
 }

@@ -206,12 +206,12 @@ pub(crate) async fn host_info(target: &Target, json: bool) -> anyhow::Result<()>
                 "host_id": h.host_id, "nbd_addresses": h.nbd_addresses, "nbd_access": h.nbd_access,
                 "capacity_bytes": h.capacity_bytes, "free_bytes": h.free_bytes, "reserved_bytes": h.reserved_bytes,
                 "unit_size_bytes": h.unit_size_bytes, "format_version": h.format_version,
-                "software_version": h.software_version,
+                "software_version": h.software_version, "nbd_tls": h.nbd_tls,
             })
         );
     } else {
         out!("host {}", h.host_id);
-        out!("nbd: {} (access: {})", h.nbd_addresses.join(", "), h.nbd_access);
+        out!("nbd: {} (access: {}, tls: {})", h.nbd_addresses.join(", "), h.nbd_access, h.nbd_tls);
         out!(
             "capacity {}  free {} (of which {} reserved for metadata)  unit size {}",
             human(h.capacity_bytes),

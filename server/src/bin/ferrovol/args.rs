@@ -402,7 +402,9 @@ pub(crate) enum SoftDisconnectArg {
 #[derive(Subcommand)]
 pub(crate) enum NbdCmd {
     /// Attach an export; prints the device. URI: nbd://HOST[:PORT]/EXPORT (a ferrovol
-    /// export name from `volume publish` is VOLUME/KEY) or nbd+unix:///EXPORT?socket=PATH.
+    /// export name from `volume publish` is VOLUME/KEY), nbds:// for the same over TLS
+    /// (with --tls-dir; the kernel keeps the TLS session: `modprobe tls`), or
+    /// nbd+unix:///EXPORT?socket=PATH.
     /// Writes the device's reconnect record in --run-dir for `nbd watch`.
     Attach {
         /// The export.
@@ -424,6 +426,11 @@ pub(crate) enum NbdCmd {
         /// Where reconnect records live (root only: they hold export keys).
         #[arg(long, env = "FERROVOL_NBD_RUN_DIR", default_value = nbd::attach::DEFAULT_RUN_DIR)]
         run_dir: PathBuf,
+        /// For nbds:// URIs: a directory with ca.crt (the CA of the server's
+        /// certificate), tls.crt and tls.key (this client's), the layout of a Kubernetes
+        /// TLS Secret. Kept in the record: reconnects read the files again.
+        #[arg(long, env = "FERROVOL_NBD_TLS_DIR")]
+        tls_dir: Option<PathBuf>,
     },
     /// Detach a device: requests in flight end with an error, the device stays, free.
     Detach {
@@ -517,6 +524,12 @@ pub(crate) enum CsiCmd {
         /// The most volumes this node takes (NodeGetInfo max_volumes_per_node; 0: no limit).
         #[arg(long, default_value_t = 0)]
         max_volumes: u32,
+        /// This node's NBD TLS credentials: a directory with ca.crt (the CA of the
+        /// storage hosts' certificates), tls.crt and tls.key (this node's certificate,
+        /// naming the node, and its key). Volumes of hosts with --nbd-tls required are
+        /// attached over TLS with them (and of hosts with optional, when given).
+        #[arg(long, env = "FERROVOL_NBD_TLS_DIR")]
+        nbd_tls_dir: Option<PathBuf>,
     },
 }
 

@@ -99,8 +99,8 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Cmd::Nbd { cmd } => {
             match cmd {
-                NbdCmd::Attach { uri, device, connections, dead_timeout, backend, run_dir } => {
-                    nbd_cmd::attach(&uri, device.as_deref(), connections, dead_timeout, backend, run_dir)?
+                NbdCmd::Attach { uri, device, connections, dead_timeout, backend, run_dir, tls_dir } => {
+                    nbd_cmd::attach(&uri, device.as_deref(), connections, dead_timeout, backend, run_dir, tls_dir)?
                 }
                 NbdCmd::Detach { device, run_dir } => nbd_cmd::detach(&device, &run_dir)?,
                 NbdCmd::List { all, run_dir } => nbd_cmd::list(all, &run_dir)?,
@@ -118,14 +118,20 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Csi {
-            cmd: CsiCmd::Node { endpoint, node_name, zone, run_dir, dead_timeout, connections, max_volumes },
+            cmd:
+                CsiCmd::Node { endpoint, node_name, zone, run_dir, dead_timeout, connections, max_volumes, nbd_tls_dir },
         } => {
+            if let Some(d) = &nbd_tls_dir {
+                // Refused at start rather than at the first stage of a TLS host's volume.
+                nbd::client::ClientTls::load(d).map_err(|e| anyhow::anyhow!("--nbd-tls-dir: {e}"))?;
+            }
             let node = csi::node::Node::new(node_name, zone).map_err(anyhow::Error::msg)?.with_attach(
                 csi::node::AttachOptions {
                     run_dir,
                     dead_timeout: std::time::Duration::from_secs(dead_timeout),
                     connections,
                     max_volumes: i64::from(max_volumes),
+                    tls_dir: nbd_tls_dir,
                 },
             );
             csi::serve::serve_node(node, &endpoint, stop_signal()?).await?;

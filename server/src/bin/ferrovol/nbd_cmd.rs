@@ -15,6 +15,7 @@ pub(crate) fn attach(
     dead_timeout: u64,
     backend: Option<String>,
     run_dir: PathBuf,
+    tls_dir: Option<PathBuf>,
 ) -> anyhow::Result<()> {
     let a = attach::attach(&Options {
         uri: uri.to_string(),
@@ -23,6 +24,7 @@ pub(crate) fn attach(
         dead_timeout: (dead_timeout > 0).then(|| Duration::from_secs(dead_timeout)),
         backend,
         run_dir: run_dir.clone(),
+        tls_dir,
     })?;
     if !attach::watcher_running(&run_dir) {
         eprintln!("ferrovol: note: no `ferrovol nbd watch` runs: a dead connection will not be replaced");
