@@ -36,10 +36,10 @@ pub struct AttachOptions {
     pub connections: u32,
     /// The most volumes this node takes (NodeGetInfo `max_volumes_per_node`; 0: no limit).
     pub max_volumes: i64,
-    /// The node's NBD TLS credentials (`ca.crt`, `tls.crt`, `tls.key`; the certificate
-    /// names the node): volumes of storage hosts with `--nbd-tls required` are attached
-    /// over TLS with them (and of hosts with `optional` too, when given); none: such
-    /// hosts' volumes cannot be staged here.
+    /// The directory of the node's NBD TLS credentials (`ca.crt`, `tls.crt`, `tls.key`;
+    /// the certificate names the node): while it holds `tls.crt`, volumes of storage
+    /// hosts with `--nbd-tls required` are attached over TLS with them (and of hosts
+    /// with `optional` too); without it, such hosts' volumes cannot be staged here.
     pub tls_dir: Option<PathBuf>,
 }
 
@@ -88,6 +88,12 @@ impl Node {
             return Err("zone is empty: leave --zone out or name the zone".into());
         }
         Ok(Node { name, zone, attach: AttachOptions::default(), inflight: InFlight::default() })
+    }
+
+    /// The NBD TLS credentials directory, if it holds credentials now (they may be put
+    /// there after the plugin started).
+    fn tls_dir(&self) -> Option<&Path> {
+        self.attach.tls_dir.as_deref().filter(|d| d.join(nbd::client::ClientTls::CERT).exists())
     }
 
     /// The same node attaching with `o`.
@@ -312,7 +318,7 @@ impl Node {
                 ),
             ));
         }
-        let uris = uris(&r.publish_context, self.attach.tls_dir.as_deref())?;
+        let uris = uris(&r.publish_context, self.tls_dir())?;
         if let Some(other) = r.publish_context.get(publish_context::NODE_ID).filter(|n| **n != self.node_id()) {
             return Err(CsiError::new(
                 Code::FailedPrecondition,

@@ -143,7 +143,12 @@ pub fn shown(uri: &str) -> String {
 /// The backend identifier of an export: where it is and the volume, never a key (the
 /// part of the name after its first `/`), since sysfs shows it to every user.
 pub fn backend_of(target: &Target, export: &str) -> String {
-    format!("{target}/{}", export.split('/').next().unwrap_or_default())
+    let volume = export.split('/').next().unwrap_or_default();
+    match target {
+        // The same export with or without TLS: a device may go over to TLS.
+        Target::Tcp(addr) | Target::Tls(addr) => format!("{addr}/{volume}"),
+        Target::Unix(_) => format!("{target}/{volume}"),
+    }
 }
 
 /// What to attach.
@@ -487,7 +492,9 @@ fn check_generation(rec: &Record, info: &ExportInfo) -> Result<(), AttachError> 
 /// Hands `/dev/nbd{index}` new sockets now, to its recorded export or to `to` (a URI
 /// and the backend identifier it leads to, [`backend_of`] the URI by default); the
 /// kernel takes one in place of each dead connection and drops the rest, and refuses
-/// them all for another backend. Also takes the export's size if it grew.
+/// them all for another backend. Also takes the export's size if it grew. A recorded
+/// `nbd://` URI whose server now requires TLS is reconnected as `nbds://` when the
+/// record has a TLS credentials directory (and the record follows).
 ///
 /// Errors: [`AttachError::NoRecord`]; [`AttachError::Fenced`] (another crash generation:
 /// the caller should detach); [`AttachError::Export`] (the export shrank, or its
@@ -502,7 +509,19 @@ pub fn reconnect(run_dir: &Path, index: u32, to: Option<(&str, Option<&str>)>) -
             (uri.to_string(), backend.map_or_else(|| backend_of(&target, &export), str::to_string))
         }
     };
-    let (streams, info) = open_connections(&uri, rec.connections, rec.tls_dir.as_deref())?;
+    let (uri, (streams, info)) = match open_connections(&uri, rec.connections, rec.tls_dir.as_deref()) {
+        // The server turned TLS on since: a device whose record has credentials goes
+        // over to TLS (never back: a server that stops offering TLS is not followed).
+        Err(AttachError::Handshake(client::HandshakeError::TlsRequired { .. }))
+            if rec.tls_dir.is_some() && uri.starts_with("nbd://") =>
+        {
+            let upgraded = format!("nbds://{}", &uri["nbd://".len()..]);
+            let opened = open_connections(&upgraded, rec.connections, rec.tls_dir.as_deref())?;
+            tracing::info!(index, uri = %shown(&upgraded), "the server requires TLS now: reconnected over TLS");
+            (upgraded, opened)
+        }
+        other => (uri, other?),
+    };
     check_generation(&rec, &info)?;
     let current = device_size(index).unwrap_or(0);
     if info.size < current {
@@ -768,6 +787,9 @@ mod tests {
         assert_eq!(parse_device("7").unwrap(), 7);
         assert!(parse_device("/dev/sda").is_err());
         assert_eq!(backend_of(&Target::Tcp("h:1".into()), "vol/key"), "h:1/vol");
+        assert_eq!(backend_of(&Target::Tls("h:1".into()), "vol/key"), "h:1/vol");
+        let (t, e) = parse_uri("nbds://h:1/vol/key").unwrap();
+        assert_eq!((t, e.as_str()), (Target::Tls("h:1".into()), "vol/key"));
     }
 
     #[test]

@@ -154,10 +154,13 @@ pub fn certificate_subject(der: &[u8]) -> String {
 /// Whether the DER certificate `der` names the CSI node `node_id`: as one of its DNS
 /// subject alternative names when it has any (RFC 6125: then the common name is not
 /// looked at), else as its subject's common name; compared without regard to ASCII
-/// case, as DNS names are (Kubernetes node names are lowercase DNS names). A
-/// certificate naming several nodes may open what is published to each: issue one per
-/// node. A certificate that does not parse names nobody.
+/// case, as DNS names are (Kubernetes node names are lowercase DNS names). The node IDs
+/// of ferrovol's node plugin (`ferrovol:NODE-NAME`) are named by their Kubernetes node
+/// name, which a DNS name can hold (a `:` it cannot). A certificate naming several nodes
+/// may open what is published to each: issue one per node. A certificate that does not
+/// parse names nobody.
 pub fn names_node(der: &[u8], node_id: &str) -> bool {
+    let node_id = node_id.strip_prefix(csi::controller::NODE_ID_PREFIX).unwrap_or(node_id);
     let Ok((_, cert)) = x509_parser::parse_x509_certificate(der) else {
         return false;
     };

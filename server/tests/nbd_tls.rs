@@ -374,11 +374,37 @@ fn node_dir(root: &Path, tag: &str, trust: &Ca, signer: &Ca, node: &str) -> Path
     dir
 }
 
+/// `ferrovol serve` on `data` with NBD on the fixed `port` (a reconnect must find it
+/// again after a restart), attached access, and `extra` flags; returns once it serves.
+fn serve_on_port(data: &Path, port: u16, log: &Path, extra: &[&str]) -> std::process::Child {
+    let logf = std::fs::File::create(log).unwrap();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_ferrovol"))
+        .arg("--data-dir")
+        .arg(data)
+        .args(["serve", "--pool-size", "2GiB", "--listen", &format!("127.0.0.1:{port}"), "--nbd-access", "attached"])
+        .args(extra)
+        .stdout(logf.try_clone().unwrap())
+        .stderr(logf)
+        .spawn()
+        .unwrap();
+    let t = std::time::Instant::now();
+    while !(data.join("ferrovol.sock").exists() && std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()) {
+        if let Some(st) = child.try_wait().unwrap() {
+            panic!("ferrovol serve exited ({st}): {}", std::fs::read_to_string(log).unwrap_or_default());
+        }
+        assert!(t.elapsed() < std::time::Duration::from_secs(30), "server did not start");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    child
+}
+
 /// The Linux kernel's NBD client over TLS, in a VM booted by ../shared/tools/nbd-vm:
 /// `ferrovol nbd attach nbds://` hands the TLS session to the kernel, and ext4 on the
 /// device works against a server that requires TLS and binds the attachment to the
-/// node's certificate; a reconnect makes new TLS sessions; plain and foreign-CA
-/// attaches are refused (tests/kernel/guest-tls.sh).
+/// node's certificate (published as the CSI controller does, to `ferrovol:node-1`; the
+/// certificate names the Kubernetes node, `node-1`). A device attached in clear text
+/// goes over to TLS at its reconnect once the server requires it; a reconnect makes new
+/// TLS sessions; plain and foreign-CA attaches are refused (tests/kernel/guest-tls.sh).
 #[test]
 fn the_kernel_client_attaches_over_tls_with_kernel_tls() {
     let nbd_vm = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/tools/nbd-vm/run.sh");
@@ -392,24 +418,21 @@ fn the_kernel_client_attaches_over_tls_with_kernel_tls() {
     let cert = write(dir, "server.pem", &scert);
     let key = write(dir, "server-key.pem", &skey);
     let client_ca = write(dir, "nodes-ca.pem", &ca1.pem);
-    let s = Server::start_with(
-        &td.data(),
-        "2GiB",
-        &[
-            "--nbd-tls",
-            "required",
-            "--nbd-access",
-            "attached",
-            "--tls-cert",
-            cert.to_str().unwrap(),
-            "--tls-key",
-            key.to_str().unwrap(),
-            "--nbd-tls-client-ca",
-            client_ca.to_str().unwrap(),
-        ],
-    );
-    s.create_volume("kvol", "256MiB");
-    let published = json(&s.cli_ok(&["volume", "publish", "kvol", "--node", "node-1", "--json"]));
+    let tls_flags = [
+        "--nbd-tls",
+        "required",
+        "--tls-cert",
+        cert.to_str().unwrap(),
+        "--tls-key",
+        key.to_str().unwrap(),
+        "--nbd-tls-client-ca",
+        client_ca.to_str().unwrap(),
+    ];
+    let data = td.data();
+    let port = free_port();
+    let mut server = serve_on_port(&data, port, &dir.join("serve-plain.log"), &[]);
+    cli_ok(&data, &["volume", "create", "kvol", "--size", "256MiB"]);
+    let published = json(&cli_ok(&data, &["volume", "publish", "kvol", "--node", "ferrovol:node-1", "--json"]));
     let export = published["export_name"].as_str().unwrap().to_owned();
 
     let share = dir.join("share");
@@ -437,18 +460,33 @@ fn the_kernel_client_attaches_over_tls_with_kernel_tls() {
         .unwrap();
     assert!(st.success(), "objcopy --strip-debug");
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/kernel/guest-tls.sh");
-    let out = std::process::Command::new("bash")
+    let mut vm = std::process::Command::new("bash")
         .arg(&nbd_vm)
         .args(["-t", "300", "-s", share.to_str().unwrap()])
-        .args(["-e", &format!("PORT={}", s.port), "-e", &format!("EXPORT={export}")])
+        .args(["-e", &format!("PORT={port}"), "-e", &format!("EXPORT={export}")])
         .args(["-f", &format!("{}:/usr/bin/ferrovol", bin.display())])
         .arg(&script)
-        .output()
+        .spawn()
         .unwrap();
-    print!("{}", String::from_utf8_lossy(&out.stdout));
-    eprint!("{}", String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "guest-tls.sh failed with {} (console output above)", out.status);
+    // The guest wrote in clear text: a clean restart (same crash generation) with TLS
+    // required.
+    let t = std::time::Instant::now();
+    while !share.join("plain-done").exists() {
+        if let Some(st) = vm.try_wait().unwrap() {
+            panic!("the guest ended ({st}) before writing in clear text");
+        }
+        assert!(t.elapsed() < std::time::Duration::from_secs(300), "the guest never wrote in clear text");
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    std::process::Command::new("kill").arg("-TERM").arg(server.id().to_string()).status().unwrap();
+    assert!(server.wait().unwrap().success(), "clean stop");
+    let mut server = serve_on_port(&data, port, &dir.join("serve-tls.log"), &tls_flags);
+    std::fs::write(share.join("tls-on"), "").unwrap();
+    let st = vm.wait().unwrap();
+    assert!(st.success(), "guest-tls.sh failed with {st} (console output above)");
     assert!(share.join("sum").exists(), "the guest did not finish");
-    let info = json(&s.cli_ok(&["volume", "info", "kvol", "--json"]));
-    assert!(info["allocated_bytes"].as_u64().unwrap() >= 12 << 20, "12 MiB written over TLS: {info}");
+    let info = json(&cli_ok(&data, &["volume", "info", "kvol", "--json"]));
+    assert!(info["allocated_bytes"].as_u64().unwrap() >= 12 << 20, "12 MiB written: {info}");
+    server.kill().unwrap();
+    server.wait().unwrap();
 }

@@ -46,8 +46,9 @@ SIDECARS = {
 }
 
 # Paths the node plugin and the watcher use on the host.
-NODE_PATHS = {"/var/lib/kubelet", "/dev", "/sys", "/lib/modules", "/run/ferrovol/nbd", "/csi"}
-WATCH_PATHS = {"/dev", "/sys", "/run/ferrovol/nbd"}
+NODE_PATHS = {"/var/lib/kubelet", "/dev", "/sys", "/lib/modules", "/run/ferrovol/nbd", "/csi", "/etc/ferrovol/nbd-tls"}
+# The watcher reconnects over TLS with the credentials at the path the attach used.
+WATCH_PATHS = {"/dev", "/sys", "/run/ferrovol/nbd", "/etc/ferrovol/nbd-tls"}
 
 failures = []
 
@@ -117,7 +118,10 @@ def containers(doc):
 
 
 # ferrovol flags that name a file or directory of the container.
-PATH_FLAGS = {"--config", "--tls-cert", "--tls-key", "--tls-client-ca", "--run-dir", "--data-dir", "--pool"}
+PATH_FLAGS = {
+    "--config", "--tls-cert", "--tls-key", "--tls-client-ca", "--run-dir", "--data-dir", "--pool",
+    "--nbd-tls-dir", "--nbd-tls-client-ca",
+}
 
 
 def check_paths(where, args, mounts):

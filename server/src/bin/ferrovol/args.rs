@@ -526,8 +526,9 @@ pub(crate) enum CsiCmd {
         max_volumes: u32,
         /// This node's NBD TLS credentials: a directory with ca.crt (the CA of the
         /// storage hosts' certificates), tls.crt and tls.key (this node's certificate,
-        /// naming the node, and its key). Volumes of hosts with --nbd-tls required are
-        /// attached over TLS with them (and of hosts with optional, when given).
+        /// naming the node, and its key). While tls.crt is there, volumes of hosts with
+        /// --nbd-tls required are attached over TLS with them (and of hosts with
+        /// optional); the files are read at each attach and reconnect.
         #[arg(long, env = "FERROVOL_NBD_TLS_DIR")]
         nbd_tls_dir: Option<PathBuf>,
     },

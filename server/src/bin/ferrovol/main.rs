@@ -122,8 +122,16 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 CsiCmd::Node { endpoint, node_name, zone, run_dir, dead_timeout, connections, max_volumes, nbd_tls_dir },
         } => {
             if let Some(d) = &nbd_tls_dir {
-                // Refused at start rather than at the first stage of a TLS host's volume.
-                nbd::client::ClientTls::load(d).map_err(|e| anyhow::anyhow!("--nbd-tls-dir: {e}"))?;
+                if d.join(nbd::client::ClientTls::CERT).exists() {
+                    // Refused at start rather than at the first stage of a TLS host's volume.
+                    nbd::client::ClientTls::load(d).map_err(|e| anyhow::anyhow!("--nbd-tls-dir: {e}"))?;
+                } else {
+                    tracing::warn!(
+                        dir = %d.display(),
+                        "no NBD TLS credentials yet: volumes of storage hosts that require TLS cannot be staged until \
+                         ca.crt, tls.crt and tls.key are there"
+                    );
+                }
             }
             let node = csi::node::Node::new(node_name, zone).map_err(anyhow::Error::msg)?.with_attach(
                 csi::node::AttachOptions {
