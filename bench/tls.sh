@@ -17,39 +17,55 @@ RUNTIME=${RUNTIME:-15}
 . bench/common.sh
 build
 D=$WORK/tls
-rm -rf "$D" "$D.pki"
-mkdir -p "$D.pki/client"
-trap 'stop_server; rm -rf "$D" "$D.pki"' EXIT
+# The credentials in /tmp: fio runs as nobody (below), who may not enter $HOME.
+PKI=$(mktemp -d /tmp/ferrovol-tls-bench.XXXXXX)
+rm -rf "$D"
+mkdir -p "$PKI/client"
+trap 'stop_server; rm -rf "$D" "$PKI"' EXIT
 # A CA, the server's certificate (for 127.0.0.1), a client's (gnutls's layout, which
 # libnbd's tls-certificates reads).
 (
-  cd "$D.pki"
+  cd "$PKI"
   openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 2 -subj /CN=bench-ca \
     -keyout ca-key.pem -out ca.pem 2>/dev/null
   openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -subj /CN=bench-server \
     -addext subjectAltName=IP:127.0.0.1 -keyout server-key.pem -out server.csr 2>/dev/null
   openssl x509 -req -in server.csr -CA ca.pem -CAkey ca-key.pem -days 2 -copy_extensions copy \
     -out server.pem 2>/dev/null
+  # X.509 v3 (with an extension): rustls refuses version 1 certificates.
   openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -subj /CN=bench-node \
-    -keyout client/client-key.pem -out client.csr 2>/dev/null
-  openssl x509 -req -in client.csr -CA ca.pem -CAkey ca-key.pem -days 2 -out client/client-cert.pem 2>/dev/null
+    -addext extendedKeyUsage=clientAuth -keyout client/client-key.pem -out client.csr 2>/dev/null
+  openssl x509 -req -in client.csr -CA ca.pem -CAkey ca-key.pem -days 2 -copy_extensions copy \
+    -out client/client-cert.pem 2>/dev/null
   cp ca.pem client/ca-cert.pem
 )
-CLIENT=${CLIENT_CPUS:+taskset -c $CLIENT_CPUS}
+# fio's nbd engine (libnbd) may not name certificate files in its URI; libnbd reads
+# them from $HOME/.pki/libnbd when it runs as a user, so fio runs as nobody with that
+# HOME (/etc/pki/libnbd, root's default, is left alone), for both modes alike.
+mkdir -p "$PKI/home/.pki"
+cp -r "$PKI/client" "$PKI/home/.pki/libnbd"
+chmod -R a+rX "$PKI"
+AS_USER=()
+if [ "$(id -u)" = 0 ]; then
+  AS_USER=(setpriv --reuid=65534 --regid=65534 --clear-groups env HOME="$PKI/home")
+else
+  AS_USER=(env HOME="$PKI/home")
+fi
+CLIENT="${AS_USER[*]} ${CLIENT_CPUS:+taskset -c $CLIENT_CPUS}"
 job() { # job NAME URI RW BS QD FIELD -> the figure
   $CLIENT fio --name="$1" --ioengine=nbd --uri="$2" --rw="$3" --bs="$4" --iodepth="$5" --size=1g \
     --time_based --runtime="$RUNTIME" --output-format=json |
     sed -n '/^{/,$p' | /usr/bin/python3 -c "import json,sys; r=json.load(sys.stdin)['jobs'][0]['read']; \
 print(int(r['iops']) if '$6'=='iops' else round(r['bw']/1024))"
 }
-start_server "$D" "$PORT" --pool-size 4GiB --nbd-tls optional --tls-cert "$D.pki/server.pem" \
-  --tls-key "$D.pki/server-key.pem" --nbd-tls-client-ca "$D.pki/ca.pem"
+start_server "$D" "$PORT" --pool-size 4GiB --nbd-tls optional --tls-cert "$PKI/server.pem" \
+  --tls-key "$PKI/server-key.pem" --nbd-tls-client-ca "$PKI/ca.pem"
 "$BIN" --data-dir "$D" volume create v --size 2GiB >/dev/null
 PLAIN=nbd://127.0.0.1:$PORT/v
-TLS="nbds://127.0.0.1:$PORT/v?tls-certificates=$D.pki/client"
+TLS="nbds://127.0.0.1:$PORT/v"
 $CLIENT fio --name=pre --ioengine=nbd --uri="$PLAIN" --bs=1m --iodepth=8 --rw=write --size=1g >/dev/null
 # The certificates work (a TLS URI fails rather than fall back to plain text).
-nbdinfo --size "$TLS" >/dev/null
+"${AS_USER[@]}" nbdinfo --size "$TLS" >/dev/null
 for rep in $(seq "$REPS"); do
   for spec in "randread-4k randread 4k 32 iops" "seqread-1m read 1m 8 mib"; do
     set -- $spec

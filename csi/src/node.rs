@@ -246,6 +246,12 @@ fn attach_error(id: &str, e: AttachError) -> CsiError {
         }
         AttachError::Handshake(h @ H::Io { .. }) => CsiError::unavailable(format!("volume {id}: {h}")),
         AttachError::Fenced(why) => CsiError::new(Code::FailedPrecondition, format!("volume {id}: {why}")),
+        // TLS refused by either side, no credentials, a kernel without TLS: the node or
+        // the host must be set up differently; retrying the same call will not help.
+        AttachError::Handshake(h @ (H::Tls { .. } | H::TlsRequired { .. })) => {
+            CsiError::new(Code::FailedPrecondition, format!("volume {id}: {h}"))
+        }
+        AttachError::Invalid(why) => CsiError::new(Code::FailedPrecondition, format!("volume {id}: {why}")),
         AttachError::Kernel(k @ (nbd::kernel::KernelError::Permission | nbd::kernel::KernelError::NoDriver)) => {
             CsiError::new(
                 Code::FailedPrecondition,

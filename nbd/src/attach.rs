@@ -296,9 +296,46 @@ fn now() -> u64 {
     SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
+/// [`open_exact`], going over to TLS when the server requires it: an `nbd://` URI whose
+/// server answers `NBD_REP_ERR_TLS_REQD` is opened as `nbds://` when `tls_dir` is given
+/// (never the other way: a server that stops offering TLS is not followed). Returns
+/// the URI opened, for the record.
+fn open_connections(
+    uri: &str,
+    connections: u32,
+    tls_dir: Option<&Path>,
+) -> Result<(String, Vec<client::Stream>, ExportInfo), AttachError> {
+    match open_exact(uri, connections, tls_dir) {
+        Ok((streams, info)) => Ok((uri.to_string(), streams, info)),
+        Err(AttachError::Handshake(client::HandshakeError::TlsRequired { .. }))
+            if tls_dir.is_some() && uri.starts_with("nbd://") =>
+        {
+            let upgraded = format!("nbds://{}", &uri["nbd://".len()..]);
+            let (streams, info) = open_exact(&upgraded, connections, tls_dir)?;
+            tracing::info!(uri = %shown(&upgraded), "the server requires TLS: opened over TLS");
+            Ok((upgraded, streams, info))
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Checks a TLS credentials directory as a record keeps it: an absolute UTF-8 path
+/// without line breaks (a watcher in another directory reads it back the same).
+///
+/// Errors: [`AttachError::Invalid`].
+fn check_tls_dir(dir: &Path) -> Result<(), AttachError> {
+    match dir.to_str() {
+        Some(d) if dir.is_absolute() && !d.contains(['\n', '\r']) => Ok(()),
+        _ => Err(AttachError::Invalid(format!(
+            "--tls-dir {}: give an absolute path (UTF-8, no line breaks)",
+            dir.display()
+        ))),
+    }
+}
+
 /// Opens `connections` handshaken connections to `uri`, over TLS with the credentials
 /// in `tls_dir` for an `nbds://` URI; all must describe the export alike.
-fn open_connections(
+fn open_exact(
     uri: &str,
     connections: u32,
     tls_dir: Option<&Path>,
@@ -344,7 +381,9 @@ fn open_connections(
     Ok((streams, info.expect("one connection at least")))
 }
 
-/// Attaches an export (`NBD_CMD_CONNECT`) and writes its record.
+/// Attaches an export (`NBD_CMD_CONNECT`) and writes its record. An `nbd://` URI whose
+/// server requires TLS is attached over TLS when `o.tls_dir` is given (the record keeps
+/// the `nbds://` URI).
 ///
 /// Errors: [`AttachError::Invalid`]; [`AttachError::Handshake`]; [`AttachError::Export`]
 /// (several connections to an export without multi-conn, a block size the kernel cannot
@@ -352,7 +391,10 @@ fn open_connections(
 /// again: without its record it could not be reconnected).
 pub fn attach(o: &Options) -> Result<Attached, AttachError> {
     let (target, export) = parse_uri(&o.uri)?;
-    let (streams, info) = open_connections(&o.uri, o.connections, o.tls_dir.as_deref())?;
+    if let Some(d) = &o.tls_dir {
+        check_tls_dir(d)?;
+    }
+    let (uri, streams, info) = open_connections(&o.uri, o.connections, o.tls_dir.as_deref())?;
     let (block_size, warning) = kernel_block_size(&info)?;
     if let Some(w) = warning {
         tracing::warn!("{w}");
@@ -371,7 +413,7 @@ pub fn attach(o: &Options) -> Result<Attached, AttachError> {
     drop(streams);
     let record = Record {
         index,
-        uri: o.uri.clone(),
+        uri,
         backend,
         connections: o.connections,
         generation: info.crash_generation(),
@@ -454,7 +496,7 @@ fn device_size(index: u32) -> Option<u64> {
 /// [`AttachError::Handshake`]; [`AttachError::Kernel`].
 pub fn resize(run_dir: &Path, index: u32) -> Result<u64, AttachError> {
     let rec = live_record(run_dir, index)?;
-    let (_probe, info) = open_connections(&rec.uri, 1, rec.tls_dir.as_deref())?;
+    let (_, _probe, info) = open_connections(&rec.uri, 1, rec.tls_dir.as_deref())?;
     check_generation(&rec, &info)?;
     let current = device_size(index).unwrap_or(0);
     if info.size < current {
@@ -509,19 +551,8 @@ pub fn reconnect(run_dir: &Path, index: u32, to: Option<(&str, Option<&str>)>) -
             (uri.to_string(), backend.map_or_else(|| backend_of(&target, &export), str::to_string))
         }
     };
-    let (uri, (streams, info)) = match open_connections(&uri, rec.connections, rec.tls_dir.as_deref()) {
-        // The server turned TLS on since: a device whose record has credentials goes
-        // over to TLS (never back: a server that stops offering TLS is not followed).
-        Err(AttachError::Handshake(client::HandshakeError::TlsRequired { .. }))
-            if rec.tls_dir.is_some() && uri.starts_with("nbd://") =>
-        {
-            let upgraded = format!("nbds://{}", &uri["nbd://".len()..]);
-            let opened = open_connections(&upgraded, rec.connections, rec.tls_dir.as_deref())?;
-            tracing::info!(index, uri = %shown(&upgraded), "the server requires TLS now: reconnected over TLS");
-            (upgraded, opened)
-        }
-        other => (uri, other?),
-    };
+    // A server that turned TLS on since: the device goes over to TLS.
+    let (uri, streams, info) = open_connections(&uri, rec.connections, rec.tls_dir.as_deref())?;
     check_generation(&rec, &info)?;
     let current = device_size(index).unwrap_or(0);
     if info.size < current {
@@ -562,7 +593,7 @@ pub fn find(backend: &str) -> Result<Option<u32>, AttachError> {
 /// Errors: [`AttachError::NoRecord`]; [`AttachError::Handshake`].
 pub fn export_info(run_dir: &Path, index: u32) -> Result<ExportInfo, AttachError> {
     let rec = live_record(run_dir, index)?;
-    Ok(open_connections(&rec.uri, 1, rec.tls_dir.as_deref())?.1)
+    Ok(open_connections(&rec.uri, 1, rec.tls_dir.as_deref())?.2)
 }
 
 /// How `/dev/nbd{index}` fares, from its record: `None` without one.

@@ -161,6 +161,25 @@ async fn send_final<S: AsyncWrite + Unpin>(
     stream.flush().await
 }
 
+/// The most option data a client may send beyond `max_option_length` and still be
+/// answered (`NBD_REP_ERR_TOO_BIG` or `NBD_REP_ERR_UNSUP`) rather than disconnected, in
+/// bytes: the data is read and thrown away, never held.
+const MAX_OPTION_DRAIN: u32 = 16 << 20;
+
+/// The options this server implements (an oversized one of these is too big; another
+/// is unsupported).
+const KNOWN_OPTIONS: [u32; 9] = [
+    NBD_OPT_EXPORT_NAME,
+    NBD_OPT_ABORT,
+    NBD_OPT_LIST,
+    NBD_OPT_STARTTLS,
+    NBD_OPT_INFO,
+    NBD_OPT_GO,
+    NBD_OPT_STRUCTURED_REPLY,
+    NBD_OPT_LIST_META_CONTEXT,
+    NBD_OPT_SET_META_CONTEXT,
+];
+
 /// Runs the handshake up to the transmission phase.
 ///
 /// Returns `Ok(None)` when the client ended option haggling itself (`NBD_OPT_ABORT`, or
@@ -172,6 +191,7 @@ pub(crate) async fn handshake<R, S>(
     client: &Client,
     config: &ServerConfig,
     live: &Arc<Live>,
+    shutting_down: &tokio::sync::watch::Receiver<bool>,
 ) -> Result<Option<Negotiated<R::Export>>, Error>
 where
     R: ExportRegistry,
@@ -181,12 +201,16 @@ where
     stream.flush().await?;
 
     let client_flags = stream.read_u32().await?;
+    // proto.md "Client flags": a flag the server does not know or did not offer ends
+    // the session.
     if client_flags & !(NBD_FLAG_C_FIXED_NEWSTYLE | NBD_FLAG_C_NO_ZEROES) != 0 {
         return Err(Error::protocol(format!("unknown client flags {client_flags:#x}")));
     }
-    if client_flags & NBD_FLAG_C_FIXED_NEWSTYLE == 0 {
-        return Err(Error::protocol("client does not support fixed newstyle negotiation"));
-    }
+    // A client without NBD_FLAG_C_FIXED_NEWSTYLE speaks the plain newstyle
+    // negotiation: it sends NBD_OPT_EXPORT_NAME only, and any other option can only be
+    // answered by closing (proto.md "Newstyle negotiation"; a server "MAY choose to
+    // honour" fixed newstyle for it, and this one serves its NBD_OPT_EXPORT_NAME).
+    let fixed = client_flags & NBD_FLAG_C_FIXED_NEWSTYLE != 0;
     let no_zeroes = client_flags & NBD_FLAG_C_NO_ZEROES != 0;
 
     let mut state = Haggle::default();
@@ -199,16 +223,54 @@ where
             return Ok(None);
         }
         let header = OptionHeader::parse(&header).map_err(|e| Error::protocol(format!("option header: {e}")))?;
-        if header.length > config.max_option_length {
+        let option = header.option;
+        if !fixed && option != NBD_OPT_EXPORT_NAME {
             return Err(Error::protocol(format!(
-                "option {} carries {} bytes of data, more than the {} allowed",
-                header.option, header.length, config.max_option_length
+                "option {option} from a client without fixed newstyle negotiation, which cannot be answered"
             )));
+        }
+        if header.length > config.max_option_length {
+            // Skipped, not buffered, and answered (proto.md "Option haggling": the
+            // server skips an option's data by its length and replies), up to
+            // MAX_OPTION_DRAIN; more than that, or NBD_OPT_EXPORT_NAME, which takes no
+            // error reply, is a hard disconnect.
+            if option == NBD_OPT_EXPORT_NAME || header.length > MAX_OPTION_DRAIN {
+                return Err(Error::protocol(format!(
+                    "option {option} carries {} bytes of data, more than the {} allowed",
+                    header.length, config.max_option_length
+                )));
+            }
+            let skipped =
+                tokio::io::copy(&mut (&mut *stream).take(u64::from(header.length)), &mut tokio::io::sink()).await?;
+            if skipped < u64::from(header.length) {
+                return Err(Error::Io(std::io::ErrorKind::UnexpectedEof.into()));
+            }
+            if option == NBD_OPT_ABORT {
+                let _ = send_final(stream, option, NBD_REP_ACK, &[]).await;
+                return Ok(None);
+            }
+            let (reply, why): (u32, &[u8]) = if KNOWN_OPTIONS.contains(&option) {
+                (NBD_REP_ERR_TOO_BIG, b"the option's data is larger than this server takes")
+            } else {
+                (NBD_REP_ERR_UNSUP, b"unsupported option")
+            };
+            send_final(stream, option, reply, why).await?;
+            continue;
         }
         let mut data = vec![0u8; header.length as usize];
         stream.read_exact(&mut data).await?;
-        let option = header.option;
         tracing::trace!(option, length = header.length, "option received");
+
+        // proto.md "Termination": a server shutting down SHOULD answer options with
+        // NBD_REP_ERR_SHUTDOWN (NBD_OPT_EXPORT_NAME, which takes no error reply, ends
+        // the session; NBD_OPT_ABORT is served).
+        if *shutting_down.borrow() && option != NBD_OPT_ABORT {
+            if option == NBD_OPT_EXPORT_NAME {
+                return Err(Error::protocol("NBD_OPT_EXPORT_NAME while the server shuts down"));
+            }
+            send_final(stream, option, NBD_REP_ERR_SHUTDOWN, b"the server is shutting down").await?;
+            continue;
+        }
 
         // A unix-socket client is local: it is not made to use TLS (the spec lets the
         // mode depend on the connection, consistently for each).

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, UnixListener};
 use tracing::Instrument;
 
@@ -79,8 +79,9 @@ impl<R: ExportRegistry> Server<R> {
     /// received from now on (and one not yet run) gets `NBD_ESHUTDOWN`, and a
     /// connection is closed when its client disconnects or
     /// [`ServerConfig::shutdown_grace`] has passed.
-    /// Connections still in the handshake are unaffected (they end with it or with
-    /// the handshake timeout). Stop the listeners first: this does not.
+    /// Connections still in the handshake get `NBD_REP_ERR_SHUTDOWN` for each option
+    /// from now on (proto.md "Termination"; `NBD_OPT_EXPORT_NAME` is closed). Stop the
+    /// listeners first: this does not.
     pub fn shut_down(&self) {
         self.shutting_down.send_replace(true);
     }
@@ -138,19 +139,28 @@ impl<R: ExportRegistry> Server<R> {
         let mut stream = MaybeTls::Plain(stream);
         let progress = Progress::new();
         let mut tracked = progress.track(&mut stream);
+        let shutting_down = self.shutting_down.subscribe();
         let negotiated = tokio::select! {
-            r = handshake::handshake(&mut tracked, &*self.registry, &client, config, &self.live) => r?,
-            () = progress.stalled(config.handshake_timeout) => {
-                return Err(Error::HandshakeTimeout(config.handshake_timeout));
-            }
+            r = handshake::handshake(&mut tracked, &*self.registry, &client, config, &self.live, &shutting_down) => r,
+            () = progress.stalled(config.handshake_timeout) => Err(Error::HandshakeTimeout(config.handshake_timeout)),
             // Progress or not, a connection slot is not held in the handshake for ever.
             () = tokio::time::sleep(config.handshake_timeout.saturating_mul(HANDSHAKE_TIMEOUTS_IN_ALL)) => {
-                return Err(Error::HandshakeTimeout(config.handshake_timeout));
+                Err(Error::HandshakeTimeout(config.handshake_timeout))
             }
         };
-        let Some(negotiated) = negotiated else {
-            tracing::debug!("client ended option haggling");
-            return Ok(());
+        let negotiated = match negotiated {
+            Ok(Some(n)) => n,
+            end => {
+                // proto.md "Termination": a party that ends a TLS session sends TLS's
+                // close first (briefly: the peer may be gone).
+                if stream.is_tls() {
+                    let _ = tokio::time::timeout(Duration::from_secs(1), stream.shutdown()).await;
+                }
+                if end.is_ok() {
+                    tracing::debug!("client ended option haggling");
+                }
+                return end.map(|_| ());
+            }
         };
         tracing::debug!(
             export = %self.registry.shown_name(&negotiated.name),

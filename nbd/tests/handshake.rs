@@ -261,6 +261,32 @@ async fn malformed_options_are_invalid() {
     finish(task).await.unwrap();
 }
 
+/// proto.md "Option haggling": the server skips an option's data by its length and
+/// replies. Beyond what this server buffers (64 KiB), data up to 16 MiB is read and
+/// thrown away: a known option gets NBD_REP_ERR_TOO_BIG, an unknown one
+/// NBD_REP_ERR_UNSUP, NBD_OPT_ABORT its ACK; the session goes on in sync.
+#[tokio::test]
+async fn oversized_options_are_skipped_and_answered() {
+    let (mut c, task) = start_default();
+    greet(&mut c, NBD_FLAG_C_FIXED_NEWSTYLE).await;
+    for (option, len, want) in [
+        (NBD_OPT_LIST, 64 * 1024 + 1, NBD_REP_ERR_TOO_BIG),
+        (NBD_OPT_SET_META_CONTEXT, 200 * 1024, NBD_REP_ERR_TOO_BIG),
+        (0x1234, 100 * 1024, NBD_REP_ERR_UNSUP),
+    ] {
+        send_option(&mut c, option, &vec![0xaa; len]).await;
+        let (h, _) = read_option_reply(&mut c).await;
+        assert_eq!((h.option, h.reply_type), (option, want), "option {option} with {len} bytes");
+    }
+    send_option(&mut c, NBD_OPT_LIST, &[]).await;
+    let replies = read_option_replies(&mut c).await;
+    assert_eq!(replies.last().unwrap().0.reply_type, NBD_REP_ACK, "in sync after the skipped data");
+    send_option(&mut c, NBD_OPT_ABORT, &vec![0; 70 * 1024]).await;
+    assert_eq!(read_option_reply(&mut c).await.0.reply_type, NBD_REP_ACK);
+    drop(c);
+    finish(task).await.unwrap();
+}
+
 #[tokio::test]
 async fn oversized_option_disconnects() {
     let (mut c, task) = start_default();
@@ -271,9 +297,10 @@ async fn oversized_option_disconnects() {
     assert!(matches!(finish(task).await, Err(nbd::Error::Protocol(_))));
 }
 
+/// proto.md "Client flags": a flag the server does not know ends the session.
 #[tokio::test]
 async fn bad_client_flags_disconnect() {
-    for flags in [0u32, NBD_FLAG_C_FIXED_NEWSTYLE | 1 << 5] {
+    for flags in [NBD_FLAG_C_FIXED_NEWSTYLE | 1 << 5, NBD_FLAG_C_FIXED_NEWSTYLE | 1 << 31] {
         let (mut c, task) = start_default();
         greet(&mut c, flags).await;
         expect_closed(&mut c).await;
@@ -444,5 +471,177 @@ async fn meta_context_for_another_export_does_not_enable_block_status() {
     let (errno, _) = chunk_error(&structured_reply(&mut c, 9).await);
     assert_eq!(errno, 22);
     drop(c);
+    finish(task).await.unwrap();
+}
+
+/// proto.md "Newstyle negotiation": a client without NBD_FLAG_C_FIXED_NEWSTYLE gets
+/// its NBD_OPT_EXPORT_NAME served (the 124 zero bytes too, as it did not set
+/// NBD_FLAG_C_NO_ZEROES); any other option from it can only be answered by closing.
+#[tokio::test]
+async fn a_client_without_fixed_newstyle_is_served_export_name() {
+    let (mut c, task) = start_default();
+    greet(&mut c, 0).await;
+    send_option(&mut c, NBD_OPT_EXPORT_NAME, b"disk").await;
+    let mut reply = [0u8; 8 + 2 + 124];
+    c.read_exact(&mut reply).await.unwrap();
+    assert_eq!(u64::from_be_bytes(reply[..8].try_into().unwrap()), SIZE);
+    assert!(reply[10..].iter().all(|b| *b == 0), "the 124 zero bytes");
+    drop(c);
+    finish(task).await.unwrap();
+
+    let (mut c, task) = start_default();
+    greet(&mut c, 0).await;
+    send_option(&mut c, NBD_OPT_LIST, &[]).await;
+    expect_closed(&mut c).await;
+    assert!(matches!(finish(task).await, Err(nbd::Error::Protocol(_))));
+}
+
+/// proto.md "NBD_OPT_ABORT": the server replies NBD_REP_ACK whatever data came with it,
+/// and copes with a client that closes without reading the reply.
+#[tokio::test]
+async fn abort_is_acknowledged_with_data_and_without_a_reader() {
+    let (mut c, task) = start_default();
+    greet(&mut c, NBD_FLAG_C_FIXED_NEWSTYLE).await;
+    send_option(&mut c, NBD_OPT_ABORT, b"abc").await;
+    assert_eq!(read_option_reply(&mut c).await.0.reply_type, NBD_REP_ACK);
+    expect_closed(&mut c).await;
+    finish(task).await.unwrap();
+
+    let (mut c, task) = start_default();
+    greet(&mut c, NBD_FLAG_C_FIXED_NEWSTYLE).await;
+    send_option(&mut c, NBD_OPT_ABORT, &[]).await;
+    drop(c);
+    finish(task).await.unwrap();
+}
+
+/// proto.md "NBD_OPT_LIST_META_CONTEXT": before structured replies the server MAY
+/// refuse it with NBD_REP_ERR_INVALID (this one does); NBD_OPT_STRUCTURED_REPLY twice
+/// is acknowledged twice (the spec allows either).
+#[tokio::test]
+async fn list_meta_context_needs_structured_replies_which_may_be_asked_twice() {
+    let (mut c, task) = start_default();
+    greet(&mut c, NBD_FLAG_C_FIXED_NEWSTYLE).await;
+    let q = MetaContextRequest { export_name: "disk".into(), queries: vec![] }.encode();
+    send_option(&mut c, NBD_OPT_LIST_META_CONTEXT, &q).await;
+    assert_eq!(read_option_reply(&mut c).await.0.reply_type, NBD_REP_ERR_INVALID);
+    for _ in 0..2 {
+        send_option(&mut c, NBD_OPT_STRUCTURED_REPLY, &[]).await;
+        assert_eq!(read_option_reply(&mut c).await.0.reply_type, NBD_REP_ACK);
+    }
+    send_option(&mut c, NBD_OPT_LIST_META_CONTEXT, &q).await;
+    let replies = read_option_replies(&mut c).await;
+    assert!(replies.iter().any(|(h, _)| h.reply_type == NBD_REP_META_CONTEXT), "contexts listed once structured");
+    drop(c);
+    finish(task).await.unwrap();
+}
+
+/// proto.md "NBD_OPT_INFO": each information type is answered once however often it is
+/// asked for.
+#[tokio::test]
+async fn repeated_info_requests_are_answered_once() {
+    let (mut c, task) = start_default();
+    greet(&mut c, NBD_FLAG_C_FIXED_NEWSTYLE).await;
+    let q = InfoRequest { name: "disk".into(), requests: vec![NBD_INFO_NAME, NBD_INFO_NAME, NBD_INFO_BLOCK_SIZE] };
+    send_option(&mut c, NBD_OPT_INFO, &q.encode()).await;
+    let replies = read_option_replies(&mut c).await;
+    let names = replies
+        .iter()
+        .filter(|(h, d)| h.reply_type == NBD_REP_INFO && u16::from_be_bytes([d[0], d[1]]) == NBD_INFO_NAME)
+        .count();
+    assert_eq!(names, 1, "{replies:?}");
+    drop(c);
+    finish(task).await.unwrap();
+}
+
+/// proto.md "NBD_OPT_EXPORT_NAME": a name the server cannot take (here a NUL in it)
+/// cannot get an error reply: the session ends.
+#[tokio::test]
+async fn an_export_name_with_a_nul_closes() {
+    let (mut c, task) = start_default();
+    greet(&mut c, NBD_FLAG_C_FIXED_NEWSTYLE).await;
+    send_option(&mut c, NBD_OPT_EXPORT_NAME, b"di\0sk").await;
+    expect_closed(&mut c).await;
+    assert!(finish(task).await.is_err());
+}
+
+/// proto.md "NBD_OPT_SET_META_CONTEXT": a later SET replaces the earlier selection even
+/// when it fails, so block status is then not negotiated (EINVAL).
+#[tokio::test]
+async fn a_failed_set_meta_context_clears_the_selection() {
+    let (mut c, task) = start_default();
+    greet(&mut c, NBD_FLAG_C_FIXED_NEWSTYLE | NBD_FLAG_C_NO_ZEROES).await;
+    send_option(&mut c, NBD_OPT_STRUCTURED_REPLY, &[]).await;
+    assert_eq!(read_option_reply(&mut c).await.0.reply_type, NBD_REP_ACK);
+    let good = MetaContextRequest { export_name: "disk".into(), queries: vec![BASE_ALLOCATION.into()] };
+    send_option(&mut c, NBD_OPT_SET_META_CONTEXT, &good.encode()).await;
+    assert!(read_option_replies(&mut c).await.iter().any(|(h, _)| h.reply_type == NBD_REP_META_CONTEXT));
+    let bad = MetaContextRequest { export_name: "nope".into(), queries: vec![BASE_ALLOCATION.into()] };
+    send_option(&mut c, NBD_OPT_SET_META_CONTEXT, &bad.encode()).await;
+    assert_eq!(read_option_reply(&mut c).await.0.reply_type, NBD_REP_ERR_UNKNOWN);
+    let go = InfoRequest { name: "disk".into(), requests: vec![] };
+    send_option(&mut c, NBD_OPT_GO, &go.encode()).await;
+    assert_eq!(read_option_replies(&mut c).await.last().unwrap().0.reply_type, NBD_REP_ACK);
+    send_request(&mut c, Command::BlockStatus, 0, 9, 0, 4096).await;
+    let chunks = structured_reply(&mut c, 9).await;
+    assert_eq!(chunk_error(&chunks).0, 22, "EINVAL: block status without a selected context");
+    drop(c);
+    let _ = finish(task).await;
+}
+
+/// proto.md "Termination": once the server shuts down it SHOULD answer options with
+/// NBD_REP_ERR_SHUTDOWN; NBD_OPT_ABORT is still acknowledged.
+#[tokio::test]
+async fn options_during_shutdown_get_err_shutdown() {
+    let (mut c, s) = tokio::io::duplex(1 << 20);
+    let server = nbd::Server::new(registry(), ServerConfig::default());
+    let task = tokio::spawn({
+        let server = Arc::clone(&server);
+        async move { server.serve_connection(s).await }
+    });
+    greet(&mut c, NBD_FLAG_C_FIXED_NEWSTYLE).await;
+    send_option(&mut c, NBD_OPT_STRUCTURED_REPLY, &[]).await;
+    assert_eq!(read_option_reply(&mut c).await.0.reply_type, NBD_REP_ACK);
+    server.shut_down();
+    for (option, data) in
+        [(NBD_OPT_LIST, Vec::new()), (NBD_OPT_GO, InfoRequest { name: "disk".into(), requests: vec![] }.encode())]
+    {
+        send_option(&mut c, option, &data).await;
+        let (h, _) = read_option_reply(&mut c).await;
+        assert_eq!((h.option, h.reply_type), (option, NBD_REP_ERR_SHUTDOWN));
+    }
+    send_option(&mut c, NBD_OPT_ABORT, &[]).await;
+    assert_eq!(read_option_reply(&mut c).await.0.reply_type, NBD_REP_ACK);
+    finish(task).await.unwrap();
+}
+
+/// proto.md "FORCEDTLS mode": before STARTTLS every option but NBD_OPT_STARTTLS and
+/// NBD_OPT_ABORT, known or not, gets NBD_REP_ERR_TLS_REQD and nothing else.
+#[tokio::test]
+async fn forced_tls_refuses_every_option_before_starttls() {
+    let tls = nbd::NbdTls {
+        mode: nbd::TlsMode::Required,
+        source: Arc::new(nbd::testing::test_tls_config()) as Arc<dyn nbd::TlsSource>,
+    };
+    let (mut c, task) = start(registry(), ServerConfig { tls: Some(tls), ..ServerConfig::default() });
+    greet(&mut c, NBD_FLAG_C_FIXED_NEWSTYLE).await;
+    let go = InfoRequest { name: "disk".into(), requests: vec![NBD_INFO_BLOCK_SIZE] }.encode();
+    let meta = MetaContextRequest { export_name: "disk".into(), queries: vec![] }.encode();
+    for (option, data) in [
+        (NBD_OPT_GO, go.clone()),
+        (NBD_OPT_INFO, go),
+        (NBD_OPT_LIST, Vec::new()),
+        (NBD_OPT_STRUCTURED_REPLY, Vec::new()),
+        (NBD_OPT_SET_META_CONTEXT, meta.clone()),
+        (NBD_OPT_LIST_META_CONTEXT, meta),
+        (NBD_OPT_EXTENDED_HEADERS, Vec::new()),
+        (0x1234, b"x".to_vec()),
+    ] {
+        send_option(&mut c, option, &data).await;
+        let (h, _) = read_option_reply(&mut c).await;
+        assert_eq!((h.option, h.reply_type), (option, NBD_REP_ERR_TLS_REQD), "option {option}");
+    }
+    send_option(&mut c, NBD_OPT_ABORT, &[]).await;
+    assert_eq!(read_option_reply(&mut c).await.0.reply_type, NBD_REP_ACK);
+    expect_closed(&mut c).await;
     finish(task).await.unwrap();
 }

@@ -106,7 +106,13 @@ fn server_configs(f: &TlsFiles) -> anyhow::Result<Configs> {
         None => None,
     };
     let nbd = match &f.nbd_client_ca {
-        Some(ca) => Some(Arc::new(server_config(f, ca)?)),
+        Some(ca) => {
+            let mut c = server_config(f, ca)?;
+            // NBD sessions last as long as a device is attached and are not resumed:
+            // no session tickets (each would hold the client's chain in the cache).
+            c.send_tls13_tickets = 0;
+            Some(Arc::new(c))
+        }
         None => None,
     };
     Ok((api, nbd))
