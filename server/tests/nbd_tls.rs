@@ -9,7 +9,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::certs::{ca, leaf, write, Ca};
+use common::certs::{ca, expired_client_leaf, leaf, write, Ca};
 use common::*;
 
 /// A client's credentials directory in gnutls's layout (what qemu's `tls-creds-x509`
@@ -96,6 +96,26 @@ fn required_tls_serves_clients_of_the_configured_ca_and_refuses_the_rest() {
     let o = output(peer("nbdinfo").args(["--size", &uri]));
     assert!(o.status.success(), "nbdinfo over TLS: {}", text(&o));
     assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), (8u64 << 20).to_string());
+    // nbdcopy (libnbd) writes over TLS what qemu-io then reads back; qemu-img reads the
+    // export's size over TLS.
+    require("nbdcopy");
+    let src = td.path().join("pattern.bin");
+    std::fs::write(&src, vec![0x3cu8; 1 << 20]).unwrap();
+    let o = output(peer("nbdcopy").arg(&src).arg(&uri));
+    assert!(o.status.success(), "nbdcopy over TLS: {}", text(&o));
+    let o = qemu_io_tls(s.port, "v", Some(&good), &["read -P 0x3c 0 1M", "read -P 0 1M 64k"]);
+    assert!(qemu_io_succeeded(&o), "nbdcopy's data over TLS: {}", text(&o));
+    let o = output(peer("qemu-img").args([
+        "info",
+        "--object",
+        &format!("tls-creds-x509,id=tls0,endpoint=client,dir={}", good.display()),
+        "--image-opts",
+        &format!("driver=nbd,server.type=inet,server.host=127.0.0.1,server.port={},export=v,tls-creds=tls0", s.port),
+    ]));
+    assert!(o.status.success() && text(&o).contains("8 MiB"), "qemu-img info over TLS: {}", text(&o));
+    // nbdcopy over TLS wrote 1 MiB of 0x3c; qemu-io wrote 64 KiB of 0x5a over part of it.
+    let o = qemu_io_tls(s.port, "v", Some(&good), &["write -P 0x5a 0 64k"]);
+    assert!(qemu_io_succeeded(&o), "{}", text(&o));
 
     // Refused: plain text, no client certificate, a certificate of another CA. None
     // of their writes land.
@@ -489,4 +509,34 @@ fn the_kernel_client_attaches_over_tls_with_kernel_tls() {
     assert!(info["allocated_bytes"].as_u64().unwrap() >= 12 << 20, "12 MiB written: {info}");
     server.kill().unwrap();
     server.wait().unwrap();
+}
+
+/// A client certificate of the right CA that has expired is refused in the TLS
+/// handshake (the client sees the server's alert), and the refusal is logged. The
+/// client is this crate's own (`nbds://`), which presents what it is given.
+#[test]
+fn an_expired_client_certificate_is_refused() {
+    let td = TestDir::new();
+    let ca1 = ca("ferrovol test CA");
+    let s = start(&td, "required", &ca1);
+    s.create_volume("v", "8MiB");
+    let dir = td.path().join("expired");
+    std::fs::create_dir_all(&dir).unwrap();
+    write(&dir, "ca.crt", &ca1.pem);
+    let (cert, key) = expired_client_leaf(&ca1, "node-1");
+    write(&dir, "tls.crt", &cert);
+    write(&dir, "tls.key", &key);
+    let tls = nbd::client::ClientTls::load(&dir).unwrap();
+    let target = nbd::client::Target::Tls(format!("127.0.0.1:{}", s.port));
+    match nbd::client::connect(&target, "v", std::time::Duration::from_secs(10), Some(&tls)) {
+        Err(nbd::client::HandshakeError::Tls { message, .. }) => {
+            assert!(message.contains("CertificateExpired"), "the alert names the expiry: {message}")
+        }
+        other => panic!("an expired certificate was not refused in TLS: {other:?}"),
+    }
+    let t0 = std::time::Instant::now();
+    while !s.log_text().contains("TLS handshake failed") {
+        assert!(t0.elapsed() < std::time::Duration::from_secs(10), "the refusal is not logged");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
 }

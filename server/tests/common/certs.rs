@@ -36,6 +36,19 @@ pub fn leaf(ca: &Ca, cn: &str, sans: &[&str], client: bool) -> (String, String) 
     (cert.pem(), key.serialize_pem())
 }
 
+/// A client certificate and key (PEM) signed by `ca` that expired in 2021.
+#[allow(dead_code)]
+pub fn expired_client_leaf(ca: &Ca, cn: &str) -> (String, String) {
+    let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
+    p.distinguished_name.push(DnType::CommonName, cn);
+    p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+    p.not_before = rcgen::date_time_ymd(2020, 1, 1);
+    p.not_after = rcgen::date_time_ymd(2021, 1, 1);
+    let key = KeyPair::generate().unwrap();
+    let cert = p.signed_by(&key, &ca.issuer).unwrap();
+    (cert.pem(), key.serialize_pem())
+}
+
 /// Writes `text` to `dir/name` and returns the path.
 pub fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
     let p = dir.join(name);
