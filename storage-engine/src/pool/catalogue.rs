@@ -227,75 +227,154 @@ impl Pool {
     /// Shares `source` as `target`; `Room::Need` when the metadata it adds finds no
     /// room (nothing changed).
     async fn share(&self, source: &str, target: &str, snapshot: bool, labels: &Labels) -> Result<Room<VolumeInfo>> {
+        Ok(match self.share_many(&[(source, target.to_owned())], snapshot, labels).await? {
+            Room::Done(mut infos) => Room::Done(infos.pop().expect("one shared")),
+            Room::Need(n) => Room::Need(n),
+        })
+    }
+
+    /// Takes snapshot `snapshot` of every volume of `volumes` at one instant (a group
+    /// snapshot: a database's data and log volumes): each `VOLUME@SNAPSHOT` holds every
+    /// write acknowledged on any of them before the call and none issued after the
+    /// reply, since writes to all of them are held back together while the snapshots
+    /// are made, and all are logged together and made durable by one commit. A crash
+    /// during that commit may keep the first members and lose the rest (the log
+    /// replays whole batches, and a commit may span several): give the members a
+    /// label that says how many there are, to tell a partial group (the CSI controller
+    /// does). `labels` go on every member.
+    ///
+    /// Errors: [`ErrorKind::InvalidArgument`] (no volume, one named twice, a snapshot
+    /// among them, a bad name or labels); [`ErrorKind::NotFound`];
+    /// [`ErrorKind::AlreadyExists`] (a member exists already: nothing is made);
+    /// [`ErrorKind::NoSpace`], [`ErrorKind::Failed`]/[`ErrorKind::Io`].
+    pub async fn create_group_snapshot(
+        &self,
+        volumes: &[&str],
+        snapshot: &str,
+        labels: &Labels,
+    ) -> Result<Vec<VolumeInfo>> {
+        let err = |e: Error| e.op("create group snapshot").volume(&format!("@{snapshot}"));
+        validate_name(snapshot).map_err(err)?;
+        validate_labels(labels).map_err(err)?;
+        // Name order: the lock order of volume gates when several are held.
+        let mut sources = volumes.to_vec();
+        sources.sort_unstable();
+        sources.dedup();
+        if sources.is_empty() || sources.len() != volumes.len() {
+            return Err(err(Error::new(
+                ErrorKind::InvalidArgument,
+                "a group snapshot needs distinct volumes, one at least",
+            )));
+        }
+        let pairs: Vec<(&str, String)> = sources.iter().map(|v| (*v, format!("{v}@{snapshot}"))).collect();
+        self.store.with_room(|| self.share_many(&pairs, true, labels), metadata_full).await.map_err(err)
+    }
+
+    /// Shares each `(source, target)` of `pairs` (sources distinct and in name order),
+    /// all at one instant and in one commit; `Room::Need` when the metadata they add
+    /// finds no room (nothing changed).
+    async fn share_many(
+        &self,
+        pairs: &[(&str, String)],
+        snapshot: bool,
+        labels: &Labels,
+    ) -> Result<Room<Vec<VolumeInfo>>> {
         let props = Props::with_labels(labels);
         self.store.check_writable()?;
-        let src = self
-            .store
-            .volumes()
-            .read()
-            .get(source)
-            .cloned()
-            .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("no volume or snapshot '{source}'")))?;
-        if snapshot && src.snapshot {
+        let srcs = {
+            let vols = self.store.volumes().read();
+            pairs
+                .iter()
+                .map(|(source, _)| {
+                    vols.get(*source)
+                        .cloned()
+                        .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("no volume or snapshot '{source}'")))
+                })
+                .collect::<Result<Vec<_>>>()?
+        };
+        if snapshot && srcs.iter().any(|s| s.snapshot) {
             return Err(Error::new(ErrorKind::InvalidArgument, "snapshots are taken of volumes, not of snapshots"));
         }
-        // Wait for writes in flight on the source, and hold new ones back briefly.
-        let _quiet = src.gate.write().await;
+        // Wait for writes in flight on the sources, and hold new ones back briefly:
+        // every source at once, gates taken in name order.
+        let mut quiet = Vec::with_capacity(srcs.len());
+        for src in &srcs {
+            quiet.push(src.gate.write().await);
+        }
         {
             let mut vols = self.store.volumes().write();
-            if vols.contains_key(target) {
-                return Err(Error::new(ErrorKind::AlreadyExists, "a volume or snapshot of that name exists"));
+            for (_, target) in pairs {
+                if vols.contains_key(target) {
+                    return Err(Error::new(ErrorKind::AlreadyExists, "a volume or snapshot of that name exists"));
+                }
+                if !snapshot {
+                    check_no_orphan_snapshots(&vols, target)?;
+                }
             }
-            if !snapshot {
-                check_no_orphan_snapshots(&vols, target)?;
-            }
-            if src.deleted.load(Ordering::SeqCst) {
+            if let Some((source, _)) =
+                pairs.iter().zip(&srcs).find(|(_, s)| s.deleted.load(Ordering::SeqCst)).map(|(p, _)| p)
+            {
                 return Err(Error::new(ErrorKind::NotFound, format!("'{source}' was deleted")));
             }
-            let map = src.map.read();
-            // The new volume's record, and a reference to each page it shares.
-            let extra = room::volume_record_bytes(target.len())
-                + props.record_bytes()
-                + room::PAGE_REF_BYTES * map.pages().count() as u64;
+            let maps: Vec<_> = srcs.iter().map(|s| s.map.read()).collect();
+            // Each new volume's record, and a reference to each page it shares.
+            let extra: u64 = pairs
+                .iter()
+                .zip(&maps)
+                .map(|((_, target), map)| {
+                    room::volume_record_bytes(target.len())
+                        + props.record_bytes()
+                        + room::PAGE_REF_BYTES * map.pages().count() as u64
+                })
+                .sum();
             let mut alloc = self.store.alloc();
             if !self.store.has_room(&alloc, extra) {
                 return Ok(Room::Need(NeedRoom { units: 0, extra }));
             }
-            let id = self.store.next_volume_id();
             let created = now();
-            let size = src.size.load(Ordering::SeqCst);
-            let shared = map.share(&mut alloc);
-            let meta = VolumeMeta {
-                name: target.to_owned(),
-                snapshot,
-                size,
-                created,
-                map: shared,
-                // A clone is never pristine; a snapshot is what its source was.
-                written: !snapshot || src.written.load(Ordering::SeqCst),
-                props: props.clone(),
-            };
-            alloc.counts.volumes += 1;
-            alloc.counts.volume_bytes += meta.own_bytes();
+            let mut records = Vec::with_capacity(pairs.len() * 2);
+            let mut made = Vec::with_capacity(pairs.len());
+            for (((_, target), src), map) in pairs.iter().zip(&srcs).zip(&maps) {
+                let id = self.store.next_volume_id();
+                let size = src.size.load(Ordering::SeqCst);
+                let meta = VolumeMeta {
+                    name: target.clone(),
+                    snapshot,
+                    size,
+                    created,
+                    map: map.share(&mut alloc),
+                    // A clone is never pristine; a snapshot is what its source was.
+                    written: !snapshot || src.written.load(Ordering::SeqCst),
+                    props: props.clone(),
+                };
+                alloc.counts.volumes += 1;
+                alloc.counts.volume_bytes += meta.own_bytes();
+                records.push(Record::Share {
+                    source: src.id,
+                    target: id,
+                    size,
+                    created,
+                    snapshot,
+                    name: target.clone(),
+                });
+                if !props.is_empty() {
+                    records.push(Record::Props { volume: id, props: props.clone() });
+                }
+                made.push((target.clone(), Arc::new(VolState::new(id, meta))));
+            }
             self.store.after_growth(&alloc);
             drop(alloc);
-            self.store.log_record(&Record::Share {
-                source: src.id,
-                target: id,
-                size,
-                created,
-                snapshot,
-                name: target.to_owned(),
-            });
-            if !props.is_empty() {
-                self.store.log_record(&Record::Props { volume: id, props });
-            }
-            vols.insert(target.to_owned(), Arc::new(VolState::new(id, meta)));
+            drop(maps);
+            // Together in the journal: no commit between them.
+            self.store.log_records(&records);
+            vols.extend(made);
         }
-        drop(_quiet);
+        drop(quiet);
         self.store.commit().await?;
-        tracing::info!(source, target, snapshot, "shared");
-        self.volume_info(target).map(Room::Done)
+        for ((source, target), _) in pairs.iter().zip(&srcs) {
+            tracing::info!(source, target = %target, snapshot, "shared");
+        }
+        pairs.iter().map(|(_, target)| self.volume_info(target)).collect::<Result<Vec<_>>>().map(Room::Done)
     }
 
     /// Snapshots, of `volume` or of all volumes, sorted by name.

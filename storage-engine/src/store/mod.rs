@@ -9,14 +9,16 @@
 //! Locks are taken in this order and never in another (any may be skipped):
 //!
 //! 1. a volume's *gate* (`VolState::gate`, tokio: writes shared; snapshot and clone of
-//!    that volume exclusive);
+//!    that volume exclusive); only a group snapshot holds several, taken in the
+//!    volumes' name order;
 //! 2. the *range locks* (`stripes`, tokio, by volume and logical unit, each call taking
 //!    its stripes in index order), or a *copy-on-write lock* (`cow_stripes`);
 //! 3. the *log lock* (`log`, tokio: a commit cycle or checkpoint, from its start to its
 //!    end), then the *`fdatasync` turn* (`sync_turn`);
 //! 4. the *volume registry* (`volumes`);
 //! 5. a volume's *map lock* (`VolState::map`); only a checkpoint holds several, every
-//!    volume's, taken in the registry's order;
+//!    volume's, taken in the registry's order, and a group snapshot, its members'
+//!    (read), in name order, which is the registry's;
 //! 6. the *allocator* (`alloc`);
 //! 7. the *journal* (`journal`), then the *commit queue* (`commits`).
 //!
@@ -498,9 +500,17 @@ impl Store {
 
     /// Appends a record to the pending journal (call with the affected map locked).
     pub(crate) fn log_record(&self, r: &Record) {
+        self.log_records(std::slice::from_ref(r));
+    }
+
+    /// Appends `rs` to the journal together: no commit falls between them (a commit
+    /// may still split them across log batches).
+    pub(crate) fn log_records(&self, rs: &[Record]) {
         let mut j = self.journal.lock();
-        r.encode(&mut j.bytes);
-        self.records_logged.fetch_add(1, Ordering::SeqCst);
+        for r in rs {
+            r.encode(&mut j.bytes);
+        }
+        self.records_logged.fetch_add(rs.len() as u64, Ordering::SeqCst);
         if j.bytes.len() >= BACKGROUND_COMMIT_BYTES {
             drop(j);
             let mut q = self.commits.queue.lock();
