@@ -381,6 +381,15 @@ impl Client {
         self.raw().create_snapshot(req).await.map(|r| r.into_inner()).map_err(ApiError::from_status)
     }
 
+    /// Takes a group snapshot as `req` says (one instant for all its volumes); the
+    /// members in name order.
+    ///
+    /// Errors: [`ErrorKind::InvalidArgument`], [`ErrorKind::NotFound`],
+    /// [`ErrorKind::AlreadyExists`], [`ErrorKind::NoSpace`], and the transport's.
+    pub async fn create_group_snapshot(&self, req: pb::CreateGroupSnapshotRequest) -> Result<Vec<Volume>> {
+        self.raw().create_group_snapshot(req).await.map(|r| r.into_inner().snapshots).map_err(ApiError::from_status)
+    }
+
     /// Deletes snapshot `snapshot` of `volume`.
     ///
     /// Errors: [`ErrorKind::NotFound`], and the transport's.

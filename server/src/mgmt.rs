@@ -204,6 +204,45 @@ impl ManagementService {
         }
     }
 
+    async fn do_create_group_snapshot(
+        &self,
+        r: pb::CreateGroupSnapshotRequest,
+    ) -> Result<pb::ListSnapshotsResponse, Status> {
+        let want = labels(&r.labels);
+        let vols: Vec<&str> = r.volumes.iter().map(String::as_str).collect();
+        let answer =
+            |made: Vec<VolumeInfo>| pb::ListSnapshotsResponse { snapshots: made.into_iter().map(volume).collect() };
+        let e = match self.pool.create_group_snapshot(&vols, &r.snapshot, &want).await {
+            Ok(made) => return Ok(answer(made)),
+            Err(e) => e,
+        };
+        if e.kind() != ErrorKind::AlreadyExists || !r.exist_ok {
+            return Err(grpc_status(&e));
+        }
+        let mut members: Vec<Option<VolumeInfo>> =
+            vols.iter().map(|v| self.pool.volume_info(&format!("{v}@{}", r.snapshot)).ok()).collect();
+        if members.iter().flatten().any(|m| m.labels != want) {
+            return Err(Status::already_exists(format!(
+                "a snapshot {} of one of the volumes exists with other labels",
+                r.snapshot
+            )));
+        }
+        if members.iter().all(Option::is_some) {
+            self.pool.flush().await.map_err(|e| grpc_status(&e))?;
+            members.sort_by(|a, b| a.as_ref().map(|m| &m.name).cmp(&b.as_ref().map(|m| &m.name)));
+            return Ok(answer(members.into_iter().flatten().collect()));
+        }
+        // Part of the group, with its labels: a crash cut it short before it was
+        // answered. Taken again, whole.
+        for (v, m) in vols.iter().zip(&members) {
+            if m.is_some() {
+                tracing::warn!(volume = v, snapshot = %r.snapshot, "a partial group snapshot: its member is taken again");
+                self.pool.delete_snapshot(v, &r.snapshot).await.map_err(|e| grpc_status(&e))?;
+            }
+        }
+        self.pool.create_group_snapshot(&vols, &r.snapshot, &want).await.map(answer).map_err(|e| grpc_status(&e))
+    }
+
     async fn do_clone_volume(&self, r: pb::CloneVolumeRequest) -> Result<pb::Volume, Status> {
         let mut want = labels(&r.labels);
         if want.contains_key(ORIGIN_LABEL) {
@@ -321,6 +360,13 @@ impl Management for ManagementService {
 
     async fn create_snapshot(&self, req: Request<pb::CreateSnapshotRequest>) -> Result<Response<pb::Volume>, Status> {
         audited!(req, "CreateSnapshot", |r| self.do_create_snapshot(r).await)
+    }
+
+    async fn create_group_snapshot(
+        &self,
+        req: Request<pb::CreateGroupSnapshotRequest>,
+    ) -> Result<Response<pb::ListSnapshotsResponse>, Status> {
+        audited!(req, "CreateGroupSnapshot", |r| self.do_create_group_snapshot(r).await)
     }
 
     async fn delete_snapshot(

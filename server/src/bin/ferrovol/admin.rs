@@ -68,6 +68,12 @@ pub(crate) async fn snapshot_cmd(target: &Target, cmd: SnapshotCmd) -> anyhow::R
             let v = c.create_snapshot(&volume, &snapshot).await?;
             out!("created snapshot {}", v.name);
         }
+        SnapshotCmd::CreateGroup { snapshot, volumes } => {
+            let req = mgmt_api::pb::CreateGroupSnapshotRequest { volumes, snapshot, ..Default::default() };
+            for v in c.create_group_snapshot(req).await? {
+                out!("created snapshot {}", v.name);
+            }
+        }
         SnapshotCmd::List { volume, json } => {
             let vs = c.list_snapshots(volume.as_deref()).await?;
             if json {

@@ -352,6 +352,15 @@ pub(crate) enum SnapshotCmd {
         /// Snapshot name (same rules as volume names).
         snapshot: String,
     },
+    /// Take snapshot SNAPSHOT of several volumes at one instant (a group snapshot:
+    /// writes to all of them are held back together), e.g. a database's data and log.
+    CreateGroup {
+        /// Snapshot name, the same on every volume (VOLUME@SNAPSHOT).
+        snapshot: String,
+        /// The volumes, two or more.
+        #[arg(required = true, num_args = 1..)]
+        volumes: Vec<String>,
+    },
     /// List snapshots (of VOLUME, or all) with allocated, exclusive and shared bytes.
     List {
         /// Only this volume's snapshots.
