@@ -6,7 +6,12 @@
 //! Each RPC checks its arguments first (INVALID_ARGUMENT), takes its name in the
 //! in-flight set (a second call on the same volume or snapshot name gets ABORTED),
 //! then asks the hosts. Every call is logged with its name or ID and its outcome.
-//! Not here: the Node service, the hosts' connections ([`crate::hosts`]).
+//! Group snapshots (the GroupController service) are in `group`. Not here: the Node
+//! service, the hosts' connections ([`crate::hosts`]).
+
+mod group;
+
+pub use group::{parse_group_snapshot_id, GroupSnapshotId, GROUP_LABEL, GROUP_SIZE_LABEL};
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;

@@ -60,7 +60,7 @@ impl SnapshotId {
     }
 }
 
-fn split_host(id: &str) -> Option<(&str, &str)> {
+pub(crate) fn split_host(id: &str) -> Option<(&str, &str)> {
     let (host, rest) = id.split_once('/')?;
     let ok = host.len() == SHORT_HOST_ID_LEN && host.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase());
     (ok && !rest.is_empty()).then_some((host, rest))

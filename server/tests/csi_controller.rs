@@ -892,3 +892,114 @@ fn csi_sanity_passes_the_controller_cases() {
     let passed: usize = last.split_whitespace().nth(1).and_then(|n| n.parse().ok()).unwrap_or(0);
     assert!(passed >= 50, "only {passed} cases ran: {last}");
 }
+
+/// spec.md "GroupController Service RPC": a group snapshot of two volumes of one host is
+/// one instant of both (each member reads back its volume's data of that moment, not
+/// what was written after), idempotent by name, ALREADY_EXISTS for the name with other
+/// sources, INVALID_ARGUMENT across hosts or without sources, NOT_FOUND for a volume
+/// that is not there; Get finds it (and checks the member IDs it is given), a member
+/// restores into a new volume, Delete removes every member and is idempotent; the
+/// plugin and the service say they have it.
+#[test]
+fn group_snapshots_are_one_instant_of_one_host() {
+    use csi::pb::group_controller_client::GroupControllerClient;
+    let cl = Cluster::start("2GiB", "2GiB", &[]);
+    rt().block_on(async {
+        let mut c = cl.controller().await;
+        let mut g = GroupControllerClient::new(cl.channel().await);
+        let in_zone = |name: &str, z: &str| {
+            let mut r = create_req(name, 64 * MIB);
+            r.accessibility_requirements =
+                Some(pb::TopologyRequirement { requisite: vec![zone(z)], preferred: vec![zone(z)] });
+            r
+        };
+        let data = create(&mut c, in_zone("pvc-data", "zone-a")).await.unwrap();
+        let log = create(&mut c, in_zone("pvc-log", "zone-a")).await.unwrap();
+        let far = create(&mut c, in_zone("pvc-far", "zone-b")).await.unwrap();
+        let host = cl.host(&data);
+        qemu_io_ok(&host.uri("pvc-data"), &["write -P 0x11 0 1M"]);
+        qemu_io_ok(&host.uri("pvc-log"), &["write -P 0x22 0 1M"]);
+
+        let caps = g.group_controller_get_capabilities(pb::GroupControllerGetCapabilitiesRequest {}).await.unwrap();
+        assert_eq!(caps.into_inner().capabilities.len(), 1);
+        let plugin = IdentityClient::new(cl.channel().await)
+            .get_plugin_capabilities(pb::GetPluginCapabilitiesRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        let group_service = pb::plugin_capability::service::Type::GroupControllerService as i32;
+        assert!(
+            plugin.capabilities.iter().any(|c| matches!(
+                &c.r#type,
+                Some(pb::plugin_capability::Type::Service(s)) if s.r#type == group_service
+            )),
+            "the plugin does not offer the GroupController service: {plugin:?}"
+        );
+
+        let req = |name: &str, ids: &[&str]| pb::CreateVolumeGroupSnapshotRequest {
+            name: name.into(),
+            source_volume_ids: ids.iter().map(|s| s.to_string()).collect(),
+            ..Default::default()
+        };
+        let group = g
+            .create_volume_group_snapshot(req("gs-1", &[&log.volume_id, &data.volume_id]))
+            .await
+            .unwrap()
+            .into_inner()
+            .group_snapshot
+            .unwrap();
+        assert!(group.ready_to_use);
+        assert_eq!(group.snapshots.len(), 2);
+        assert!(group.snapshots.iter().all(|s| s.group_snapshot_id == group.group_snapshot_id));
+        let sources: BTreeSet<&str> = group.snapshots.iter().map(|s| s.source_volume_id.as_str()).collect();
+        assert_eq!(sources, [data.volume_id.as_str(), log.volume_id.as_str()].into_iter().collect());
+        qemu_io_ok(&host.uri("pvc-data"), &["write -P 0x33 0 1M"]);
+        let again = g.create_volume_group_snapshot(req("gs-1", &[&data.volume_id, &log.volume_id])).await.unwrap();
+        assert_eq!(again.into_inner().group_snapshot.unwrap(), group, "idempotent");
+        assert_eq!(code(g.create_volume_group_snapshot(req("gs-1", &[&data.volume_id])).await), Code::AlreadyExists);
+        assert_eq!(
+            code(g.create_volume_group_snapshot(req("gs-2", &[&data.volume_id, &far.volume_id])).await),
+            Code::InvalidArgument,
+            "a group across hosts"
+        );
+        assert_eq!(code(g.create_volume_group_snapshot(req("gs-2", &[])).await), Code::InvalidArgument);
+        let missing = format!("{}x", data.volume_id);
+        assert_eq!(code(g.create_volume_group_snapshot(req("gs-2", &[&missing])).await), Code::NotFound);
+
+        let get = |ids: Vec<String>| pb::GetVolumeGroupSnapshotRequest {
+            group_snapshot_id: group.group_snapshot_id.clone(),
+            snapshot_ids: ids,
+            ..Default::default()
+        };
+        let ids: Vec<String> = group.snapshots.iter().map(|s| s.snapshot_id.clone()).collect();
+        let got = g.get_volume_group_snapshot(get(ids.clone())).await.unwrap().into_inner().group_snapshot.unwrap();
+        assert_eq!(got, group);
+        assert_eq!(code(g.get_volume_group_snapshot(get(vec![ids[0].clone()])).await), Code::InvalidArgument);
+
+        // Each member holds its volume as it was at the group's instant.
+        for (name, pattern) in [("pvc-data", "0x11"), ("pvc-log", "0x22")] {
+            let member = group.snapshots.iter().find(|s| s.source_volume_id.ends_with(name)).unwrap();
+            let mut r = create_req(&format!("{name}-restored"), 64 * MIB);
+            r.volume_content_source = Some(pb::VolumeContentSource {
+                r#type: Some(pb::volume_content_source::Type::Snapshot(pb::volume_content_source::SnapshotSource {
+                    snapshot_id: member.snapshot_id.clone(),
+                })),
+            });
+            let restored = create(&mut c, r).await.unwrap();
+            qemu_io_ok(&cl.host(&restored).uri(&format!("{name}-restored")), &[&format!("read -P {pattern} 0 1M")]);
+        }
+
+        for _ in 0..2 {
+            g.delete_volume_group_snapshot(pb::DeleteVolumeGroupSnapshotRequest {
+                group_snapshot_id: group.group_snapshot_id.clone(),
+                snapshot_ids: ids.clone(),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        }
+        assert_eq!(code(g.get_volume_group_snapshot(get(Vec::new())).await), Code::NotFound);
+        let listed = c.list_snapshots(pb::ListSnapshotsRequest::default()).await.unwrap().into_inner();
+        assert!(listed.entries.is_empty(), "members left: {:?}", listed.entries);
+    });
+}
