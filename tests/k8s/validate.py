@@ -37,7 +37,7 @@ SIDECARS = {
     "registry.k8s.io/sig-storage/csi-attacher:v4.8.1": {"--csi-address", "--leader-election", "--timeout"},
     "registry.k8s.io/sig-storage/csi-resizer:v1.13.2": {"--csi-address", "--leader-election", "--timeout"},
     "registry.k8s.io/sig-storage/csi-snapshotter:v8.2.1": {
-        "--csi-address", "--leader-election", "--extra-create-metadata", "--timeout",
+        "--csi-address", "--leader-election", "--extra-create-metadata", "--timeout", "--feature-gates",
     },
     "registry.k8s.io/sig-storage/csi-node-driver-registrar:v2.13.0": {
         "--csi-address", "--kubelet-registration-path",
@@ -55,6 +55,37 @@ failures = []
 
 def fail(where, why):
     failures.append(f"{where}: {why}")
+
+
+def check_group_snapshot_kind(where, doc):
+    kind = doc.get("kind")
+    if doc.get("apiVersion") != "groupsnapshot.storage.k8s.io/v1beta1":
+        fail(where, f"{kind}: apiVersion {doc.get('apiVersion')!r}, not groupsnapshot.storage.k8s.io/v1beta1 "
+                    "(external-snapshotter v8.2)")
+    if not doc.get("metadata", {}).get("name"):
+        fail(where, f"{kind} without metadata.name")
+    if kind == "VolumeGroupSnapshotClass":
+        allowed = {"apiVersion", "kind", "metadata", "driver", "deletionPolicy", "parameters"}
+        for k in set(doc) - allowed:
+            fail(where, f"VolumeGroupSnapshotClass: unknown field {k!r}")
+        if not doc.get("driver"):
+            fail(where, "VolumeGroupSnapshotClass: driver is required")
+        if doc.get("deletionPolicy") not in ("Delete", "Retain"):
+            fail(where, "VolumeGroupSnapshotClass: deletionPolicy must be Delete or Retain")
+    elif kind == "VolumeGroupSnapshot":
+        spec = doc.get("spec") or {}
+        for k in set(spec) - {"source", "volumeGroupSnapshotClassName"}:
+            fail(where, f"VolumeGroupSnapshot: unknown field spec.{k}")
+        src = spec.get("source") or {}
+        given = [k for k in ("selector", "volumeGroupSnapshotContentName") if src.get(k)]
+        if len(given) != 1 or set(src) - {"selector", "volumeGroupSnapshotContentName"}:
+            fail(where, "VolumeGroupSnapshot: spec.source needs exactly one of selector, "
+                        "volumeGroupSnapshotContentName")
+        sel = src.get("selector") or {}
+        if set(sel) - {"matchLabels", "matchExpressions"}:
+            fail(where, "VolumeGroupSnapshot: spec.source.selector takes matchLabels and matchExpressions")
+    else:
+        fail(where, f"unknown group snapshot kind {kind}")
 
 
 def check_snapshot_kind(where, doc):
@@ -165,6 +196,9 @@ def main():
             checked += 1
             if doc.get("apiVersion", "").startswith("snapshot.storage.k8s.io/"):
                 check_snapshot_kind(where, doc)
+                continue
+            if doc.get("apiVersion", "").startswith("groupsnapshot.storage.k8s.io/"):
+                check_group_snapshot_kind(where, doc)
                 continue
             for v in K8S_VERSIONS:
                 try:
