@@ -6,10 +6,12 @@
 //! Each RPC checks its arguments first (INVALID_ARGUMENT), takes its name in the
 //! in-flight set (a second call on the same volume or snapshot name gets ABORTED),
 //! then asks the hosts. Every call is logged with its name or ID and its outcome.
-//! Group snapshots (the GroupController service) are in `group`. Not here: the Node
+//! Group snapshots (the GroupController service) are in `group`, changed-block tracking
+//! (the SnapshotMetadata service) in `metadata`. Not here: the Node
 //! service, the hosts' connections ([`crate::hosts`]).
 
 mod group;
+mod metadata;
 
 pub use group::{parse_group_snapshot_id, GroupSnapshotId, GROUP_LABEL, GROUP_SIZE_LABEL};
 

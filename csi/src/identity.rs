@@ -49,8 +49,11 @@ impl pb::identity_server::Identity for Identity {
         use pb::plugin_capability::{service, volume_expansion, Service, Type, VolumeExpansion};
         let service =
             |t: service::Type| pb::PluginCapability { r#type: Some(Type::Service(Service { r#type: t as i32 })) };
-        let mut capabilities =
-            vec![service(service::Type::ControllerService), service(service::Type::GroupControllerService)];
+        let mut capabilities = vec![
+            service(service::Type::ControllerService),
+            service(service::Type::GroupControllerService),
+            service(service::Type::SnapshotMetadataService),
+        ];
         // Topology only when the hosts have zones: a volume then names its zone, which
         // the nodes must report too (`ferrovol csi node --zone`).
         if self.hosts.all().iter().any(|h| h.config.zone.is_some()) {

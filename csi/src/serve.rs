@@ -44,7 +44,7 @@ impl std::str::FromStr for Endpoint {
     }
 }
 
-/// Serves Identity, Controller and GroupController over the hosts of `config` on `endpoint` until
+/// Serves Identity, Controller, GroupController and SnapshotMetadata over the hosts of `config` on `endpoint` until
 /// `shutdown` resolves; calls in flight then have up to
 /// [`mgmt_api::drain::DRAIN_LIMIT`] to finish, and a unix socket's file is removed.
 ///
@@ -59,7 +59,8 @@ pub async fn serve_controller(
     let router = tonic::transport::Server::builder()
         .add_service(pb::identity_server::IdentityServer::new(Identity::new(hosts)))
         .add_service(pb::controller_server::ControllerServer::new(controller.clone()))
-        .add_service(pb::group_controller_server::GroupControllerServer::new(controller));
+        .add_service(pb::group_controller_server::GroupControllerServer::new(controller.clone()))
+        .add_service(pb::snapshot_metadata_server::SnapshotMetadataServer::new(controller));
     serve(router, endpoint, shutdown, &format!("CSI controller over {} storage hosts", config.hosts.len())).await
 }
 

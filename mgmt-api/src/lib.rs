@@ -426,7 +426,8 @@ impl Client {
         self.raw().clone_volume(req).await.map(|r| r.into_inner()).map_err(ApiError::from_status)
     }
 
-    /// Byte ranges that may differ between `from` and `to` (volumes or snapshots).
+    /// Byte ranges that may differ between `from` and `to` (volumes or snapshots); with
+    /// `from` empty, the ranges of `to` that hold written data.
     ///
     /// Errors: [`ErrorKind::NotFound`], and the transport's.
     pub async fn diff(&self, from: &str, to: &str) -> Result<Vec<ByteRange>> {

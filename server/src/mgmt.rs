@@ -405,7 +405,8 @@ impl Management for ManagementService {
         req: Request<pb::DiffSnapshotsRequest>,
     ) -> Result<Response<pb::DiffSnapshotsResponse>, Status> {
         let r = req.into_inner();
-        let ranges = self.pool.diff(&r.from, &r.to).map_err(|e| grpc_status(&e))?;
+        let ranges = if r.from.is_empty() { self.pool.allocated(&r.to) } else { self.pool.diff(&r.from, &r.to) };
+        let ranges = ranges.map_err(|e| grpc_status(&e))?;
         let ranges = ranges.into_iter().map(|(offset, length)| pb::ByteRange { offset, length }).collect();
         Ok(Response::new(pb::DiffSnapshotsResponse { ranges }))
     }

@@ -1003,3 +1003,193 @@ fn group_snapshots_are_one_instant_of_one_host() {
         assert!(listed.entries.is_empty(), "members left: {:?}", listed.entries);
     });
 }
+
+/// spec.md "SnapshotMetadata Service RPC" against a model: random writes and trims by
+/// qemu-io between four snapshots of a volume. For each snapshot, GetMetadataAllocated
+/// lists exactly the 4 KiB blocks the model holds written; for each pair of successive
+/// snapshots, GetMetadataDelta covers every block whose content differs between them
+/// and nothing outside the data units (64 KiB) the step touched. Streams are ascending
+/// and disjoint, honour max_results and starting_offset; bad arguments get their codes.
+#[test]
+fn snapshot_metadata_matches_a_model_of_writes_and_trims() {
+    use csi::pb::snapshot_metadata_client::SnapshotMetadataClient;
+    use std::collections::BTreeMap;
+    const BLOCK: u64 = 4096;
+    const UNIT: u64 = 65536;
+    const SIZE: u64 = 16 * MIB as u64;
+    let cl = Cluster::start("2GiB", "2GiB", &[]);
+    rt().block_on(async {
+        let mut c = cl.controller().await;
+        let mut m = SnapshotMetadataClient::new(cl.channel().await);
+        let v = create(&mut c, create_req("pvc-cbt", SIZE as i64)).await.unwrap();
+        let other = create(&mut c, create_req("pvc-other", MIB)).await.unwrap();
+        let uri = cl.host(&v).uri("pvc-cbt");
+        // The model: block -> the version written there (absent: never written or trimmed).
+        let mut model: BTreeMap<u64, u64> = BTreeMap::new();
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        let mut snaps: Vec<(String, BTreeMap<u64, u64>, std::collections::BTreeSet<u64>)> = Vec::new();
+        let mut version = 0u64;
+        for step in 0..4 {
+            let mut cmds = Vec::new();
+            let mut touched_units = std::collections::BTreeSet::new();
+            for _ in 0..24 {
+                let block = next(SIZE / BLOCK - 16);
+                let blocks = 1 + next(16);
+                for b in block..block + blocks {
+                    touched_units.insert(b * BLOCK / UNIT);
+                }
+                if next(4) == 0 {
+                    cmds.push(format!("discard {} {}", block * BLOCK, blocks * BLOCK));
+                    for b in block..block + blocks {
+                        model.remove(&b);
+                    }
+                } else {
+                    version += 1;
+                    let pattern = 1 + version % 250;
+                    cmds.push(format!("write -P {pattern} {} {}", block * BLOCK, blocks * BLOCK));
+                    for b in block..block + blocks {
+                        model.insert(b, version);
+                    }
+                }
+            }
+            let refs: Vec<&str> = cmds.iter().map(String::as_str).collect();
+            qemu_io_ok(&uri, &refs);
+            let s = c
+                .create_snapshot(pb::CreateSnapshotRequest {
+                    source_volume_id: v.volume_id.clone(),
+                    name: format!("cbt-{step}"),
+                    ..Default::default()
+                })
+                .await
+                .unwrap()
+                .into_inner()
+                .snapshot
+                .unwrap();
+            snaps.push((s.snapshot_id, model.clone(), touched_units));
+        }
+
+        // Collects a stream's ranges, checking each message's shape.
+        async fn collect<T>(
+            mut s: tonic::Streaming<T>,
+            max: usize,
+            parts: impl Fn(&T) -> (i32, i64, Vec<(i64, i64)>),
+        ) -> Vec<(u64, u64)> {
+            let mut out: Vec<(u64, u64)> = Vec::new();
+            while let Some(msg) = s.message().await.unwrap() {
+                let (kind, size, ranges) = parts(&msg);
+                assert_eq!(kind, pb::BlockMetadataType::VariableLength as i32);
+                assert_eq!(size, 16 * MIB);
+                assert!(!ranges.is_empty() && ranges.len() <= max, "{} ranges in a message", ranges.len());
+                for (off, len) in ranges {
+                    assert!(len > 0 && off % 4096 == 0 && len % 4096 == 0, "({off}, {len})");
+                    if let Some(&(po, pl)) = out.last() {
+                        assert!(po + pl <= off as u64, "ranges overlap or go back: ({po},{pl}) then ({off},{len})");
+                    }
+                    out.push((off as u64, len as u64));
+                }
+            }
+            out
+        }
+        let blocks_of = |ranges: &[(u64, u64)]| -> std::collections::BTreeSet<u64> {
+            ranges.iter().flat_map(|(o, l)| (o / BLOCK)..((o + l) / BLOCK)).collect()
+        };
+        let allocated_req = |id: &str, start: i64, max: i32| pb::GetMetadataAllocatedRequest {
+            snapshot_id: id.into(),
+            starting_offset: start,
+            max_results: max,
+            ..Default::default()
+        };
+        let alloc_parts = |r: &pb::GetMetadataAllocatedResponse| {
+            (
+                r.block_metadata_type,
+                r.volume_capacity_bytes,
+                r.block_metadata.iter().map(|b| (b.byte_offset, b.size_bytes)).collect(),
+            )
+        };
+        for (id, held, _) in &snaps {
+            let s = m.get_metadata_allocated(allocated_req(id, 0, 0)).await.unwrap().into_inner();
+            let got = blocks_of(&collect(s, 256, alloc_parts).await);
+            let want: std::collections::BTreeSet<u64> = held.keys().copied().collect();
+            assert_eq!(got, want, "allocated blocks of {id}");
+        }
+        // Paging: 3 ranges a message, from inside a written range (the range holding
+        // the offset starts there).
+        let (id, held, _) = &snaps[3];
+        let inside = held
+            .keys()
+            .copied()
+            .find(|b| *b >= 4 * MIB as u64 / BLOCK && held.contains_key(&(b + 1)))
+            .expect("two written blocks in a row");
+        let start = ((inside + 1) * BLOCK) as i64;
+        let s = m.get_metadata_allocated(allocated_req(id, start, 3)).await.unwrap().into_inner();
+        let got = blocks_of(&collect(s, 3, alloc_parts).await);
+        let want: std::collections::BTreeSet<u64> =
+            held.keys().copied().filter(|b| *b >= start as u64 / BLOCK).collect();
+        assert_eq!(got, want, "allocated blocks from {start}");
+
+        for pair in snaps.windows(2) {
+            let ((base, before, _), (target, after, units)) = (&pair[0], &pair[1]);
+            let req = pb::GetMetadataDeltaRequest {
+                base_snapshot_id: base.clone(),
+                target_snapshot_id: target.clone(),
+                ..Default::default()
+            };
+            let s = m.get_metadata_delta(req).await.unwrap().into_inner();
+            let got = blocks_of(
+                &collect(s, 256, |r: &pb::GetMetadataDeltaResponse| {
+                    (
+                        r.block_metadata_type,
+                        r.volume_capacity_bytes,
+                        r.block_metadata.iter().map(|b| (b.byte_offset, b.size_bytes)).collect(),
+                    )
+                })
+                .await,
+            );
+            let changed: std::collections::BTreeSet<u64> =
+                before.keys().chain(after.keys()).copied().filter(|b| before.get(b) != after.get(b)).collect();
+            assert!(
+                changed.is_subset(&got),
+                "the delta {base} -> {target} misses {:?}",
+                changed.difference(&got).next()
+            );
+            let outside: Vec<&u64> = got.iter().filter(|b| !units.contains(&(*b * BLOCK / UNIT))).collect();
+            assert!(outside.is_empty(), "the delta lists blocks of units the step never touched: {:?}", &outside[..1]);
+        }
+
+        // Bad arguments.
+        let code_of = |r: Result<
+            tonic::Response<tonic::Streaming<pb::GetMetadataAllocatedResponse>>,
+            tonic::Status,
+        >| { r.map(|_| ()).unwrap_err().code() };
+        let missing = format!("{}x", snaps[0].0);
+        assert_eq!(code_of(m.get_metadata_allocated(allocated_req(&missing, 0, 0)).await), Code::NotFound);
+        assert_eq!(code_of(m.get_metadata_allocated(allocated_req(&snaps[0].0, -1, 0)).await), Code::InvalidArgument);
+        assert_eq!(code_of(m.get_metadata_allocated(allocated_req(&snaps[0].0, 16 * MIB, 0)).await), Code::OutOfRange);
+        assert_eq!(code_of(m.get_metadata_allocated(allocated_req(&snaps[0].0, 0, -5)).await), Code::InvalidArgument);
+        let other_snap = c
+            .create_snapshot(pb::CreateSnapshotRequest {
+                source_volume_id: other.volume_id.clone(),
+                name: "cbt-other".into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .snapshot
+            .unwrap();
+        let r = m
+            .get_metadata_delta(pb::GetMetadataDeltaRequest {
+                base_snapshot_id: other_snap.snapshot_id,
+                target_snapshot_id: snaps[1].0.clone(),
+                ..Default::default()
+            })
+            .await;
+        assert_eq!(r.map(|_| ()).unwrap_err().code(), Code::InvalidArgument, "snapshots of two volumes");
+    });
+}
