@@ -22,6 +22,10 @@ use crate::errors::grpc_status;
 /// CloneVolume: an idempotent clone of the same name compares it.
 pub const ORIGIN_LABEL: &str = "ferrovol/origin";
 
+/// The label the server gives every member of a group snapshot: how many members the
+/// group has, so that a group a crash cut short is told apart from ordinary snapshots.
+pub const GROUP_SIZE_LABEL: &str = "ferrovol/group-size";
+
 /// How long UnpublishVolume waits for the node's connections to close before it
 /// answers `ABORTED` (the attachment is gone by then; a retry waits again).
 pub const UNPUBLISH_WAIT: Duration = Duration::from_secs(30);
@@ -69,6 +73,9 @@ impl HostIdentity {
 pub struct ManagementService {
     pool: Pool,
     host: HostIdentity,
+    /// Held through each CreateGroupSnapshot, so that one taking a partial group again
+    /// never deletes what another has just made.
+    groups: tokio::sync::Mutex<()>,
 }
 
 impl ManagementService {
@@ -79,7 +86,7 @@ impl ManagementService {
 
     /// The service itself, to call its methods in-process.
     pub fn service(pool: Pool, host: HostIdentity) -> ManagementService {
-        ManagementService { pool, host }
+        ManagementService { pool, host, groups: tokio::sync::Mutex::new(()) }
     }
 }
 
@@ -208,10 +215,18 @@ impl ManagementService {
         &self,
         r: pb::CreateGroupSnapshotRequest,
     ) -> Result<pb::ListSnapshotsResponse, Status> {
-        let want = labels(&r.labels);
+        let mut want = labels(&r.labels);
+        if want.contains_key(GROUP_SIZE_LABEL) {
+            return Err(Status::invalid_argument(format!("label '{GROUP_SIZE_LABEL}' is set by the server")));
+        }
+        want.insert(GROUP_SIZE_LABEL.to_owned(), r.volumes.len().to_string());
         let vols: Vec<&str> = r.volumes.iter().map(String::as_str).collect();
-        let answer =
-            |made: Vec<VolumeInfo>| pb::ListSnapshotsResponse { snapshots: made.into_iter().map(volume).collect() };
+        // Members in the order the engine makes them: by volume name.
+        let answer = |mut made: Vec<VolumeInfo>| {
+            made.sort_by(|a, b| a.name.split('@').next().cmp(&b.name.split('@').next()));
+            pb::ListSnapshotsResponse { snapshots: made.into_iter().map(volume).collect() }
+        };
+        let _one_at_a_time = self.groups.lock().await;
         let e = match self.pool.create_group_snapshot(&vols, &r.snapshot, &want).await {
             Ok(made) => return Ok(answer(made)),
             Err(e) => e,
@@ -219,21 +234,26 @@ impl ManagementService {
         if e.kind() != ErrorKind::AlreadyExists || !r.exist_ok {
             return Err(grpc_status(&e));
         }
-        let mut members: Vec<Option<VolumeInfo>> =
+        let members: Vec<Option<VolumeInfo>> =
             vols.iter().map(|v| self.pool.volume_info(&format!("{v}@{}", r.snapshot)).ok()).collect();
-        if members.iter().flatten().any(|m| m.labels != want) {
+        // Only members of one group: the labels asked for, the server's group size
+        // label among them, and one creation time.
+        let present: Vec<&VolumeInfo> = members.iter().flatten().collect();
+        let one_group =
+            present.iter().all(|m| m.labels == want) && present.windows(2).all(|w| w[0].created == w[1].created);
+        if !one_group {
             return Err(Status::already_exists(format!(
-                "a snapshot {} of one of the volumes exists with other labels",
+                "a snapshot {} of one of the volumes exists and is not a member of this group (other labels, or \
+                 taken at another time)",
                 r.snapshot
             )));
         }
-        if members.iter().all(Option::is_some) {
+        if present.len() == vols.len() {
             self.pool.flush().await.map_err(|e| grpc_status(&e))?;
-            members.sort_by(|a, b| a.as_ref().map(|m| &m.name).cmp(&b.as_ref().map(|m| &m.name)));
             return Ok(answer(members.into_iter().flatten().collect()));
         }
-        // Part of the group, with its labels: a crash cut it short before it was
-        // answered. Taken again, whole.
+        // Part of the group: a crash cut it short before it was answered. Taken again,
+        // whole.
         for (v, m) in vols.iter().zip(&members) {
             if m.is_some() {
                 tracing::warn!(volume = v, snapshot = %r.snapshot, "a partial group snapshot: its member is taken again");

@@ -895,11 +895,12 @@ fn csi_sanity_passes_the_controller_cases() {
 
 /// spec.md "GroupController Service RPC": a group snapshot of two volumes of one host is
 /// one instant of both (each member reads back its volume's data of that moment, not
-/// what was written after), idempotent by name, ALREADY_EXISTS for the name with other
-/// sources, INVALID_ARGUMENT across hosts or without sources, NOT_FOUND for a volume
-/// that is not there; Get finds it (and checks the member IDs it is given), a member
-/// restores into a new volume, Delete removes every member and is idempotent; the
-/// plugin and the service say they have it.
+/// what was written after; the engine's test proves the instant under concurrent
+/// writes), idempotent by name, ALREADY_EXISTS for the name with other sources,
+/// FAILED_PRECONDITION across hosts, INVALID_ARGUMENT without sources, NOT_FOUND for a
+/// volume that is not there; Get finds it (and checks the member IDs it is given), a
+/// member restores into a new volume, Delete checks the member IDs, removes every
+/// member and is idempotent; the plugin and the service say they have it.
 #[test]
 fn group_snapshots_are_one_instant_of_one_host() {
     use csi::pb::group_controller_client::GroupControllerClient;
@@ -959,7 +960,7 @@ fn group_snapshots_are_one_instant_of_one_host() {
         assert_eq!(code(g.create_volume_group_snapshot(req("gs-1", &[&data.volume_id])).await), Code::AlreadyExists);
         assert_eq!(
             code(g.create_volume_group_snapshot(req("gs-2", &[&data.volume_id, &far.volume_id])).await),
-            Code::InvalidArgument,
+            Code::FailedPrecondition,
             "a group across hosts"
         );
         assert_eq!(code(g.create_volume_group_snapshot(req("gs-2", &[])).await), Code::InvalidArgument);
@@ -989,6 +990,14 @@ fn group_snapshots_are_one_instant_of_one_host() {
             qemu_io_ok(&cl.host(&restored).uri(&format!("{name}-restored")), &[&format!("read -P {pattern} 0 1M")]);
         }
 
+        let wrong = g
+            .delete_volume_group_snapshot(pb::DeleteVolumeGroupSnapshotRequest {
+                group_snapshot_id: group.group_snapshot_id.clone(),
+                snapshot_ids: vec![ids[0].clone()],
+                ..Default::default()
+            })
+            .await;
+        assert_eq!(code(wrong), Code::InvalidArgument, "Delete with member IDs that are not the group's");
         for _ in 0..2 {
             g.delete_volume_group_snapshot(pb::DeleteVolumeGroupSnapshotRequest {
                 group_snapshot_id: group.group_snapshot_id.clone(),

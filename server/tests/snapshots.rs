@@ -110,7 +110,8 @@ fn volume_and_snapshot_tables_fit_long_names() {
 /// create-group` takes both, each member reads back its volume's data over NBD and the
 /// later writes are not in it; a second identical call is ALREADY_EXISTS from the CLI
 /// and the same members from the API with exist_ok; a partial group (one member made
-/// alone with the group's labels, as a crash can leave it) is taken again whole.
+/// alone with the group's labels and the server's size label, as a crash can leave it)
+/// is taken again whole, while an ordinary snapshot of that name is never touched.
 #[test]
 fn group_snapshots_through_the_cli_and_the_api() {
     let td = TestDir::new();
@@ -146,17 +147,29 @@ fn group_snapshots_through_the_cli_and_the_api() {
         let mut other = req("g2");
         other.labels.clear();
         assert_eq!(c.create_group_snapshot(other).await.unwrap_err().kind(), ErrorKind::AlreadyExists);
-        // A partial group: only data@g3, with the group's labels.
-        let alone = pb::CreateSnapshotRequest {
+        assert_eq!(a[0].labels["ferrovol/group-size"], "2", "the server's group size label");
+        // A partial group (what a crash can leave): only data@g3, with the group's
+        // labels and the server's size label. It is taken again, whole.
+        let mut member_labels = labels.clone();
+        member_labels.insert("ferrovol/group-size".into(), "2".into());
+        let alone = |snapshot: &str, labels: std::collections::HashMap<String, String>| pb::CreateSnapshotRequest {
             volume: "data".into(),
-            snapshot: "g3".into(),
-            labels: labels.clone(),
+            snapshot: snapshot.into(),
+            labels,
             exist_ok: false,
         };
-        let partial = c.create_snapshot_with(alone).await.unwrap();
+        let partial = c.create_snapshot_with(alone("g3", member_labels)).await.unwrap();
         let whole = c.create_group_snapshot(req("g3")).await.unwrap();
         assert_eq!(whole.len(), 2);
         assert_ne!(whole[0].id, partial.id, "the partial member was taken again");
+        // An ordinary snapshot of that name, even with the group's own labels, is never
+        // taken for a member: ALREADY_EXISTS, and it stays.
+        let ordinary = c.create_snapshot_with(alone("g4", labels.clone())).await.unwrap();
+        assert_eq!(c.create_group_snapshot(req("g4")).await.unwrap_err().kind(), ErrorKind::AlreadyExists);
+        assert_eq!(c.volume("data@g4").await.unwrap().id, ordinary.id, "the ordinary snapshot is untouched");
+        let mut reserved = req("g5");
+        reserved.labels.insert("ferrovol/group-size".into(), "9".into());
+        assert_eq!(c.create_group_snapshot(reserved).await.unwrap_err().kind(), ErrorKind::InvalidArgument);
     });
     qemu_io_ro_ok(&s.uri("data@g3"), &["read -P 0x33 0 1M"]);
 }

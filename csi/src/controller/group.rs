@@ -1,8 +1,8 @@
 //! The CSI GroupController service (spec.md "GroupController Service RPC", spec v1.11):
 //! a group snapshot of volumes of one storage host is one group snapshot on that host
 //! (`CreateGroupSnapshot`: writes to every member held back together, one commit), so
-//! all its members hold the same instant. A group spanning storage hosts is refused:
-//! no instant is common to two hosts.
+//! all its members hold the same instant. A group spanning storage hosts is refused
+//! (FAILED_PRECONDITION): no instant is common to two hosts.
 //!
 //! A group snapshot ID is `HOST/*@SNAPSHOT`: its members are the snapshots `SNAPSHOT` of
 //! its volumes on host `HOST`, labelled with the group's CSI name and its size (the
@@ -100,7 +100,10 @@ impl Controller {
             return Err(CsiError::invalid("source_volume_ids names a volume twice"));
         }
         if ids.iter().any(|i| i.host != ids[0].host) {
-            return Err(CsiError::invalid(
+            // spec.md CreateVolumeGroupSnapshot: "Cannot snapshot multiple volumes
+            // together" is FAILED_PRECONDITION.
+            return Err(CsiError::new(
+                Code::FailedPrecondition,
                 "the volumes are on different storage hosts: a group snapshot is one instant of one host \
                  (snapshot them one by one, or place the volumes together)",
             ));
@@ -196,7 +199,22 @@ impl Controller {
         if self.hosts.by_short_id(&gid.host).await?.is_none() {
             return Ok(done);
         }
-        let (_, found, gid) = self.group_members(&r.group_snapshot_id).await?;
+        let (conn, found, gid) = self.group_members(&r.group_snapshot_id).await?;
+        // spec.md DeleteVolumeGroupSnapshot: snapshot_ids that are not the group's
+        // members while it exists are INVALID_ARGUMENT.
+        if !r.snapshot_ids.is_empty() && !found.is_empty() {
+            let group = csi_group(&conn, &gid.snapshot, &found.iter().collect::<Vec<_>>())?;
+            let mut asked: Vec<&str> = r.snapshot_ids.iter().map(String::as_str).collect();
+            let mut have: Vec<&str> = group.snapshots.iter().map(|s| s.snapshot_id.as_str()).collect();
+            asked.sort_unstable();
+            have.sort_unstable();
+            if asked != have {
+                return Err(CsiError::invalid(format!(
+                    "snapshot_ids {asked:?} are not the members of group snapshot {} ({have:?})",
+                    r.group_snapshot_id
+                )));
+            }
+        }
         for m in found {
             let Some((vol, _)) = m.name.split_once('@') else { continue };
             let (vol, snap) = (vol.to_string(), gid.snapshot.clone());

@@ -4,13 +4,14 @@
 //! that read only those. Both come from the storage host's mappings alone
 //! (`DiffSnapshots`): no data is read. Ranges are 4 KiB-aligned extents
 //! (`VARIABLE_LENGTH`), ascending and disjoint, streamed `max_results` at a time
-//! (256 when 0), from `starting_offset` on (a range that holds it starts there).
+//! (256 when 0), from `starting_offset` rounded down to 4 KiB (a range that holds it
+//! starts there).
 //!
 //! How tight the delta is: a 4 KiB block is listed when it is written in one snapshot
-//! and not the other, or both map it to different data units. A block rewritten since
-//! the base is listed; so is every written block of a data unit (64 KiB by default)
-//! that was copied on write after the base, rewritten or not: the delta is exact for
-//! writes and trims, and at most one data unit coarse around each write.
+//! and not the other, or both map it to different data units. Every block written or
+//! trimmed since the base is listed; so is every other written block of a data unit
+//! (64 KiB by default) that was copied on write after the base: at most one data unit
+//! more than what changed, around each write.
 
 use std::pin::Pin;
 
@@ -107,7 +108,7 @@ impl Controller {
         }
         let full = target.full_name();
         let ranges = h.call("read the snapshot's mappings", |c| async move { c.diff(&base, &full).await }).await?;
-        let metadata = from_offset(&ranges, start as u64);
+        let metadata = from_offset(&ranges, start as u64 & !4095);
         Ok(metadata.chunks(chunk).map(|c| message(size as i64, c.to_vec())).collect())
     }
 }

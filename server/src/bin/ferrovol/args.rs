@@ -357,7 +357,7 @@ pub(crate) enum SnapshotCmd {
     CreateGroup {
         /// Snapshot name, the same on every volume (VOLUME@SNAPSHOT).
         snapshot: String,
-        /// The volumes, two or more.
+        /// The volumes (one or more).
         #[arg(required = true, num_args = 1..)]
         volumes: Vec<String>,
     },
