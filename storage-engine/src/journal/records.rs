@@ -181,16 +181,19 @@ pub(crate) fn split_records(mut payload: &[u8]) -> Result<Vec<(u8, &[u8])>> {
 
 /// Encodes one commit's records into log batches (header + payload padded to whole
 /// blocks), with sequence numbers from `first_seq` and commit indexes from 0. Each
-/// batch is at most [`MAX_BATCH_BYTES`]. Errors: a malformed record, or more than
-/// 65,536 batches (64 GiB of records).
-pub(crate) fn encode_batches(records: &[u8], first_seq: u64, pool_tag: u64) -> Result<Vec<Vec<u8>>> {
+/// batch is at most [`MAX_BATCH_BYTES`]. No batch begins at an offset of `glued`
+/// (sorted record boundaries inside runs of records that recovery must replay all or
+/// none of, since it replays whole batches), unless a run alone overflows a batch.
+/// Errors: a malformed record, or more than 65,536 batches (64 GiB of records).
+pub(crate) fn encode_batches(records: &[u8], glued: &[usize], first_seq: u64, pool_tag: u64) -> Result<Vec<Vec<u8>>> {
     let max_payload = MAX_BATCH_BYTES - size_of::<BatchHeader>();
     let mut out = Vec::new();
     let mut rest = records;
     let mut seq = first_seq;
     while !rest.is_empty() {
-        // Cut at a record boundary.
-        let mut cut = 0;
+        let done = records.len() - rest.len();
+        // Cut at a record boundary, the last one that fits and is not glued.
+        let (mut cut, mut free_cut) = (0, 0);
         while cut < rest.len() {
             let (h, _) =
                 RecordHeader::read_from_prefix(&rest[cut..]).map_err(|_| Error::corrupt("bad pending record"))?;
@@ -199,6 +202,12 @@ pub(crate) fn encode_batches(records: &[u8], first_seq: u64, pool_tag: u64) -> R
                 break;
             }
             cut = next;
+            if glued.binary_search(&(done + cut)).is_err() {
+                free_cut = cut;
+            }
+        }
+        if cut < rest.len() && free_cut > 0 {
+            cut = free_cut;
         }
         let payload = &rest[..cut];
         let total = size_of::<BatchHeader>() + payload.len();

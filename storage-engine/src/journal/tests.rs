@@ -236,9 +236,9 @@ fn torn_commits_of_several_batches_load_and_later_commits_are_refused() {
     }
     let mut b = Vec::new();
     Record::VolumeResize { volume: id, size: 4096 * (growths + 2) }.encode(&mut b);
-    let batches_a = encode_batches(&a, log.seq + 1, geo.pool_tag()).unwrap();
+    let batches_a = encode_batches(&a, &[], log.seq + 1, geo.pool_tag()).unwrap();
     assert_eq!(batches_a.len(), 3);
-    let batches_b = encode_batches(&b, log.seq + 4, geo.pool_tag()).unwrap();
+    let batches_b = encode_batches(&b, &[], log.seq + 4, geo.pool_tag()).unwrap();
     // Writes `batches` one after another from the log's end; `damaged` gets a payload
     // byte flipped (a torn write).
     let put = |batches: &[&Vec<u8>], damaged: Option<usize>| {
@@ -285,7 +285,7 @@ fn torn_commits_of_several_batches_load_and_later_commits_are_refused() {
     assert!(e.message().contains(&named), "{e}");
     // A's second batch alone, renumbered to follow the checkpoint: it says it is
     // batch 1 of a commit whose batch 0 is not there.
-    let shifted = encode_batches(&a, log.seq, geo.pool_tag()).unwrap();
+    let shifted = encode_batches(&a, &[], log.seq, geo.pool_tag()).unwrap();
     put(&[&shifted[1]], None);
     let e = load_now().err().expect("a batch out of its commit's order was accepted");
     assert!(
@@ -294,7 +294,7 @@ fn torn_commits_of_several_batches_load_and_later_commits_are_refused() {
     );
     // A valid batch numbered past the range (damage under a recomputed checksum) is
     // refused, not left to overflow the checkpoint's jump past it.
-    let far = encode_batches(&b, 1 << 63, geo.pool_tag()).unwrap();
+    let far = encode_batches(&b, &[], 1 << 63, geo.pool_tag()).unwrap();
     put(&[&far[0]], None);
     let e = load_now().err().expect("a batch numbered 2^63 was accepted");
     assert!(e.message().contains("out of range"), "{e}");
@@ -306,4 +306,35 @@ fn truncated_records_are_corrupt() {
     Record::Unmap { volume: 1, lunit: 2 }.encode(&mut buf);
     buf.pop();
     assert!(split_records(&buf).is_err());
+}
+
+/// A run of records logged together never straddles two log batches (recovery replays
+/// whole batches: a crash could otherwise keep the first of them only), unless the
+/// run alone overflows a batch; without glue the same records are cut where they fill
+/// a batch.
+#[test]
+fn glued_records_stay_in_one_batch() {
+    let mut records = Vec::new();
+    let mut bounds = Vec::new();
+    // About 1.5 MiB of small records: the first batch fills near 1 MiB.
+    for k in 0..70_000u64 {
+        Record::VolumeResize { volume: 7, size: 4096 * (k + 1) }.encode(&mut records);
+        bounds.push(records.len());
+    }
+    let plain = encode_batches(&records, &[], 1, 42).unwrap();
+    assert_eq!(plain.len(), 2);
+    let payload_len = |b: &Vec<u8>| BatchHeader::read_from_prefix(b).unwrap().0.payload_len.get() as usize;
+    let cut = payload_len(&plain[0]);
+    assert!(bounds.contains(&cut), "cut at a record boundary");
+    // Glue the 20 records around that cut into one run.
+    let at = bounds.iter().position(|b| *b == cut).unwrap();
+    let glued: Vec<usize> = bounds[at - 10..at + 10].to_vec();
+    let with_glue = encode_batches(&records, &glued, 1, 42).unwrap();
+    let cut2 = payload_len(&with_glue[0]);
+    assert_eq!(cut2, bounds[at - 11], "the batch ends before the run");
+    assert_eq!(with_glue.iter().map(payload_len).sum::<usize>(), records.len(), "every record in a batch");
+    // A run longer than a batch is cut anyway (where it must).
+    let all: Vec<usize> = bounds[..bounds.len() - 1].to_vec();
+    let forced = encode_batches(&records, &all, 1, 42).unwrap();
+    assert_eq!(payload_len(&forced[0]), cut);
 }

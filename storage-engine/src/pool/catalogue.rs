@@ -75,10 +75,12 @@ impl Pool {
                 written: false,
                 props: props.clone(),
             };
-            self.store.log_record(&Record::Volume { volume: id, size, created, name: name.to_owned() });
+            // Together: recovery replays the volume with its labels or neither.
+            let mut records = vec![Record::Volume { volume: id, size, created, name: name.to_owned() }];
             if !props.is_empty() {
-                self.store.log_record(&Record::Props { volume: id, props: props.clone() });
+                records.push(Record::Props { volume: id, props: props.clone() });
             }
+            self.store.log_records(&records);
             a.counts.volumes += 1;
             a.counts.volume_bytes += meta.own_bytes();
             self.store.after_growth(&a);
@@ -237,11 +239,10 @@ impl Pool {
     /// snapshot: a database's data and log volumes): each `VOLUME@SNAPSHOT` holds every
     /// write acknowledged on any of them before the call and none issued after the
     /// reply, since writes to all of them are held back together while the snapshots
-    /// are made, and all are logged together and made durable by one commit. A crash
-    /// during that commit may keep the first members and lose the rest (the log
-    /// replays whole batches, and a commit may span several): give the members a
-    /// label that says how many there are, to tell a partial group (the CSI controller
-    /// does). `labels` go on every member.
+    /// are made, and all are logged together (never split across log batches, unless
+    /// their records alone overflow one, about 10,000 members) and made durable by one
+    /// commit: after a crash, the whole group or none of it. `labels` go on every
+    /// member.
     ///
     /// Errors: [`ErrorKind::InvalidArgument`] (no volume, one named twice, a snapshot
     /// among them, a bad name or labels); [`ErrorKind::NotFound`];

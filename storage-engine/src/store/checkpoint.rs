@@ -138,6 +138,7 @@ impl Store {
         alloc.checkpoint_units = bound;
         let mut j = self.journal.lock();
         j.bytes.clear(); // captured by the snapshot itself
+        j.glued.clear();
         let volumes = maps
             .iter()
             .zip(props)

@@ -263,7 +263,7 @@ impl Store {
         let unfinished = FailOnDrop(Some(self));
         let result = async {
             let plan = plan?;
-            if self.data_sync_needed(&records) {
+            if self.data_sync_needed(&records.bytes) {
                 self.sync_data().await?;
             }
             // Every batch write is waited for, even after one fails: none may land
@@ -283,7 +283,7 @@ impl Store {
             Ok(plan) => {
                 self.finish_cycle(&mut log, plan, pending, upto);
                 self.cycles_done.store(number, Ordering::SeqCst);
-                self.costs.commit(began.elapsed(), records.len());
+                self.costs.commit(began.elapsed(), records.bytes.len());
                 Ok(())
             }
             Err(e) => {
@@ -326,7 +326,7 @@ impl Store {
             // are already applied in memory) and empties the log.
             return self.checkpoint_locked(log, 0);
         };
-        if self.data_sync_needed(&records) {
+        if self.data_sync_needed(&records.bytes) {
             self.sync_data_blocking()?;
         }
         let rxs = self.submit_batches(&plan);
@@ -341,7 +341,7 @@ impl Store {
             return Err(e);
         }
         self.finish_cycle(log, plan, pending, upto);
-        self.costs.commit(began.elapsed(), records.len());
+        self.costs.commit(began.elapsed(), records.bytes.len());
         Ok(())
     }
 
@@ -355,25 +355,27 @@ impl Store {
     /// C1 (on-disk-format.md 6.2): how far the pending frees and settles reach, the
     /// journal's records (the journal is left empty), and how many records were logged
     /// so far. Call with the log locked.
-    pub(super) fn take_records(&self) -> (PendingMark, Vec<u8>, u64) {
+    pub(super) fn take_records(&self) -> (PendingMark, super::Journal, u64) {
         let pending = self.alloc.lock().pending_mark();
         let mut j = self.journal.lock();
-        (pending, std::mem::take(&mut j.bytes), self.records_logged.load(Ordering::SeqCst))
+        (pending, std::mem::take(&mut *j), self.records_logged.load(Ordering::SeqCst))
     }
 
     /// Puts records taken by [`Self::take_records`] back in front of the journal
     /// (they are older than anything logged since). Call with the log still locked.
-    fn untake_records(&self, records: Vec<u8>) {
+    fn untake_records(&self, records: super::Journal) {
         let mut j = self.journal.lock();
-        let newer = std::mem::replace(&mut j.bytes, records);
-        j.bytes.extend_from_slice(&newer);
+        let newer = std::mem::replace(&mut *j, records);
+        let shift = j.bytes.len();
+        j.bytes.extend_from_slice(&newer.bytes);
+        j.glued.extend(newer.glued.iter().map(|g| g + shift));
     }
 
     /// C3's placement: `records` as log batches numbered from the cursor's sequence
     /// number, each at its byte offset in the pool (wrap rule, 4.2). `None` if they do
     /// not all fit in the live log. Errors: a malformed pending record (an engine bug).
-    fn place_batches(&self, log: &LogState, records: &[u8]) -> Result<Option<LogPlan>> {
-        let batches = journal::encode_batches(records, log.cursor.seq + 1, self.geo.pool_tag())?;
+    fn place_batches(&self, log: &LogState, records: &super::Journal) -> Result<Option<LogPlan>> {
+        let batches = journal::encode_batches(&records.bytes, &records.glued, log.cursor.seq + 1, self.geo.pool_tag())?;
         let mut pos = log.cursor.pos;
         let mut writes = Vec::with_capacity(batches.len());
         for b in batches {

@@ -137,6 +137,9 @@ impl VolState {
 #[derive(Default)]
 pub(crate) struct Journal {
     pub bytes: Vec<u8>,
+    /// Offsets in `bytes` where no log batch may begin: the record boundaries inside
+    /// runs logged together by [`Store::log_records`] (ascending).
+    pub glued: Vec<usize>,
 }
 
 /// Committer-only state: the log cursor and the current superblock.
@@ -503,11 +506,16 @@ impl Store {
         self.log_records(std::slice::from_ref(r));
     }
 
-    /// Appends `rs` to the journal together: no commit falls between them (a commit
-    /// may still split them across log batches).
+    /// Appends `rs` to the journal together: no commit falls between them, and no log
+    /// batch boundary either (unless they alone overflow a batch), so recovery replays
+    /// all of them or none.
     pub(crate) fn log_records(&self, rs: &[Record]) {
         let mut j = self.journal.lock();
-        for r in rs {
+        for (i, r) in rs.iter().enumerate() {
+            if i > 0 {
+                let at = j.bytes.len();
+                j.glued.push(at);
+            }
             r.encode(&mut j.bytes);
         }
         self.records_logged.fetch_add(rs.len() as u64, Ordering::SeqCst);
