@@ -337,6 +337,11 @@ fn the_forced_tls_option_rules_hold_on_the_wire() {
     assert_eq!(reply(&mut t, NBD_OPT_INFO), NBD_REP_ACK, "NBD_OPT_INFO over TLS");
     send(&mut t, NBD_OPT_ABORT, &[]);
     assert_eq!(reply(&mut t, NBD_OPT_ABORT), NBD_REP_ACK);
+    // proto.md "Termination": the server ends TLS (close_notify) before the connection,
+    // so the client sees a clean end rather than a truncated session.
+    let mut rest = Vec::new();
+    let end = t.read_to_end(&mut rest);
+    assert!(end.is_ok(), "the TLS session ended without close_notify: {end:?}");
 
     // NBD_OPT_EXPORT_NAME cannot be refused: the connection ends.
     let mut c = greet(s.port);
