@@ -114,17 +114,7 @@ impl Cluster {
     }
 
     async fn channel(&self) -> Channel {
-        let path = self.socket.clone();
-        tonic::transport::Endpoint::try_from("http://csi.invalid")
-            .unwrap()
-            .connect_with_connector(tower::service_fn(move |_| {
-                let path = path.clone();
-                async move {
-                    Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(path).await?))
-                }
-            }))
-            .await
-            .unwrap()
+        unix_channel(&self.socket).await
     }
 
     async fn controller(&self) -> ControllerClient<Channel> {
@@ -158,6 +148,43 @@ fn wait_listening(path: &Path, why: impl Fn() -> String) {
         assert!(t.elapsed() < Duration::from_secs(20), "{}", why());
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// A gRPC channel over the unix socket at `path`.
+async fn unix_channel(path: &Path) -> Channel {
+    let path = path.to_path_buf();
+    tonic::transport::Endpoint::try_from("http://csi.invalid")
+        .unwrap()
+        .connect_with_connector(tower::service_fn(move |_| {
+            let path = path.clone();
+            async move {
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(path).await?))
+            }
+        }))
+        .await
+        .unwrap()
+}
+
+/// Waits until the plugin at `path` answers GetPluginInfo over gRPC (not only accepts
+/// connections), for at most a minute.
+fn wait_answering(path: &Path) {
+    rt().block_on(async {
+        let t = Instant::now();
+        loop {
+            let call = async {
+                IdentityClient::new(unix_channel(path).await).get_plugin_info(pb::GetPluginInfoRequest {}).await
+            };
+            match tokio::time::timeout(Duration::from_secs(5), call).await {
+                Ok(Ok(_)) => return,
+                other => assert!(
+                    t.elapsed() < Duration::from_secs(60),
+                    "{} does not answer GetPluginInfo: {other:?}",
+                    path.display()
+                ),
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
 }
 
 fn rt() -> tokio::runtime::Runtime {
@@ -874,6 +901,9 @@ fn csi_sanity_passes_the_controller_cases() {
         .spawn()
         .unwrap();
     wait_listening(&node_sock, || "node not serving".into());
+    // Both plugins answer over gRPC before the suite's first spec connects.
+    wait_answering(&node_sock);
+    wait_answering(&cl.socket);
     let o = Command::new("bash")
         .arg(&run)
         .arg(format!("unix://{}", node_sock.display()))
