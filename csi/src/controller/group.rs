@@ -80,6 +80,25 @@ fn csi_group(conn: &crate::hosts::Conn, snapshot: &str, members: &[&api::Volume]
     })
 }
 
+/// INVALID_ARGUMENT unless `asked` (member snapshot IDs a call names; none: not
+/// checked) are exactly `group`'s members.
+fn check_members(group: &pb::VolumeGroupSnapshot, asked: &[String]) -> Res<()> {
+    if asked.is_empty() {
+        return Ok(());
+    }
+    let mut asked: Vec<&str> = asked.iter().map(String::as_str).collect();
+    let mut have: Vec<&str> = group.snapshots.iter().map(|s| s.snapshot_id.as_str()).collect();
+    asked.sort_unstable();
+    have.sort_unstable();
+    if asked != have {
+        return Err(CsiError::invalid(format!(
+            "snapshot_ids {asked:?} are not the members of group snapshot {} ({have:?})",
+            group.group_snapshot_id
+        )));
+    }
+    Ok(())
+}
+
 impl Controller {
     async fn create_group(
         &self,
@@ -171,18 +190,7 @@ impl Controller {
             return Err(CsiError::not_found(format!("group snapshot {:?} does not exist", r.group_snapshot_id)));
         }
         let group = csi_group(&conn, &gid.snapshot, &found)?;
-        if !r.snapshot_ids.is_empty() {
-            let mut asked: Vec<&str> = r.snapshot_ids.iter().map(String::as_str).collect();
-            let mut have: Vec<&str> = group.snapshots.iter().map(|s| s.snapshot_id.as_str()).collect();
-            asked.sort_unstable();
-            have.sort_unstable();
-            if asked != have {
-                return Err(CsiError::invalid(format!(
-                    "snapshot_ids {asked:?} are not the members of group snapshot {} ({have:?})",
-                    r.group_snapshot_id
-                )));
-            }
-        }
+        check_members(&group, &r.snapshot_ids)?;
         Ok(pb::GetVolumeGroupSnapshotResponse { group_snapshot: Some(group) })
     }
 
@@ -202,18 +210,8 @@ impl Controller {
         let (conn, found, gid) = self.group_members(&r.group_snapshot_id).await?;
         // spec.md DeleteVolumeGroupSnapshot: snapshot_ids that are not the group's
         // members while it exists are INVALID_ARGUMENT.
-        if !r.snapshot_ids.is_empty() && !found.is_empty() {
-            let group = csi_group(&conn, &gid.snapshot, &found.iter().collect::<Vec<_>>())?;
-            let mut asked: Vec<&str> = r.snapshot_ids.iter().map(String::as_str).collect();
-            let mut have: Vec<&str> = group.snapshots.iter().map(|s| s.snapshot_id.as_str()).collect();
-            asked.sort_unstable();
-            have.sort_unstable();
-            if asked != have {
-                return Err(CsiError::invalid(format!(
-                    "snapshot_ids {asked:?} are not the members of group snapshot {} ({have:?})",
-                    r.group_snapshot_id
-                )));
-            }
+        if !found.is_empty() {
+            check_members(&csi_group(&conn, &gid.snapshot, &found.iter().collect::<Vec<_>>())?, &r.snapshot_ids)?;
         }
         for m in found {
             let Some((vol, _)) = m.name.split_once('@') else { continue };
