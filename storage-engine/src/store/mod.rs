@@ -149,7 +149,6 @@ pub(crate) struct LogState {
     pub(crate) checkpoint_units: Vec<u32>,
 }
 
-/// The shared state of one open pool (module docs).
 /// Counters behind [`crate::CommitStats`]: durations in nanoseconds.
 #[derive(Default)]
 pub(crate) struct Costs {
@@ -209,6 +208,7 @@ impl Costs {
     }
 }
 
+/// The shared state of one open pool (module docs).
 pub(crate) struct Store {
     path: PathBuf,
     /// The pool file or device (for what the ring does not do: its holes, its room).
