@@ -230,27 +230,33 @@ impl Metrics {
         self.forget_deleted(pool);
         self.pool_failed.set(i64::from(s.failed));
         let c = pool.commit_stats();
-        // The pool's totals only grow; the counters follow them.
-        self.commits.inc_by(c.commits.saturating_sub(self.commits.get()));
-        self.commit_seconds.inc_by((c.commit_seconds - self.commit_seconds.get()).max(0.0));
+        follow(&self.commits, c.commits);
+        follow_seconds(&self.commit_seconds, c.commit_seconds);
         self.commit_max_seconds.set(c.commit_max_seconds);
-        self.checkpoints.inc_by(c.checkpoints.saturating_sub(self.checkpoints.get()));
-        self.checkpoint_seconds.inc_by((c.checkpoint_seconds - self.checkpoint_seconds.get()).max(0.0));
+        follow(&self.checkpoints, c.checkpoints);
+        follow_seconds(&self.checkpoint_seconds, c.checkpoint_seconds);
         self.checkpoint_max_seconds.set(c.checkpoint_max_seconds);
-        self.checkpoint_bytes.inc_by(c.checkpoint_bytes.saturating_sub(self.checkpoint_bytes.get()));
+        follow(&self.checkpoint_bytes, c.checkpoint_bytes);
         self.checkpoint_hold_max_seconds.set(c.checkpoint_hold_max_seconds);
         self.nbd_connections.set(nbd.connections as i64);
-        // The server's count only grows; the counter follows it.
-        let seen = self.nbd_stalled.get();
-        if nbd.stalled_connections > seen {
-            self.nbd_stalled.inc_by(nbd.stalled_connections - seen);
-        }
+        follow(&self.nbd_stalled, nbd.stalled_connections);
         let mut out = String::new();
         if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &self.registry) {
             tracing::warn!(error = %e, "encoding metrics failed");
         }
         out
     }
+}
+
+/// Brings `counter` up to `total`, a count kept elsewhere that only grows (the pool's,
+/// the NBD server's).
+fn follow(counter: &Counter, total: u64) {
+    counter.inc_by(total.saturating_sub(counter.get()));
+}
+
+/// [`follow`] for a total of seconds.
+fn follow_seconds(counter: &Counter<f64, std::sync::atomic::AtomicU64>, total: f64) {
+    counter.inc_by((total - counter.get()).max(0.0));
 }
 
 /// The series of one volume or snapshot; clones share the same series.
