@@ -474,26 +474,11 @@ fn handshake_tls(
         other => other,
     };
     let client_flags = greet(&mut tcp, target)?;
-    let mut out = Vec::with_capacity(4 + OPTION_HEADER_LEN);
-    out.extend_from_slice(&client_flags.to_be_bytes());
-    out.extend_from_slice(&OptionHeader { option: NBD_OPT_STARTTLS, length: 0 }.encode());
-    tcp.write_all(&out).map_err(io)?;
-    let mut h = [0u8; OPTION_REPLY_HEADER_LEN];
-    tcp.read_exact(&mut h).map_err(io)?;
-    let h = OptionReplyHeader::parse(&h)
-        .map_err(|e| HandshakeError::Protocol { target: target.to_string(), message: format!("option reply: {e}") })?;
-    if h.option != NBD_OPT_STARTTLS || h.length > MAX_REPLY {
-        return Err(HandshakeError::Protocol {
-            target: target.to_string(),
-            message: format!("a reply to option {} of {} bytes while waiting for NBD_OPT_STARTTLS", h.option, h.length),
-        });
-    }
-    let mut data = vec![0u8; h.length as usize];
-    tcp.read_exact(&mut data).map_err(io)?;
-    if h.reply_type != NBD_REP_ACK {
+    send_option(&mut tcp, target, &client_flags.to_be_bytes(), NBD_OPT_STARTTLS, &[])?;
+    let (reply_type, data) = read_reply(&mut tcp, target, NBD_OPT_STARTTLS, "NBD_OPT_STARTTLS")?;
+    if reply_type != NBD_REP_ACK {
         return Err(tls_err(format!(
-            "the server does not offer TLS (reply {:#x} to NBD_OPT_STARTTLS{})",
-            h.reply_type,
+            "the server does not offer TLS (reply {reply_type:#x} to NBD_OPT_STARTTLS{})",
             shown(&String::from_utf8_lossy(&data))
         )));
     }
@@ -552,33 +537,56 @@ fn greet<S: Read>(s: &mut S, target: &str) -> Result<u32, HandshakeError> {
     Ok(NBD_FLAG_C_FIXED_NEWSTYLE | if flags & NBD_FLAG_NO_ZEROES != 0 { NBD_FLAG_C_NO_ZEROES } else { 0 })
 }
 
+/// Sends `prefix` (the client flags, or nothing once they went) and option `option`
+/// with `data`.
+fn send_option<S: Write>(
+    s: &mut S,
+    target: &str,
+    prefix: &[u8],
+    option: u32,
+    data: &[u8],
+) -> Result<(), HandshakeError> {
+    let io = |source: std::io::Error| HandshakeError::Io { target: target.to_string(), source };
+    let mut out = Vec::with_capacity(prefix.len() + OPTION_HEADER_LEN + data.len());
+    out.extend_from_slice(prefix);
+    out.extend_from_slice(&OptionHeader { option, length: data.len() as u32 }.encode());
+    out.extend_from_slice(data);
+    s.write_all(&out).map_err(io)?;
+    s.flush().map_err(io)
+}
+
+/// Reads one reply to option `option` (`name` in messages): its type and data.
+///
+/// Errors: [`HandshakeError::Io`]; [`HandshakeError::Protocol`] for a malformed header, a
+/// reply to another option, or one longer than [`MAX_REPLY`].
+fn read_reply<S: Read>(s: &mut S, target: &str, option: u32, name: &str) -> Result<(u32, Vec<u8>), HandshakeError> {
+    let io = |source: std::io::Error| HandshakeError::Io { target: target.to_string(), source };
+    let proto = |message: String| HandshakeError::Protocol { target: target.to_string(), message };
+    let mut h = [0u8; OPTION_REPLY_HEADER_LEN];
+    s.read_exact(&mut h).map_err(io)?;
+    let h = OptionReplyHeader::parse(&h).map_err(|e| proto(format!("option reply: {e}")))?;
+    if h.option != option {
+        return Err(proto(format!("a reply to option {} while waiting for {name}", h.option)));
+    }
+    if h.length > MAX_REPLY {
+        return Err(proto(format!("an option reply of {} bytes", h.length)));
+    }
+    let mut data = vec![0u8; h.length as usize];
+    s.read_exact(&mut data).map_err(io)?;
+    Ok((h.reply_type, data))
+}
+
 /// Sends `prefix` (the client flags, or nothing once they went) and `NBD_OPT_GO` for
 /// `name`, and reads the replies.
 fn options<S: Read + Write>(s: &mut S, target: &str, name: &str, prefix: &[u8]) -> Result<ExportInfo, HandshakeError> {
-    let io = |source: std::io::Error| HandshakeError::Io { target: target.to_string(), source };
     let proto = |message: String| HandshakeError::Protocol { target: target.to_string(), message };
     let go = InfoRequest { name: name.to_string(), requests: vec![NBD_INFO_BLOCK_SIZE, NBD_INFO_DESCRIPTION] }.encode();
-    let mut out = Vec::with_capacity(prefix.len() + OPTION_HEADER_LEN + go.len());
-    out.extend_from_slice(prefix);
-    out.extend_from_slice(&OptionHeader { option: NBD_OPT_GO, length: go.len() as u32 }.encode());
-    out.extend_from_slice(&go);
-    s.write_all(&out).map_err(io)?;
-    s.flush().map_err(io)?;
+    send_option(s, target, prefix, NBD_OPT_GO, &go)?;
     let (mut size_flags, mut block_size, mut description) = (None, None, None);
     for _ in 0..MAX_REPLIES {
-        let mut h = [0u8; OPTION_REPLY_HEADER_LEN];
-        s.read_exact(&mut h).map_err(io)?;
-        let h = OptionReplyHeader::parse(&h).map_err(|e| proto(format!("option reply: {e}")))?;
-        if h.option != NBD_OPT_GO {
-            return Err(proto(format!("a reply to option {} while waiting for NBD_OPT_GO", h.option)));
-        }
-        if h.length > MAX_REPLY {
-            return Err(proto(format!("an option reply of {} bytes", h.length)));
-        }
-        let mut data = vec![0u8; h.length as usize];
-        s.read_exact(&mut data).map_err(io)?;
+        let (reply_type, data) = read_reply(s, target, NBD_OPT_GO, "NBD_OPT_GO")?;
         let message = || String::from_utf8_lossy(&data).into_owned();
-        match h.reply_type {
+        match reply_type {
             NBD_REP_INFO => {
                 if data.len() < 2 {
                     return Err(proto("an NBD_REP_INFO without its type".into()));
