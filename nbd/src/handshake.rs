@@ -229,11 +229,13 @@ where
                 "option {option} from a client without fixed newstyle negotiation, which cannot be answered"
             )));
         }
-        if header.length > config.max_option_length {
-            // Skipped, not buffered, and answered (proto.md "Option haggling": the
-            // server skips an option's data by its length and replies), up to
-            // MAX_OPTION_DRAIN; more than that, or NBD_OPT_EXPORT_NAME, which takes no
-            // error reply, is a hard disconnect.
+        // Data beyond `max_option_length` is skipped, not buffered, and the option is
+        // answered (proto.md "Option haggling": the server skips an option's data by
+        // its length and replies) once the rules below had their say, up to
+        // MAX_OPTION_DRAIN; more than that, or NBD_OPT_EXPORT_NAME, which takes no
+        // error reply, is a hard disconnect.
+        let too_big = header.length > config.max_option_length;
+        let data = if too_big {
             if option == NBD_OPT_EXPORT_NAME || header.length > MAX_OPTION_DRAIN {
                 return Err(Error::protocol(format!(
                     "option {option} carries {} bytes of data, more than the {} allowed",
@@ -245,20 +247,12 @@ where
             if skipped < u64::from(header.length) {
                 return Err(Error::Io(std::io::ErrorKind::UnexpectedEof.into()));
             }
-            if option == NBD_OPT_ABORT {
-                let _ = send_final(stream, option, NBD_REP_ACK, &[]).await;
-                return Ok(None);
-            }
-            let (reply, why): (u32, &[u8]) = if KNOWN_OPTIONS.contains(&option) {
-                (NBD_REP_ERR_TOO_BIG, b"the option's data is larger than this server takes")
-            } else {
-                (NBD_REP_ERR_UNSUP, b"unsupported option")
-            };
-            send_final(stream, option, reply, why).await?;
-            continue;
-        }
-        let mut data = vec![0u8; header.length as usize];
-        stream.read_exact(&mut data).await?;
+            Vec::new()
+        } else {
+            let mut data = vec![0u8; header.length as usize];
+            stream.read_exact(&mut data).await?;
+            data
+        };
         tracing::trace!(option, length = header.length, "option received");
 
         // proto.md "Termination": a server shutting down SHOULD answer options with
@@ -283,6 +277,15 @@ where
             }
             send_final(stream, option, NBD_REP_ERR_TLS_REQD, b"this server requires TLS: send NBD_OPT_STARTTLS first")
                 .await?;
+            continue;
+        }
+        if too_big && option != NBD_OPT_ABORT {
+            let (reply, why): (u32, &[u8]) = if KNOWN_OPTIONS.contains(&option) {
+                (NBD_REP_ERR_TOO_BIG, b"the option's data is larger than this server takes")
+            } else {
+                (NBD_REP_ERR_UNSUP, b"unsupported option")
+            };
+            send_final(stream, option, reply, why).await?;
             continue;
         }
 

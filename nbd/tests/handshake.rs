@@ -615,7 +615,8 @@ async fn options_during_shutdown_get_err_shutdown() {
 }
 
 /// proto.md "FORCEDTLS mode": before STARTTLS every option but NBD_OPT_STARTTLS and
-/// NBD_OPT_ABORT, known or not, gets NBD_REP_ERR_TLS_REQD and nothing else.
+/// NBD_OPT_ABORT, known or not, of any length, gets NBD_REP_ERR_TLS_REQD and nothing
+/// else.
 #[tokio::test]
 async fn forced_tls_refuses_every_option_before_starttls() {
     let tls = nbd::NbdTls {
@@ -635,6 +636,8 @@ async fn forced_tls_refuses_every_option_before_starttls() {
         (NBD_OPT_LIST_META_CONTEXT, meta),
         (NBD_OPT_EXTENDED_HEADERS, Vec::new()),
         (0x1234, b"x".to_vec()),
+        // Data past what the server buffers changes nothing: TLS first.
+        (NBD_OPT_LIST, vec![0; 70 * 1024]),
     ] {
         send_option(&mut c, option, &data).await;
         let (h, _) = read_option_reply(&mut c).await;
