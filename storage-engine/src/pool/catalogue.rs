@@ -312,9 +312,7 @@ impl Pool {
                     check_no_orphan_snapshots(&vols, target)?;
                 }
             }
-            if let Some((source, _)) =
-                pairs.iter().zip(&srcs).find(|(_, s)| s.deleted.load(Ordering::SeqCst)).map(|(p, _)| p)
-            {
+            if let Some(((source, _), _)) = pairs.iter().zip(&srcs).find(|(_, s)| s.deleted.load(Ordering::SeqCst)) {
                 return Err(Error::new(ErrorKind::NotFound, format!("'{source}' was deleted")));
             }
             let maps: Vec<_> = srcs.iter().map(|s| s.map.read()).collect();
@@ -372,7 +370,7 @@ impl Pool {
         }
         drop(quiet);
         self.store.commit().await?;
-        for ((source, target), _) in pairs.iter().zip(&srcs) {
+        for (source, target) in pairs {
             tracing::info!(source, target = %target, snapshot, "shared");
         }
         pairs.iter().map(|(_, target)| self.volume_info(target)).collect::<Result<Vec<_>>>().map(Room::Done)
@@ -401,7 +399,7 @@ impl Pool {
     pub fn diff(&self, a: &str, b: &str) -> Result<Vec<(u64, u64)>> {
         let (va, vb) = (self.named("diff", a)?, self.named("diff", b)?);
         let (ma, mb) = (va.map.read().clone(), vb.map.read().clone());
-        Ok(self.changed_blocks(&ma, Some(&mb)))
+        Ok(self.changed_blocks(&ma, &mb))
     }
 
     /// Byte ranges `(offset, length)` of volume or snapshot `name` that hold written
@@ -412,7 +410,8 @@ impl Pool {
     pub fn allocated(&self, name: &str) -> Result<Vec<(u64, u64)>> {
         let v = self.named("allocated ranges", name)?;
         let m = v.map.read().clone();
-        Ok(self.changed_blocks(&m, None))
+        // Against an empty table: the blocks written in it.
+        Ok(self.changed_blocks(&m, &MapTable::new()))
     }
 
     /// The volume or snapshot `name`, for operation `op`.
@@ -426,34 +425,31 @@ impl Pool {
     }
 
     /// The 4 KiB blocks, as merged ranges, where `ma` and `mb` differ (written in one
-    /// and not the other, or both mapping other data units); with no `mb`, where `ma`
-    /// has written blocks.
-    fn changed_blocks(&self, ma: &MapTable, mb: Option<&MapTable>) -> Vec<(u64, u64)> {
+    /// and not the other, or both mapping other data units).
+    fn changed_blocks(&self, ma: &MapTable, mb: &MapTable) -> Vec<(u64, u64)> {
         let bpu = self.store.geo().blocks_per_unit();
         let us = self.store.geo().unit_size;
         // Pages present on either side, in order.
-        let present: std::collections::BTreeSet<usize> =
-            ma.pages().chain(mb.into_iter().flat_map(|m| m.pages())).map(|(p, _)| p).collect();
+        let present: std::collections::BTreeSet<usize> = ma.pages().chain(mb.pages()).map(|(p, _)| p).collect();
         let mut out: Vec<(u64, u64)> = Vec::new();
         let mut push = |off: u64, len: u64| match out.last_mut() {
             Some((o, l)) if *o + *l == off => *l += len,
             _ => out.push((off, len)),
         };
         for p in present {
-            if let (Some(x), Some(y)) = (ma.page(p), mb.and_then(|m| m.page(p))) {
+            if let (Some(x), Some(y)) = (ma.page(p), mb.page(p)) {
                 if Arc::ptr_eq(x, y) {
                     continue;
                 }
             }
             for i in 0..PAGE_ENTRIES as u64 {
                 let lunit = p as u64 * PAGE_ENTRIES as u64 + i;
-                let ea = ma.get(lunit);
-                let eb = mb.map(|m| m.get(lunit));
+                let (ea, eb) = (ma.get(lunit), mb.get(lunit));
                 for blk in 0..bpu {
                     let bit = 1u32 << blk;
                     let wa = ea.is_mapped() && ea.bitmap & bit != 0;
-                    let wb = eb.is_some_and(|eb| eb.is_mapped() && eb.bitmap & bit != 0);
-                    if wa != wb || (wa && eb.is_some_and(|eb| ea.punit != eb.punit)) {
+                    let wb = eb.is_mapped() && eb.bitmap & bit != 0;
+                    if wa != wb || (wa && ea.punit != eb.punit) {
                         push(lunit * us + blk * BLOCK_SIZE, BLOCK_SIZE);
                     }
                 }
