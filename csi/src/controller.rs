@@ -13,7 +13,7 @@
 mod group;
 mod metadata;
 
-pub use group::{parse_group_snapshot_id, GroupSnapshotId, GROUP_LABEL, GROUP_SIZE_LABEL};
+pub use group::{parse_group_snapshot_id, GroupSnapshotId, GROUP_LABEL};
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -40,9 +40,7 @@ pub const SIZE_ALIGN: u64 = 4096;
 /// The largest volume a storage host makes: 1 PiB (the engine's limit).
 pub const MAX_VOLUME_SIZE: u64 = 1 << 50;
 
-/// The label a storage host gives a clone: its source's full name (`VOLUME` or
-/// `VOLUME@SNAPSHOT`).
-pub const ORIGIN_LABEL: &str = "ferrovol/origin";
+pub use mgmt_api::ORIGIN_LABEL;
 
 /// The prefix of the node IDs ferrovol's node plugin reports (`ferrovol:NODE-NAME`).
 /// A node ID without it was made by no ferrovol node: ControllerPublishVolume answers

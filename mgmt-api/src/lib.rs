@@ -26,6 +26,16 @@ pub mod pb {
 
 pub use pb::{Attachment, ByteRange, HostInfo, PoolStatus, Volume};
 
+/// The label a storage host gives a clone: its source's full name (`VOLUME` or
+/// `VOLUME@SNAPSHOT`), set by CloneVolume (an idempotent clone of the same name
+/// compares it).
+pub const ORIGIN_LABEL: &str = "ferrovol/origin";
+
+/// The label a storage host gives every member of a group snapshot
+/// (CreateGroupSnapshot): how many members the group has, so that a group a crash cut
+/// short is told apart from ordinary snapshots.
+pub const GROUP_SIZE_LABEL: &str = "ferrovol/group-size";
+
 /// The largest reply [`Client`] accepts, in bytes: about four million volumes in a
 /// listing, or a hundred million ranges in a diff. Replies are not paged, and gRPC's
 /// default of 4 MiB per message is passed by a listing of some 16,000 volumes.

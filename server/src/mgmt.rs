@@ -18,13 +18,7 @@ use tonic::{Request, Response, Status};
 use crate::access::{Fences, NbdAccess};
 use crate::errors::grpc_status;
 
-/// The label a clone carries naming its source (`VOLUME` or `VOLUME@SNAPSHOT`), set by
-/// CloneVolume: an idempotent clone of the same name compares it.
-pub const ORIGIN_LABEL: &str = "ferrovol/origin";
-
-/// The label the server gives every member of a group snapshot: how many members the
-/// group has, so that a group a crash cut short is told apart from ordinary snapshots.
-pub const GROUP_SIZE_LABEL: &str = "ferrovol/group-size";
+pub use mgmt_api::{GROUP_SIZE_LABEL, ORIGIN_LABEL};
 
 /// How long UnpublishVolume waits for the node's connections to close before it
 /// answers `ABORTED` (the attachment is gone by then; a retry waits again).

@@ -5,9 +5,9 @@
 //! (FAILED_PRECONDITION): no instant is common to two hosts.
 //!
 //! A group snapshot ID is `HOST/*@SNAPSHOT`: its members are the snapshots `SNAPSHOT` of
-//! its volumes on host `HOST`, labelled with the group's CSI name and its size (the
-//! size tells a group a crash cut short, which is taken again whole). Not here: the
-//! single-volume calls ([`super`]).
+//! its volumes on host `HOST`, labelled with the group's CSI name, and by the host
+//! with its size (which tells a group a crash cut short, taken again whole). Not here:
+//! the single-volume calls ([`super`]).
 
 use std::collections::HashMap;
 
@@ -18,10 +18,9 @@ use super::{answer, check_parameters, csi_snapshot, timestamp, Controller, Res};
 use crate::ids::{check_name, parse_volume_id, snapshot_name, split_host};
 use crate::{pb, CsiError};
 
-/// The label that names a member's group (its CSI name).
+/// The label that names a member's group (its CSI name); the storage host adds
+/// [`mgmt_api::GROUP_SIZE_LABEL`].
 pub const GROUP_LABEL: &str = "csi.ferrovol.io/group";
-/// The label that gives a member's group size (members in all).
-pub const GROUP_SIZE_LABEL: &str = "csi.ferrovol.io/group-size";
 
 /// A parsed group snapshot ID.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -59,7 +58,9 @@ fn members<'a>(snaps: &'a [api::Volume], snapshot: &str, name: Option<&str>) -> 
 /// Whether `members` is the whole group its size label says.
 fn whole(members: &[&api::Volume]) -> bool {
     !members.is_empty()
-        && members.iter().all(|m| m.labels.get(GROUP_SIZE_LABEL).and_then(|n| n.parse().ok()) == Some(members.len()))
+        && members
+            .iter()
+            .all(|m| m.labels.get(mgmt_api::GROUP_SIZE_LABEL).and_then(|n| n.parse().ok()) == Some(members.len()))
 }
 
 /// The CSI group snapshot of `members` on the host of `conn`.
@@ -149,8 +150,7 @@ impl Controller {
             return Ok(pb::CreateVolumeGroupSnapshotResponse { group_snapshot: Some(group) });
         }
         let (h, conn) = self.host_of(&ids[0].host, "volume").await?;
-        let labels: HashMap<String, String> =
-            [(GROUP_LABEL.to_string(), r.name.clone()), (GROUP_SIZE_LABEL.to_string(), ids.len().to_string())].into();
+        let labels: HashMap<String, String> = [(GROUP_LABEL.to_string(), r.name.clone())].into();
         let req = api::CreateGroupSnapshotRequest {
             volumes: ids.iter().map(|i| i.name.clone()).collect(),
             snapshot: snap_name.clone(),
