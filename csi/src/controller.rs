@@ -12,6 +12,7 @@
 
 mod group;
 mod metadata;
+pub mod qos;
 
 pub use group::{parse_group_snapshot_id, GroupSnapshotId, GROUP_LABEL};
 
@@ -152,17 +153,47 @@ fn mode_of(c: &pb::VolumeCapability) -> Mode {
     c.access_mode.as_ref().map(|m| m.mode()).unwrap_or(Mode::Unknown)
 }
 
-/// Checks the parameters of a storage or snapshot class (`classes`, for the message):
-/// ferrovol takes none of its own; the keys the external-provisioner and -snapshotter
-/// add (`csi.storage.k8s.io/...`) pass.
-fn check_parameters(p: &HashMap<String, String>, classes: &str) -> Res<()> {
-    let mut unknown: Vec<&str> =
-        p.keys().map(String::as_str).filter(|k| !k.starts_with("csi.storage.k8s.io/")).collect();
-    unknown.sort_unstable();
-    match unknown.first() {
-        None => Ok(()),
-        Some(k) => Err(CsiError::invalid(format!("unknown parameter {k:?}: ferrovol's {classes} take no parameters"))),
+/// Checks the parameters of a storage or snapshot class (`classes`, for the message)
+/// against the keys ferrovol takes there (`accepted`); the keys the
+/// external-provisioner and -snapshotter add (`csi.storage.k8s.io/...`) pass.
+///
+/// Errors: INVALID_ARGUMENT naming every unknown key.
+fn check_parameters(p: &HashMap<String, String>, classes: &str, accepted: &[&str]) -> Res<()> {
+    let mut unknown: Vec<String> = p
+        .keys()
+        .filter(|k| !k.starts_with("csi.storage.k8s.io/") && !accepted.contains(&k.as_str()))
+        .map(|k| format!("{k:?}"))
+        .collect();
+    if unknown.is_empty() {
+        return Ok(());
     }
+    unknown.sort_unstable();
+    let takes = if accepted.is_empty() { "no parameters".to_owned() } else { format!("only {}", accepted.join(", ")) };
+    Err(CsiError::invalid(format!("unknown parameters {}: ferrovol's {classes} take {takes}", unknown.join(", "))))
+}
+
+/// What a new volume is made with beside its size: its labels and QoS limits.
+struct Given {
+    labels: HashMap<String, String>,
+    qos: Option<api::Qos>,
+}
+
+/// The QoS limits a new volume gets (spec.md CreateVolume): its storage class's
+/// `parameters`, then its VolumeAttributesClass's `mutable_parameters` over them;
+/// `None` when unlimited.
+///
+/// Errors: INVALID_ARGUMENT for unknown keys (naming them) and invalid values.
+fn volume_qos(parameters: &HashMap<String, String>, mutable: &HashMap<String, String>) -> Res<Option<api::Qos>> {
+    check_parameters(parameters, "storage classes", &qos::KEYS)?;
+    let unknown = qos::unknown_keys(mutable);
+    if !unknown.is_empty() {
+        return Err(CsiError::invalid(format!(
+            "unknown mutable_parameters {unknown:?}: ferrovol's take only {}",
+            qos::KEYS.join(", ")
+        )));
+    }
+    let q = qos::apply(qos::apply(api::Qos::default(), parameters, "parameters")?, mutable, "mutable_parameters")?;
+    Ok((!qos::is_unlimited(&q)).then_some(q))
 }
 
 /// The size a capacity range asks for (spec.md CreateVolume `capacity_range`): the
@@ -380,7 +411,7 @@ impl Controller {
     async fn create_volume(&self, r: pb::CreateVolumeRequest) -> Res<pb::CreateVolumeResponse> {
         check_name("volume", &r.name)?;
         check_capabilities(&r.volume_capabilities)?;
-        check_parameters(&r.parameters, "storage classes")?;
+        let qos = volume_qos(&r.parameters, &r.mutable_parameters)?;
         let size = size_for(r.capacity_range.as_ref())?;
         let key = format!("volume/{}", r.name);
         let _guard = self.inflight.take(key.clone())?;
@@ -406,9 +437,9 @@ impl Controller {
             Some(t) => {
                 let src = self.resolve_source(t).await?;
                 self.remember(&key, src.host.name());
-                self.create_clone(&r, &name, size, labels, src).await?
+                self.create_clone(&r, &name, size, Given { labels, qos }, src).await?
             }
-            None => self.create_fresh(&r, &name, size, labels, &key, survey).await?,
+            None => self.create_fresh(&r, &name, size, Given { labels, qos }, &key, survey).await?,
         };
         Ok(pb::CreateVolumeResponse { volume: Some(csi_volume(h, &conn, &v)) })
     }
@@ -497,7 +528,7 @@ impl Controller {
         r: &pb::CreateVolumeRequest,
         name: &str,
         size: u64,
-        labels: std::collections::HashMap<String, String>,
+        given: Given,
         src: Source<'a>,
     ) -> Res<(&'a Host, Conn, api::Volume)> {
         let want = clone_size(r.capacity_range.as_ref(), size, &src)?;
@@ -510,7 +541,9 @@ impl Controller {
                 ),
             ));
         }
-        let req = api::CloneVolumeRequest { source: src.full.clone(), name: name.to_string(), labels, exist_ok: true };
+        let Given { labels, qos } = given;
+        let req =
+            api::CloneVolumeRequest { source: src.full.clone(), name: name.to_string(), labels, exist_ok: true, qos };
         let v = src.host.call("clone", |c| async move { c.clone_volume_with(req).await }).await?;
         let v = if v.size_bytes < want {
             let name = v.name.clone();
@@ -530,7 +563,7 @@ impl Controller {
         r: &pb::CreateVolumeRequest,
         name: &str,
         size: u64,
-        labels: std::collections::HashMap<String, String>,
+        given: Given,
         key: &str,
         survey: Vec<Surveyed<'a>>,
     ) -> Res<(&'a Host, Conn, api::Volume)> {
@@ -584,7 +617,8 @@ impl Controller {
             ));
         };
         self.remember(key, h.name());
-        let req = api::CreateVolumeRequest { name: name.to_string(), size_bytes: size, labels, exist_ok: true };
+        let Given { labels, qos } = given;
+        let req = api::CreateVolumeRequest { name: name.to_string(), size_bytes: size, labels, exist_ok: true, qos };
         let v = h.call("create the volume", |c| async move { c.create_volume_with(req).await }).await?;
         Ok((h, conn, v))
     }
@@ -691,7 +725,7 @@ impl Controller {
             .volume_capabilities
             .iter()
             .find_map(|c| check_capability(c).err())
-            .or_else(|| check_parameters(&r.parameters, "storage classes").err());
+            .or_else(|| volume_qos(&r.parameters, &r.mutable_parameters).err());
         Ok(match bad {
             Some(e) => pb::ValidateVolumeCapabilitiesResponse { confirmed: None, message: e.message },
             None => pb::ValidateVolumeCapabilitiesResponse {
@@ -764,7 +798,7 @@ impl Controller {
 
     async fn get_capacity(&self, r: pb::GetCapacityRequest) -> Res<pb::GetCapacityResponse> {
         if r.volume_capabilities.iter().any(|c| check_capability(c).is_err())
-            || check_parameters(&r.parameters, "storage classes").is_err()
+            || volume_qos(&r.parameters, &HashMap::new()).is_err()
         {
             return Ok(pb::GetCapacityResponse {
                 available_capacity: 0,
@@ -790,6 +824,32 @@ impl Controller {
             maximum_volume_size: Some(largest.min(i64::MAX as u64) as i64),
             minimum_volume_size: Some(SIZE_ALIGN as i64),
         })
+    }
+
+    /// ControllerModifyVolume: the QoS keys given change their limits on the volume's
+    /// host (at once, on its open connections); the others stay, and with none given
+    /// nothing changes (csi-sanity sends none when it has no parameters to try).
+    ///
+    /// Errors: INVALID_ARGUMENT (no volume_id, unknown keys named, invalid values),
+    /// NOT_FOUND, ABORTED (a call on the volume in flight), UNAVAILABLE.
+    async fn modify(&self, r: pb::ControllerModifyVolumeRequest) -> Res<pb::ControllerModifyVolumeResponse> {
+        need("volume_id", &r.volume_id)?;
+        let unknown = qos::unknown_keys(&r.mutable_parameters);
+        if !unknown.is_empty() {
+            return Err(CsiError::invalid(format!(
+                "unknown mutable_parameters {unknown:?}: ferrovol's take only {}",
+                qos::KEYS.join(", ")
+            )));
+        }
+        let (h, _conn, v) = self.volume_of(&r.volume_id).await?;
+        if r.mutable_parameters.is_empty() {
+            return Ok(pb::ControllerModifyVolumeResponse {});
+        }
+        let _guard = self.inflight.take(format!("volume/{}", v.name))?;
+        let want = qos::apply(v.qos.unwrap_or_default(), &r.mutable_parameters, "mutable_parameters")?;
+        let req = api::SetVolumeQosRequest { name: v.name.clone(), qos: Some(want) };
+        h.call("set the QoS limits", |c| async move { c.set_volume_qos(req).await }).await?;
+        Ok(pb::ControllerModifyVolumeResponse {})
     }
 
     async fn expand(&self, r: pb::ControllerExpandVolumeRequest) -> Res<pb::ControllerExpandVolumeResponse> {
@@ -838,7 +898,7 @@ impl Controller {
     async fn create_snapshot(&self, r: pb::CreateSnapshotRequest) -> Res<pb::CreateSnapshotResponse> {
         need("source_volume_id", &r.source_volume_id)?;
         check_name("snapshot", &r.name)?;
-        check_parameters(&r.parameters, "snapshot classes")?;
+        check_parameters(&r.parameters, "snapshot classes", &[])?;
         let key = format!("snapshot/{}", r.name);
         let _guard = self.inflight.take(key.clone())?;
         let snap_name = snapshot_name(&r.name);
@@ -1003,6 +1063,7 @@ pub const CAPABILITIES: &[pb::controller_service_capability::rpc::Type] = {
         T::GetVolume,
         T::VolumeCondition,
         T::SingleNodeMultiWriter,
+        T::ModifyVolume,
     ]
 };
 
@@ -1142,9 +1203,11 @@ impl pb::controller_server::Controller for Controller {
 
     async fn controller_modify_volume(
         &self,
-        _req: Request<pb::ControllerModifyVolumeRequest>,
+        req: Request<pb::ControllerModifyVolumeRequest>,
     ) -> Result<Response<pb::ControllerModifyVolumeResponse>, Status> {
-        Err(Status::unimplemented("ControllerModifyVolume: ferrovol volumes have no mutable parameters"))
+        let r = req.into_inner();
+        let id = r.volume_id.clone();
+        answer("ControllerModifyVolume", &id, self.modify(r).await)
     }
 }
 

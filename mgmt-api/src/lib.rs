@@ -24,7 +24,7 @@ pub mod pb {
     tonic::include_proto!("ferrovol.v1");
 }
 
-pub use pb::{Attachment, ByteRange, HostInfo, PoolStatus, Volume};
+pub use pb::{Attachment, ByteRange, HostInfo, PoolStatus, Qos, Volume};
 
 /// The label a storage host gives a clone: its source's full name (`VOLUME` or
 /// `VOLUME@SNAPSHOT`), set by CloneVolume (an idempotent clone of the same name
@@ -35,6 +35,10 @@ pub const ORIGIN_LABEL: &str = "ferrovol/origin";
 /// (CreateGroupSnapshot): how many members the group has, so that a group a crash cut
 /// short is told apart from ordinary snapshots.
 pub const GROUP_SIZE_LABEL: &str = "ferrovol/group-size";
+
+/// The label a storage host keeps a volume's QoS limits in (CreateVolume's `qos`,
+/// SetVolumeQos), read back as `Volume.qos`; set by the server only.
+pub const QOS_LABEL: &str = "ferrovol/qos";
 
 /// The largest reply [`Client`] accepts, in bytes: about four million volumes in a
 /// listing, or a hundred million ranges in a diff. Replies are not paged, and gRPC's
@@ -296,6 +300,16 @@ impl Client {
     /// `exist_ok` when the existing volume differs.
     pub async fn create_volume_with(&self, req: pb::CreateVolumeRequest) -> Result<Volume> {
         self.raw().create_volume(req).await.map(|r| r.into_inner()).map_err(ApiError::from_status)
+    }
+
+    /// Sets a volume's QoS limits (ManagementService.SetVolumeQos): all of them, a 0
+    /// being none; applied at once to its open connections. Durable on return.
+    ///
+    /// Errors: [`ErrorKind::NotFound`] (no such volume, or a snapshot),
+    /// [`ErrorKind::InvalidArgument`] (a burst without a limit or over 60000 ms), and
+    /// the transport's.
+    pub async fn set_volume_qos(&self, req: pb::SetVolumeQosRequest) -> Result<Volume> {
+        self.raw().set_volume_qos(req).await.map(|r| r.into_inner()).map_err(ApiError::from_status)
     }
 
     /// Publishes a volume to a node (ManagementService.PublishVolume): the attachment,

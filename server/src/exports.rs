@@ -2,7 +2,8 @@
 //! published volume also under its attachments' export names (`VOLUME/KEY`).
 //!
 //! Lives here: [`VolumeExport`] (the `nbd::Export` implementation over a
-//! `storage_engine::Volume`, read-only and revocable as its attachment says) and
+//! `storage_engine::Volume`, read-only and revocable as its attachment says, held to
+//! the volume's QoS limits) and
 //! [`PoolRegistry`] (export lookup and listing, with the access decision of
 //! [`NbdAccess`]). Not here: the protocol (the `nbd` crate), the data path (the
 //! engine), the revocation signals and name parsing (access.rs).
@@ -17,6 +18,7 @@ use crate::access::{ExportName, Fences, NbdAccess};
 
 use crate::errors::nbd_errno;
 use crate::metrics::{Metrics, VolumeMetrics};
+use crate::qos::{Direction, Limiter, Limiters};
 
 fn log_err(op: &'static str, e: storage_engine::Error) -> Errno {
     match e.kind() {
@@ -35,11 +37,22 @@ pub struct VolumeExport {
     m: VolumeMetrics,
     read_only: bool,
     fence: Option<watch::Receiver<bool>>,
+    /// The volume's QoS limiter, shared with its other connections.
+    qos: Arc<Limiter>,
     /// Appended to the description: the server's crash generation.
     tag: Arc<str>,
 }
 
 impl VolumeExport {
+    /// Waits for the volume's QoS limits to let a request go, counting the time held
+    /// back.
+    async fn admit(&self, dir: Direction, bytes: u64) {
+        let waited = self.qos.admit(dir, bytes).await;
+        if !waited.is_zero() {
+            self.m.throttled(waited);
+        }
+    }
+
     /// `EPERM` for a change once the attachment was revoked: a request whose payload
     /// was still arriving, or that waited for memory, when the unpublish came does not
     /// reach the volume (the connection closes once it is answered).
@@ -77,6 +90,7 @@ impl Export for VolumeExport {
     }
 
     async fn read(&self, offset: u64, len: u32) -> Result<ReadData<AlignedBuf>, Errno> {
+        self.admit(Direction::Read, u64::from(len)).await;
         let t = std::time::Instant::now();
         let r = self.vol.read(offset, u64::from(len)).await;
         self.m.read(u64::from(len), t.elapsed(), r.is_ok());
@@ -90,8 +104,10 @@ impl Export for VolumeExport {
     }
 
     async fn write(&self, offset: u64, buf: AlignedBuf, fua: bool) -> Result<(), Errno> {
+        let len = buf.as_ref().len() as u64;
+        self.admit(Direction::Write, len).await;
         self.check_fence()?;
-        let (t, len) = (std::time::Instant::now(), buf.as_ref().len() as u64);
+        let t = std::time::Instant::now();
         let r = self.vol.write(offset, buf, fua).await;
         self.m.write(len, t.elapsed(), r.is_ok());
         r.map_err(|e| log_err("write", e))
@@ -104,6 +120,7 @@ impl Export for VolumeExport {
     }
 
     async fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<(), Errno> {
+        self.admit(Direction::Write, 0).await;
         self.check_fence()?;
         let r = self.vol.trim(offset, len, fua).await;
         self.m.trim(r.is_ok());
@@ -122,6 +139,7 @@ impl Export for VolumeExport {
         if fast_only && !may_unmap {
             return Err(Errno::Enotsup);
         }
+        self.admit(Direction::Write, 0).await;
         self.check_fence()?;
         let r = self.vol.write_zeroes(offset, len, may_unmap, fua).await;
         self.m.trim(r.is_ok());
@@ -158,6 +176,7 @@ pub struct PoolRegistry {
     metrics: Arc<Metrics>,
     access: NbdAccess,
     fences: Arc<Fences>,
+    limits: Arc<Limiters>,
     tag: Arc<str>,
 }
 
@@ -172,9 +191,15 @@ const OTHER_NODE: &str = "the volume is published with this key to another node 
 impl PoolRegistry {
     /// Exports every volume of `pool`, present and future, counting their requests in
     /// `metrics`, to the clients `access` allows; keyed connections watch their key's
-    /// signal in `fences`.
-    pub fn new(pool: Pool, metrics: Arc<Metrics>, access: NbdAccess, fences: Arc<Fences>) -> PoolRegistry {
-        PoolRegistry { pool, metrics, access, fences, tag: "".into() }
+    /// signal in `fences`; requests wait for their volume's limiter in `limits`.
+    pub fn new(
+        pool: Pool,
+        metrics: Arc<Metrics>,
+        access: NbdAccess,
+        fences: Arc<Fences>,
+        limits: Arc<Limiters>,
+    ) -> PoolRegistry {
+        PoolRegistry { pool, metrics, access, fences, limits, tag: "".into() }
     }
 
     /// Tells `generation` at the end of every export's description (`NBD_INFO_DESCRIPTION`
@@ -188,6 +213,7 @@ impl PoolRegistry {
     fn export(&self, vol: Volume, read_only: bool, fence: Option<watch::Receiver<bool>>) -> Arc<VolumeExport> {
         Arc::new(VolumeExport {
             m: self.metrics.volume(vol.name(), vol.id()),
+            qos: self.limits.get(vol.name(), vol.id(), &vol.labels()),
             vol,
             read_only,
             fence,

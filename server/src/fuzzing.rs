@@ -55,7 +55,7 @@ pub fn management(data: &[u8]) {
                     }
                 };
             }
-            match sel % 14 {
+            match sel % 15 {
                 0 => call!(create_volume, pb::CreateVolumeRequest),
                 1 => call!(delete_volume, pb::DeleteVolumeRequest),
                 2 => call!(resize_volume, pb::ResizeVolumeRequest),
@@ -69,6 +69,7 @@ pub fn management(data: &[u8]) {
                 10 => call!(get_pool_status, pb::GetPoolStatusRequest),
                 11 => call!(publish_volume, pb::PublishVolumeRequest),
                 12 => call!(unpublish_volume, pb::UnpublishVolumeRequest),
+                13 => call!(set_volume_qos, pb::SetVolumeQosRequest),
                 _ => call!(get_host_info, pb::GetHostInfoRequest),
             }
         });

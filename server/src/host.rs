@@ -256,11 +256,12 @@ impl Host {
             access: nbd_access,
             tls: opts.nbd_tls,
             fences: Arc::clone(&fences),
+            limits: Arc::new(crate::qos::Limiters::default()),
         };
 
         let metrics = Arc::new(metrics::Metrics::new());
         let registry = Arc::new(
-            exports::PoolRegistry::new(pool.clone(), metrics.clone(), nbd_access, fences)
+            exports::PoolRegistry::new(pool.clone(), metrics.clone(), nbd_access, fences, Arc::clone(&identity.limits))
                 .with_crash_generation(&generation.current),
         );
         tracing::info!(crash_generation = %generation.current, "pool generation");

@@ -17,4 +17,5 @@ pub mod fuzzing;
 pub mod host;
 pub mod metrics;
 pub mod mgmt;
+pub mod qos;
 pub mod tls;

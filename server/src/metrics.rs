@@ -48,6 +48,7 @@ pub struct Metrics {
     flushes: Family<VolumeLabel, Counter>,
     trims: Family<VolumeLabel, Counter>,
     errors: Family<VolumeLabel, Counter>,
+    throttled_seconds: Family<VolumeLabel, Counter<f64, std::sync::atomic::AtomicU64>>,
     pool_capacity: Gauge,
     pool_used: Gauge,
     pool_metadata: Gauge,
@@ -89,6 +90,7 @@ impl Metrics {
             flushes: Family::default(),
             trims: Family::default(),
             errors: Family::default(),
+            throttled_seconds: Family::default(),
             pool_capacity: Gauge::default(),
             pool_used: Gauge::default(),
             pool_metadata: Gauge::default(),
@@ -118,6 +120,11 @@ impl Metrics {
         r.register("volume_flushes", "NBD FLUSH requests answered", m.flushes.clone());
         r.register("volume_trims", "NBD TRIM and WRITE_ZEROES requests answered", m.trims.clone());
         r.register("volume_errors", "requests answered with an error", m.errors.clone());
+        r.register(
+            "volume_throttled_seconds",
+            "seconds requests waited for the volume's QoS limits",
+            m.throttled_seconds.clone(),
+        );
         r.register("pool_capacity_bytes", "pool data capacity", m.pool_capacity.clone());
         r.register("pool_used_bytes", "bytes held by volumes and snapshots", m.pool_used.clone());
         r.register("pool_metadata_bytes", "bytes held by checkpoints", m.pool_metadata.clone());
@@ -185,6 +192,7 @@ impl Metrics {
             flushes: self.flushes.get_or_create(&l).clone(),
             trims: self.trims.get_or_create(&l).clone(),
             errors: self.errors.get_or_create(&l).clone(),
+            throttled_seconds: self.throttled_seconds.get_or_create(&l).clone(),
         }
     }
 
@@ -215,6 +223,7 @@ impl Metrics {
         }
         self.read_seconds.remove(&l);
         self.write_seconds.remove(&l);
+        self.throttled_seconds.remove(&l);
     }
 
     /// The text exposition (OpenMetrics text format), with the pool gauges read from
@@ -271,9 +280,15 @@ pub struct VolumeMetrics {
     flushes: Counter,
     trims: Counter,
     errors: Counter,
+    throttled_seconds: Counter<f64, std::sync::atomic::AtomicU64>,
 }
 
 impl VolumeMetrics {
+    /// A request held back `took` by the volume's QoS limits.
+    pub fn throttled(&self, took: Duration) {
+        self.throttled_seconds.inc_by(took.as_secs_f64());
+    }
+
     /// A READ of `bytes` that took `took`; `ok` false counts an error instead.
     pub fn read(&self, bytes: u64, took: Duration, ok: bool) {
         if ok {

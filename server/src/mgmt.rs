@@ -17,8 +17,9 @@ use tonic::{Request, Response, Status};
 
 use crate::access::{Fences, NbdAccess};
 use crate::errors::grpc_status;
+use crate::qos::{Limiters, QosLimits};
 
-pub use mgmt_api::{GROUP_SIZE_LABEL, ORIGIN_LABEL};
+pub use mgmt_api::{GROUP_SIZE_LABEL, ORIGIN_LABEL, QOS_LABEL};
 
 /// How long UnpublishVolume waits for the node's connections to close before it
 /// answers `ABORTED` (the attachment is gone by then; a retry waits again).
@@ -38,6 +39,8 @@ pub struct HostIdentity {
     pub tls: Option<nbd::TlsMode>,
     /// The attachments' revocation signals, shared with the NBD registry.
     pub fences: Arc<Fences>,
+    /// The volumes' QoS limiters, shared with the NBD registry.
+    pub limits: Arc<Limiters>,
 }
 
 impl HostIdentity {
@@ -49,6 +52,7 @@ impl HostIdentity {
             access: NbdAccess::Open,
             tls: None,
             fences: Arc::new(Fences::default()),
+            limits: Arc::new(Limiters::default()),
         }
     }
 
@@ -70,6 +74,9 @@ pub struct ManagementService {
     /// Held through each CreateGroupSnapshot, so that one taking a partial group again
     /// never deletes what another has just made.
     groups: tokio::sync::Mutex<()>,
+    /// Held through each SetVolumeQos, so that the limits applied are the ones stored
+    /// last.
+    qos: tokio::sync::Mutex<()>,
 }
 
 impl ManagementService {
@@ -80,7 +87,7 @@ impl ManagementService {
 
     /// The service itself, to call its methods in-process.
     pub fn service(pool: Pool, host: HostIdentity) -> ManagementService {
-        ManagementService { pool, host, groups: tokio::sync::Mutex::new(()) }
+        ManagementService { pool, host, groups: tokio::sync::Mutex::new(()), qos: tokio::sync::Mutex::new(()) }
     }
 }
 
@@ -94,7 +101,9 @@ fn attachment_info(a: &Attachment) -> pb::AttachmentInfo {
 }
 
 fn volume(v: VolumeInfo) -> pb::Volume {
+    let limits = QosLimits::of_labels(&v.name, &v.labels);
     pb::Volume {
+        qos: (!limits.is_unlimited()).then(|| qos_pb(&limits)),
         export_name: v.name.clone(),
         name: v.name,
         id: v.id,
@@ -110,8 +119,44 @@ fn volume(v: VolumeInfo) -> pb::Volume {
     }
 }
 
-fn labels(m: &std::collections::HashMap<String, String>) -> Labels {
-    m.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+fn qos_pb(l: &QosLimits) -> pb::Qos {
+    pb::Qos {
+        read_iops: l.read_iops,
+        write_iops: l.write_iops,
+        read_bytes_per_second: l.read_bytes_per_second,
+        write_bytes_per_second: l.write_bytes_per_second,
+        burst_ms: l.burst_ms,
+    }
+}
+
+/// The limits a request asks for (none when absent), checked.
+fn qos_limits(q: Option<&pb::Qos>) -> Result<QosLimits, Status> {
+    let l = q.map_or_else(QosLimits::default, |q| QosLimits {
+        read_iops: q.read_iops,
+        write_iops: q.write_iops,
+        read_bytes_per_second: q.read_bytes_per_second,
+        write_bytes_per_second: q.write_bytes_per_second,
+        burst_ms: q.burst_ms,
+    });
+    l.validate().map_err(|why| Status::invalid_argument(format!("QoS limits: {why}")))?;
+    Ok(l)
+}
+
+/// The labels a request asks for, without the server's own ([`ORIGIN_LABEL`],
+/// [`GROUP_SIZE_LABEL`], [`QOS_LABEL`]), which it refuses.
+fn labels(m: &std::collections::HashMap<String, String>) -> Result<Labels, Status> {
+    if let Some(k) = [ORIGIN_LABEL, GROUP_SIZE_LABEL, QOS_LABEL].into_iter().find(|k| m.contains_key(*k)) {
+        return Err(Status::invalid_argument(format!("label '{k}' is set by the server")));
+    }
+    Ok(m.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
+}
+
+/// `labels` with the label that keeps `limits` (none when unlimited).
+fn with_limits(mut labels: Labels, limits: &QosLimits) -> Labels {
+    if let Some(v) = limits.to_label() {
+        labels.insert(QOS_LABEL.to_owned(), v);
+    }
+    labels
 }
 
 /// Who made a call, for the audit line: the TLS client certificate's subject, the
@@ -173,7 +218,7 @@ impl ManagementService {
     }
 
     async fn do_create_volume(&self, r: pb::CreateVolumeRequest) -> Result<pb::Volume, Status> {
-        let want = labels(&r.labels);
+        let want = with_limits(labels(&r.labels)?, &qos_limits(r.qos.as_ref())?);
         match self.pool.create_volume_with(&r.name, r.size_bytes, &want).await {
             Ok(v) => Ok(volume(v)),
             Err(e) if e.kind() == ErrorKind::AlreadyExists && r.exist_ok => {
@@ -181,7 +226,7 @@ impl ManagementService {
                     if v.size != r.size_bytes {
                         Err(format!("has size {} bytes, not {}", v.size, r.size_bytes))
                     } else if v.labels != want {
-                        Err("has other labels".to_owned())
+                        Err("has other labels or QoS limits".to_owned())
                     } else {
                         Ok(())
                     }
@@ -193,7 +238,7 @@ impl ManagementService {
     }
 
     async fn do_create_snapshot(&self, r: pb::CreateSnapshotRequest) -> Result<pb::Volume, Status> {
-        let want = labels(&r.labels);
+        let want = labels(&r.labels)?;
         match self.pool.create_snapshot_with(&r.volume, &r.snapshot, &want).await {
             Ok(v) => Ok(volume(v)),
             Err(e) if e.kind() == ErrorKind::AlreadyExists && r.exist_ok => {
@@ -209,10 +254,7 @@ impl ManagementService {
         &self,
         r: pb::CreateGroupSnapshotRequest,
     ) -> Result<pb::ListSnapshotsResponse, Status> {
-        let mut want = labels(&r.labels);
-        if want.contains_key(GROUP_SIZE_LABEL) {
-            return Err(Status::invalid_argument(format!("label '{GROUP_SIZE_LABEL}' is set by the server")));
-        }
+        let mut want = labels(&r.labels)?;
         want.insert(GROUP_SIZE_LABEL.to_owned(), r.volumes.len().to_string());
         let vols: Vec<&str> = r.volumes.iter().map(String::as_str).collect();
         // Members in the order the engine makes them: by volume name.
@@ -258,10 +300,7 @@ impl ManagementService {
     }
 
     async fn do_clone_volume(&self, r: pb::CloneVolumeRequest) -> Result<pb::Volume, Status> {
-        let mut want = labels(&r.labels);
-        if want.contains_key(ORIGIN_LABEL) {
-            return Err(Status::invalid_argument(format!("label '{ORIGIN_LABEL}' is set by the server")));
-        }
+        let mut want = with_limits(labels(&r.labels)?, &qos_limits(r.qos.as_ref())?);
         want.insert(ORIGIN_LABEL.to_owned(), r.source.clone());
         match self.pool.clone_volume_with(&r.source, &r.name, &want).await {
             Ok(v) => Ok(volume(v)),
@@ -269,13 +308,24 @@ impl ManagementService {
                 self.existing(&r.name, |v| match v.labels.get(ORIGIN_LABEL) {
                     Some(o) if *o != r.source => Err(format!("is a clone of '{o}', not of '{}'", r.source)),
                     None => Err("is not a clone".to_owned()),
-                    Some(_) if v.labels != want => Err("has other labels".to_owned()),
+                    Some(_) if v.labels != want => Err("has other labels or QoS limits".to_owned()),
                     Some(_) => Ok(()),
                 })
                 .await
             }
             Err(e) => Err(grpc_status(&e)),
         }
+    }
+
+    async fn do_set_qos(&self, r: pb::SetVolumeQosRequest) -> Result<pb::Volume, Status> {
+        let limits = qos_limits(r.qos.as_ref())?;
+        let _one_at_a_time = self.qos.lock().await;
+        let status = |e: storage_engine::Error| grpc_status(&e);
+        self.pool.set_label(&r.name, QOS_LABEL, limits.to_label().as_deref()).await.map_err(status)?;
+        let v = self.pool.volume_info(&r.name).map_err(status)?;
+        self.host.limits.set(&v.name, v.id, limits);
+        tracing::info!(volume = r.name, limits = %limits, "QoS limits set");
+        Ok(volume(v))
     }
 
     async fn do_publish(&self, r: pb::PublishVolumeRequest) -> Result<pb::Attachment, Status> {
@@ -348,9 +398,16 @@ impl Management for ManagementService {
         req: Request<pb::DeleteVolumeRequest>,
     ) -> Result<Response<pb::DeleteVolumeResponse>, Status> {
         audited!(req, "DeleteVolume", |r| {
-            let r = self.pool.delete_volume(&r.name).await;
-            r.map(|()| pb::DeleteVolumeResponse {}).map_err(|e| grpc_status(&e))
+            let out = self.pool.delete_volume(&r.name).await;
+            if out.is_ok() {
+                self.host.limits.forget(&r.name);
+            }
+            out.map(|()| pb::DeleteVolumeResponse {}).map_err(|e| grpc_status(&e))
         })
+    }
+
+    async fn set_volume_qos(&self, req: Request<pb::SetVolumeQosRequest>) -> Result<Response<pb::Volume>, Status> {
+        audited!(req, "SetVolumeQos", |r| self.do_set_qos(r).await)
     }
 
     async fn resize_volume(&self, req: Request<pb::ResizeVolumeRequest>) -> Result<Response<pb::Volume>, Status> {

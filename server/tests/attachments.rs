@@ -283,8 +283,8 @@ fn creates_by_name_are_idempotent() {
         let clone = |src: &str| pb::CloneVolumeRequest {
             source: src.into(),
             name: "pvc-3".into(),
-            labels: Default::default(),
             exist_ok: true,
+            ..Default::default()
         };
         let a = c.clone_volume_with(clone("pvc-1@s1")).await.unwrap();
         assert_eq!(a.labels["ferrovol/origin"], "pvc-1@s1");

@@ -661,6 +661,94 @@ fn expansion_is_seen_over_nbd_and_capacity_is_per_zone() {
     });
 }
 
+/// spec.md CreateVolume `mutable_parameters` and ControllerModifyVolume: QoS limits
+/// from the storage class and the VolumeAttributesClass reach the volume's host; a
+/// modify changes only the keys it names, online; bad keys and values are
+/// INVALID_ARGUMENT naming them and change nothing.
+#[test]
+fn qos_parameters_set_and_modify_the_volumes_limits() {
+    let cl = Cluster::start("1GiB", "1GiB", &[]);
+    rt().block_on(async {
+        let mut c = cl.controller().await;
+        let caps = c
+            .controller_get_capabilities(pb::ControllerGetCapabilitiesRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .capabilities;
+        let modify_cap = pb::controller_service_capability::rpc::Type::ModifyVolume as i32;
+        assert!(
+            caps.iter().any(
+                |c| matches!(&c.r#type, Some(pb::controller_service_capability::Type::Rpc(r)) if r.r#type == modify_cap)
+            ),
+            "MODIFY_VOLUME not offered: {caps:?}"
+        );
+        let params = |kv: &[(&str, &str)]| kv.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let mut r = create_req("pvc-qos", 16 * MIB);
+        r.parameters = params(&[("writeIOPS", "500"), ("readIOPS", "100")]);
+        r.mutable_parameters = params(&[("readIOPS", "2000"), ("readBytesPerSecond", "100Mi")]);
+        let v = create(&mut c, r.clone()).await.unwrap();
+        let host = cl.host(&v);
+        let qos = |h: &Server| json(&h.cli_ok(&["volume", "info", "pvc-qos", "--json"]))["qos"].clone();
+        let want = serde_json::json!({"read_iops": 2000, "write_iops": 500, "read_bytes_per_second": 100u64 << 20,
+            "write_bytes_per_second": 0, "burst_ms": 0});
+        assert_eq!(qos(host), want, "mutable_parameters over parameters");
+        assert_eq!(create(&mut c, r).await.unwrap().volume_id, v.volume_id, "idempotent with its limits");
+
+        let modify = |kv: &[(&str, &str)]| pb::ControllerModifyVolumeRequest {
+            volume_id: v.volume_id.clone(),
+            mutable_parameters: params(kv),
+            ..Default::default()
+        };
+        c.controller_modify_volume(modify(&[("writeIOPS", "0"), ("burstMilliseconds", "250")])).await.unwrap();
+        let want = serde_json::json!({"read_iops": 2000, "write_iops": 0, "read_bytes_per_second": 100u64 << 20,
+            "write_bytes_per_second": 0, "burst_ms": 250});
+        assert_eq!(qos(host), want, "only the keys named change");
+        for bad in [&[("iops", "5"), ("colour", "red")][..], &[("readIOPS", "fast")], &[("burstMilliseconds", "70000")]]
+        {
+            let e = c.controller_modify_volume(modify(bad)).await.unwrap_err();
+            assert_eq!(e.code(), Code::InvalidArgument, "{bad:?}: {e:?}");
+            for (k, _) in bad {
+                assert!(e.message().contains(k), "{bad:?}: {}", e.message());
+            }
+        }
+        assert_eq!(qos(host), want, "refused modifies change nothing");
+        c.controller_modify_volume(modify(&[])).await.unwrap();
+        assert_eq!(qos(host), want, "a modify naming no key changes nothing");
+        let mut gone = modify(&[("readIOPS", "1")]);
+        gone.volume_id = "0123456789ab/nothing".into();
+        assert_eq!(code(c.controller_modify_volume(gone).await), Code::NotFound);
+        let mut r = create_req("pvc-bad", 16 * MIB);
+        r.parameters = params(&[("readIOPS", "1"), ("tier", "gold")]);
+        let e = create(&mut c, r).await.unwrap_err();
+        assert!(e.code() == Code::InvalidArgument && e.message().contains("tier"), "{e:?}");
+
+        // A clone (a restore) gets its own limits, not its source's.
+        let snap = c
+            .create_snapshot(pb::CreateSnapshotRequest {
+                source_volume_id: v.volume_id.clone(),
+                name: "snap-qos".into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .snapshot
+            .unwrap();
+        let mut r = create_req("pvc-restored", 16 * MIB);
+        r.mutable_parameters = params(&[("writeBytesPerSecond", "10M")]);
+        r.volume_content_source = Some(pb::VolumeContentSource {
+            r#type: Some(pb::volume_content_source::Type::Snapshot(pb::volume_content_source::SnapshotSource {
+                snapshot_id: snap.snapshot_id,
+            })),
+        });
+        create(&mut c, r).await.unwrap();
+        let restored = json(&host.cli_ok(&["volume", "info", "pvc-restored", "--json"]))["qos"].clone();
+        assert_eq!(restored["write_bytes_per_second"], 10_000_000, "{restored}");
+        assert_eq!(restored["read_iops"], 0, "{restored}");
+    });
+}
+
 /// spec.md "Concurrency": ten CreateVolume calls with one name at once, then ten
 /// CreateSnapshot calls: each answers OK or ABORTED, and exactly one volume and one
 /// snapshot exist, on one host.
@@ -904,12 +992,17 @@ fn csi_sanity_passes_the_controller_cases() {
     // Both plugins answer over gRPC before the suite's first spec connects.
     wait_answering(&node_sock);
     wait_answering(&cl.socket);
+    // ModifyVolume's cases create a volume with these and modify it.
+    let mutable = cl.socket.with_file_name("mutable.yaml");
+    std::fs::write(&mutable, "readIOPS: \"1000\"\nwriteBytesPerSecond: \"50Mi\"\n").unwrap();
     let o = Command::new("bash")
         .arg(&run)
         .arg(format!("unix://{}", node_sock.display()))
         .arg("--controller-endpoint")
         .arg(format!("unix://{}", cl.socket.display()))
         .args(["-ginkgo.skip", "Node Service"])
+        .arg("-csi.testvolumemutableparameters")
+        .arg(&mutable)
         .env("CSI_SANITY_VOLUME_SIZE", (64 * MIB).to_string())
         .output()
         .unwrap();

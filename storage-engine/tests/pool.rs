@@ -150,6 +150,41 @@ fn volume_operations_persist_and_validate() {
     assert!(rt.block_on(read(&va, 4 * MIB, 4096)).iter().all(|&b| b == 0));
 }
 
+#[test]
+fn labels_set_after_creation_persist_and_bad_ones_change_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let rt = rt();
+    let pool = create(dir.path(), 32 * MIB);
+    let labels: storage_engine::Labels = [("app".to_string(), "pg".to_string())].into();
+    rt.block_on(pool.create_volume_with("a", 8 * MIB, &labels)).unwrap();
+    let snap_labels: storage_engine::Labels = [("taken".to_string(), "monday".to_string())].into();
+    rt.block_on(pool.create_snapshot_with("a", "s", &snap_labels)).unwrap();
+    let after = rt.block_on(pool.set_label("a", "tier", Some("gold"))).unwrap();
+    assert_eq!(after.get("tier").map(String::as_str), Some("gold"));
+    assert_eq!(rt.block_on(pool.set_label("a", "tier", Some("gold"))).unwrap(), after, "idempotent");
+    rt.block_on(pool.set_label("a", "app", None)).unwrap();
+    let kind = |r: storage_engine::Result<storage_engine::Labels>| r.unwrap_err().kind();
+    assert_eq!(kind(rt.block_on(pool.set_label("a", "-bad", Some("x")))), ErrorKind::InvalidArgument);
+    assert_eq!(kind(rt.block_on(pool.set_label("a", "k", Some("v\n")))), ErrorKind::InvalidArgument);
+    assert_eq!(kind(rt.block_on(pool.set_label("a@s", "k", Some("v")))), ErrorKind::NotFound, "a snapshot");
+    assert_eq!(kind(rt.block_on(pool.set_label("nope", "k", Some("v")))), ErrorKind::NotFound);
+    for i in 0..15 {
+        rt.block_on(pool.set_label("a", &format!("k{i}"), Some("v"))).unwrap();
+    }
+    assert_eq!(kind(rt.block_on(pool.set_label("a", "k15", Some("v")))), ErrorKind::InvalidArgument, "a 17th");
+    let want: storage_engine::Labels =
+        (0..15).map(|i| (format!("k{i}"), "v".to_string())).chain([("tier".to_string(), "gold".to_string())]).collect();
+    assert_eq!(pool.volume_info("a").unwrap().labels, want);
+    assert_eq!(pool.volume_info("a@s").unwrap().labels, snap_labels, "the snapshot keeps its own");
+    // Replayed from the log after a crash, then kept by the checkpoint of a clean close.
+    let pool = reopen_crash(pool, dir.path());
+    assert_eq!(pool.volume_info("a").unwrap().labels, want);
+    pool.close().unwrap();
+    let pool = Pool::open(&pool_path(dir.path())).unwrap();
+    assert_eq!(pool.volume_info("a").unwrap().labels, want);
+    assert_eq!(pool.volume_info("a@s").unwrap().labels, snap_labels);
+}
+
 fn sha(path: &std::path::Path) -> Vec<u8> {
     std::fs::read(path).unwrap()
 }

@@ -109,7 +109,7 @@ impl Controller {
         if r.source_volume_ids.is_empty() {
             return Err(CsiError::invalid("source_volume_ids is empty"));
         }
-        check_parameters(&r.parameters, "group snapshot classes")?;
+        check_parameters(&r.parameters, "group snapshot classes", &[])?;
         let mut ids = Vec::with_capacity(r.source_volume_ids.len());
         for id in &r.source_volume_ids {
             ids.push(parse_volume_id(id).ok_or_else(|| CsiError::not_found(format!("volume {id:?} does not exist")))?);

@@ -1,7 +1,8 @@
-//! Attachments: publishing a volume to a node and unpublishing it ([`Pool::attach`],
-//! [`Pool::detach`]), kept with the volume's metadata and committed before they
-//! return. Not here: enforcing them on a wire (the server's NBD exports), the types
-//! (`props`).
+//! Changes to a volume's properties after it was made: attachments (publishing a
+//! volume to a node and unpublishing it, [`Pool::attach`], [`Pool::detach`]) and
+//! labels ([`Pool::set_label`]), kept with the volume's metadata and committed before
+//! they return. Not here: enforcing attachments on a wire (the server's NBD exports),
+//! the types (`props`).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -10,7 +11,9 @@ use super::catalogue::now;
 use super::Pool;
 use crate::error::{shown_name, Error, ErrorKind, Result};
 use crate::journal::Record;
-use crate::props::{validate_node_id, AttachKey, Attachment, Props, MAX_ATTACHMENTS, MAX_PROPS_BYTES};
+use crate::props::{
+    validate_labels, validate_node_id, AttachKey, Attachment, Labels, Props, MAX_ATTACHMENTS, MAX_PROPS_BYTES,
+};
 use crate::store::room::{NeedRoom, Room};
 
 /// What a change to a volume's properties decided, looking at the current ones.
@@ -97,6 +100,41 @@ impl Pool {
             let mut next = p.clone();
             let gone = next.attachments.remove(i);
             Ok(Change::Set(next, Some(gone)))
+        })
+        .await
+        .map_err(err)
+    }
+
+    /// Sets label `key` of volume `volume` to `value`, or removes it when `value` is
+    /// `None`; returns the volume's labels after. Idempotent (setting a label to the
+    /// value it has changes nothing). Durable on return. Snapshots keep the labels
+    /// they were taken with.
+    ///
+    /// Errors: [`ErrorKind::NotFound`] (no such volume, or a snapshot),
+    /// [`ErrorKind::InvalidArgument`] (the key or value, more than
+    /// [`crate::MAX_LABELS`] labels, or more than [`MAX_PROPS_BYTES`] of labels and
+    /// attachments), [`ErrorKind::NoSpace`] (no room for the metadata),
+    /// [`ErrorKind::Failed`]/[`ErrorKind::Io`].
+    pub async fn set_label(&self, volume: &str, key: &str, value: Option<&str>) -> Result<Labels> {
+        let err = |e: Error| e.op("set label").volume(volume);
+        self.change_props(volume, |p| {
+            if p.labels.get(key).map(String::as_str) == value {
+                return Ok(Change::Keep(p.labels.clone()));
+            }
+            let mut next = p.clone();
+            match value {
+                Some(v) => next.labels.insert(key.to_owned(), v.to_owned()),
+                None => next.labels.remove(key),
+            };
+            validate_labels(&next.labels)?;
+            if next.record_bytes() > MAX_PROPS_BYTES {
+                return Err(Error::new(
+                    ErrorKind::InvalidArgument,
+                    format!("labels and attachments would take more than {MAX_PROPS_BYTES} bytes"),
+                ));
+            }
+            let labels = next.labels.clone();
+            Ok(Change::Set(next, labels))
         })
         .await
         .map_err(err)

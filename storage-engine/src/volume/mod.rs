@@ -255,6 +255,11 @@ impl Volume {
         self.vol.props().attachments.clone()
     }
 
+    /// The volume's labels now ([`crate::Pool::set_label`]).
+    pub fn labels(&self) -> crate::Labels {
+        self.vol.props().labels.clone()
+    }
+
     async fn write_inner(&self, offset: u64, mut buf: AlignedBuf, fua: bool) -> Result<()> {
         let len = buf.as_ref().len() as u64;
         self.check_range("write", offset, len)?;

@@ -32,8 +32,39 @@ fn human(bytes: u64) -> String {
     }
 }
 
+/// QoS limits as `volume info` shows them: `read 1000 IOPS, write 50.0 MiB/s, burst 200 ms`.
+fn qos_text(q: Option<&mgmt_api::Qos>) -> String {
+    let Some(q) = q else { return "unlimited".to_owned() };
+    let mut parts = Vec::new();
+    for (what, iops, bps) in
+        [("read", q.read_iops, q.read_bytes_per_second), ("write", q.write_iops, q.write_bytes_per_second)]
+    {
+        if iops > 0 {
+            parts.push(format!("{what} {iops} IOPS"));
+        }
+        if bps > 0 {
+            parts.push(format!("{what} {}/s", human(bps)));
+        }
+    }
+    if q.burst_ms > 0 {
+        parts.push(format!("burst {} ms", q.burst_ms));
+    }
+    if parts.is_empty() {
+        "unlimited".to_owned()
+    } else {
+        parts.join(", ")
+    }
+}
+
 fn volume_json(v: &Volume) -> serde_json::Value {
+    let qos = v.qos.as_ref().map(|q| {
+        serde_json::json!({
+            "read_iops": q.read_iops, "write_iops": q.write_iops, "read_bytes_per_second": q.read_bytes_per_second,
+            "write_bytes_per_second": q.write_bytes_per_second, "burst_ms": q.burst_ms,
+        })
+    });
     serde_json::json!({
+        "qos": qos,
         "name": v.name, "id": v.id, "size_bytes": v.size_bytes,
         "allocated_bytes": v.allocated_bytes, "created_unix": v.created_unix, "export_name": v.export_name,
         "snapshot": v.snapshot, "exclusive_bytes": v.exclusive_bytes, "shared_bytes": v.shared_bytes,
@@ -108,15 +139,23 @@ pub(crate) async fn snapshot_cmd(target: &Target, cmd: SnapshotCmd) -> anyhow::R
 pub(crate) async fn volume_cmd(target: &Target, cmd: VolumeCmd) -> anyhow::Result<()> {
     let c = connect(target).await?;
     match cmd {
-        VolumeCmd::Create { name, size, labels, exist_ok } => {
+        VolumeCmd::Create { name, size, labels, exist_ok, qos } => {
+            let qos = qos.over(mgmt_api::Qos::default());
             let req = mgmt_api::pb::CreateVolumeRequest {
                 name,
                 size_bytes: size,
                 labels: labels.into_iter().collect(),
                 exist_ok,
+                qos: (qos != mgmt_api::Qos::default()).then_some(qos),
             };
             let v = c.create_volume_with(req).await?;
             out!("created volume {} ({} bytes, {})", v.name, v.size_bytes, human(v.size_bytes));
+        }
+        VolumeCmd::SetQos { name, clear, qos } => {
+            let base = if clear { mgmt_api::Qos::default() } else { c.volume(&name).await?.qos.unwrap_or_default() };
+            let req = mgmt_api::pb::SetVolumeQosRequest { name, qos: Some(qos.over(base)) };
+            let v = c.set_volume_qos(req).await?;
+            out!("volume {}: QoS {}", v.name, qos_text(v.qos.as_ref()));
         }
         VolumeCmd::List { json } => {
             let vs = c.list_volumes().await?;
@@ -143,6 +182,9 @@ pub(crate) async fn volume_cmd(target: &Target, cmd: VolumeCmd) -> anyhow::Resul
                     v.export_name
                 );
                 out!("written: {}", if v.pristine { "never (created empty)" } else { "yes" });
+                if !v.snapshot {
+                    out!("qos: {}", qos_text(v.qos.as_ref()));
+                }
                 let mut labels: Vec<_> = v.labels.iter().collect();
                 labels.sort();
                 for (k, val) in labels {

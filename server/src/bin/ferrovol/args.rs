@@ -259,6 +259,48 @@ pub(crate) struct ServeArgs {
     pub(crate) metrics_listen: Option<SocketAddr>,
 }
 
+/// A volume's QoS limits (per volume, whatever the number of connections; a request
+/// over a limit waits its turn).
+#[derive(clap::Args, Debug, Clone, Default)]
+pub(crate) struct QosArgs {
+    /// READ requests per second (0: no limit).
+    #[arg(long)]
+    pub(crate) read_iops: Option<u64>,
+    /// WRITE, TRIM and WRITE_ZEROES requests per second (0: no limit).
+    #[arg(long)]
+    pub(crate) write_iops: Option<u64>,
+    /// Bytes read per second (e.g. 100M: powers of 1024; 0: no limit).
+    #[arg(long, value_parser = parse_rate)]
+    pub(crate) read_bps: Option<u64>,
+    /// Bytes written per second (e.g. 50M: powers of 1024; 0: no limit).
+    #[arg(long, value_parser = parse_rate)]
+    pub(crate) write_bps: Option<u64>,
+    /// How far ahead of its limits an idle volume may run, in milliseconds (0 to 60000).
+    #[arg(long)]
+    pub(crate) burst_ms: Option<u32>,
+}
+
+impl QosArgs {
+    /// `base` with the limits given here over it.
+    pub(crate) fn over(&self, base: mgmt_api::Qos) -> mgmt_api::Qos {
+        mgmt_api::Qos {
+            read_iops: self.read_iops.unwrap_or(base.read_iops),
+            write_iops: self.write_iops.unwrap_or(base.write_iops),
+            read_bytes_per_second: self.read_bps.unwrap_or(base.read_bytes_per_second),
+            write_bytes_per_second: self.write_bps.unwrap_or(base.write_bytes_per_second),
+            burst_ms: self.burst_ms.unwrap_or(base.burst_ms),
+        }
+    }
+}
+
+/// A rate in bytes per second: a size as [`parse_size`] reads it, 0 allowed.
+fn parse_rate(s: &str) -> Result<u64, String> {
+    if s.trim() == "0" {
+        return Ok(0);
+    }
+    parse_size(s)
+}
+
 #[derive(Subcommand)]
 pub(crate) enum VolumeCmd {
     /// Create a thin volume (exported over NBD under its name).
@@ -273,9 +315,22 @@ pub(crate) enum VolumeCmd {
         /// A label KEY=VALUE kept with the volume (repeat; at most 16).
         #[arg(long = "label", value_parser = parse_label)]
         labels: Vec<(String, String)>,
-        /// Succeed when a volume of that name, size and labels exists already.
+        /// Succeed when a volume of that name, size, labels and limits exists already.
         #[arg(long)]
         exist_ok: bool,
+        #[command(flatten)]
+        qos: QosArgs,
+    },
+    /// Change a volume's QoS limits, at once on its open connections: the limits given
+    /// change, the others stay (0 removes one; --clear removes all first).
+    SetQos {
+        /// Volume name.
+        name: String,
+        /// Remove every limit before applying those given.
+        #[arg(long)]
+        clear: bool,
+        #[command(flatten)]
+        qos: QosArgs,
     },
     /// Publish a volume to a node: prints the NBD export name (VOLUME/KEY, a secret) and
     /// addresses the node opens it at. Idempotent for the same node and flags.
