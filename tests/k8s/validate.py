@@ -43,6 +43,8 @@ SIDECARS = {
         "--csi-address", "--kubelet-registration-path",
     },
     "registry.k8s.io/sig-storage/livenessprobe:v2.15.0": {"--csi-address", "--http-endpoint"},
+    # external-snapshot-metadata's first release (CSI spec 1.10's SnapshotMetadata).
+    "registry.k8s.io/sig-storage/csi-snapshot-metadata:v0.1.0": {"--csi-address", "--tls-cert", "--tls-key"},
 }
 
 # Paths the node plugin and the watcher use on the host.
@@ -55,6 +57,22 @@ failures = []
 
 def fail(where, why):
     failures.append(f"{where}: {why}")
+
+
+def check_snapshot_metadata_service(where, doc):
+    """cbt.storage.k8s.io/v1alpha1 SnapshotMetadataService (a CRD of external-snapshot-metadata):
+    named after the driver, with the fields the sidecar's CRD requires."""
+    if doc.get("apiVersion") != "cbt.storage.k8s.io/v1alpha1" or doc.get("kind") != "SnapshotMetadataService":
+        fail(where, "not a cbt.storage.k8s.io/v1alpha1 SnapshotMetadataService")
+        return
+    if doc.get("metadata", {}).get("name") != "csi.ferrovol.io":
+        fail(where, "a SnapshotMetadataService is named after its CSI driver (csi.ferrovol.io)")
+    spec = doc.get("spec", {})
+    for field in ("address", "audience", "caCert"):
+        if not isinstance(spec.get(field), str) or not spec[field]:
+            fail(where, f"spec.{field} is missing")
+    if set(spec) - {"address", "audience", "caCert"}:
+        fail(where, f"unknown spec fields {sorted(set(spec) - {'address', 'audience', 'caCert'})}")
 
 
 def check_group_snapshot_kind(where, doc):
@@ -199,6 +217,9 @@ def main():
                 continue
             if doc.get("apiVersion", "").startswith("groupsnapshot.storage.k8s.io/"):
                 check_group_snapshot_kind(where, doc)
+                continue
+            if doc.get("apiVersion", "").startswith("cbt.storage.k8s.io/"):
+                check_snapshot_metadata_service(where, doc)
                 continue
             for v in K8S_VERSIONS:
                 try:
