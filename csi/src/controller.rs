@@ -841,11 +841,16 @@ impl Controller {
                 qos::KEYS.join(", ")
             )));
         }
+        // The volume's name is taken before its limits are read, so that two modifies
+        // of one volume never both start from the same limits.
+        let _guard = match parse_volume_id(&r.volume_id) {
+            Some(id) => Some(self.inflight.take(format!("volume/{}", id.name))?),
+            None => None,
+        };
         let (h, _conn, v) = self.volume_of(&r.volume_id).await?;
         if r.mutable_parameters.is_empty() {
             return Ok(pb::ControllerModifyVolumeResponse {});
         }
-        let _guard = self.inflight.take(format!("volume/{}", v.name))?;
         let want = qos::apply(v.qos.unwrap_or_default(), &r.mutable_parameters, "mutable_parameters")?;
         let req = api::SetVolumeQosRequest { name: v.name.clone(), qos: Some(want) };
         h.call("set the QoS limits", |c| async move { c.set_volume_qos(req).await }).await?;

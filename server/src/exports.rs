@@ -45,12 +45,22 @@ pub struct VolumeExport {
 
 impl VolumeExport {
     /// Waits for the volume's QoS limits to let a request go, counting the time held
-    /// back.
-    async fn admit(&self, dir: Direction, bytes: u64) {
-        let waited = self.qos.admit(dir, bytes).await;
+    /// back. `EPERM` when the attachment is revoked first (or was already): a request
+    /// waiting its turn does not hold a fenced connection open, and never runs.
+    async fn admit(&self, dir: Direction, bytes: u64) -> Result<(), Errno> {
+        self.check_fence()?;
+        if !self.qos.is_limited() {
+            return Ok(());
+        }
+        let waited = tokio::select! {
+            biased;
+            () = self.revoked() => return Err(Errno::Eperm),
+            waited = self.qos.admit(dir, bytes) => waited,
+        };
         if !waited.is_zero() {
             self.m.throttled(waited);
         }
+        Ok(())
     }
 
     /// `EPERM` for a change once the attachment was revoked: a request whose payload
@@ -90,7 +100,7 @@ impl Export for VolumeExport {
     }
 
     async fn read(&self, offset: u64, len: u32) -> Result<ReadData<AlignedBuf>, Errno> {
-        self.admit(Direction::Read, u64::from(len)).await;
+        self.admit(Direction::Read, u64::from(len)).await?;
         let t = std::time::Instant::now();
         let r = self.vol.read(offset, u64::from(len)).await;
         self.m.read(u64::from(len), t.elapsed(), r.is_ok());
@@ -105,7 +115,7 @@ impl Export for VolumeExport {
 
     async fn write(&self, offset: u64, buf: AlignedBuf, fua: bool) -> Result<(), Errno> {
         let len = buf.as_ref().len() as u64;
-        self.admit(Direction::Write, len).await;
+        self.admit(Direction::Write, len).await?;
         self.check_fence()?;
         let t = std::time::Instant::now();
         let r = self.vol.write(offset, buf, fua).await;
@@ -120,7 +130,7 @@ impl Export for VolumeExport {
     }
 
     async fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<(), Errno> {
-        self.admit(Direction::Write, 0).await;
+        self.admit(Direction::Write, 0).await?;
         self.check_fence()?;
         let r = self.vol.trim(offset, len, fua).await;
         self.m.trim(r.is_ok());
@@ -139,7 +149,8 @@ impl Export for VolumeExport {
         if fast_only && !may_unmap {
             return Err(Errno::Enotsup);
         }
-        self.admit(Direction::Write, 0).await;
+        // Zeros written (NO_HOLE) count as bytes written; unmapping counts none.
+        self.admit(Direction::Write, if may_unmap { 0 } else { len }).await?;
         self.check_fence()?;
         let r = self.vol.write_zeroes(offset, len, may_unmap, fua).await;
         self.m.trim(r.is_ok());

@@ -74,9 +74,6 @@ pub struct ManagementService {
     /// Held through each CreateGroupSnapshot, so that one taking a partial group again
     /// never deletes what another has just made.
     groups: tokio::sync::Mutex<()>,
-    /// Held through each SetVolumeQos, so that the limits applied are the ones stored
-    /// last.
-    qos: tokio::sync::Mutex<()>,
 }
 
 impl ManagementService {
@@ -87,7 +84,7 @@ impl ManagementService {
 
     /// The service itself, to call its methods in-process.
     pub fn service(pool: Pool, host: HostIdentity) -> ManagementService {
-        ManagementService { pool, host, groups: tokio::sync::Mutex::new(()), qos: tokio::sync::Mutex::new(()) }
+        ManagementService { pool, host, groups: tokio::sync::Mutex::new(()) }
     }
 }
 
@@ -317,15 +314,22 @@ impl ManagementService {
         }
     }
 
+    /// Stores the limits, then applies them: in a task of its own, so that a caller
+    /// that goes away between the two leaves no volume enforcing other limits than it
+    /// stores; one at a time over every listener ([`Limiters::changing`]).
     async fn do_set_qos(&self, r: pb::SetVolumeQosRequest) -> Result<pb::Volume, Status> {
         let limits = qos_limits(r.qos.as_ref())?;
-        let _one_at_a_time = self.qos.lock().await;
-        let status = |e: storage_engine::Error| grpc_status(&e);
-        self.pool.set_label(&r.name, QOS_LABEL, limits.to_label().as_deref()).await.map_err(status)?;
-        let v = self.pool.volume_info(&r.name).map_err(status)?;
-        self.host.limits.set(&v.name, v.id, limits);
-        tracing::info!(volume = r.name, limits = %limits, "QoS limits set");
-        Ok(volume(v))
+        let (pool, registry) = (self.pool.clone(), Arc::clone(&self.host.limits));
+        let task = tokio::spawn(async move {
+            let _one_at_a_time = registry.changing().await;
+            let status = |e: storage_engine::Error| grpc_status(&e);
+            pool.set_label(&r.name, QOS_LABEL, limits.to_label().as_deref()).await.map_err(status)?;
+            let v = pool.volume_info(&r.name).map_err(status)?;
+            registry.set(&v.name, v.id, limits);
+            tracing::info!(volume = r.name, limits = %limits, "QoS limits set");
+            Ok(volume(v))
+        });
+        task.await.map_err(|e| Status::internal(format!("setting QoS limits failed: {e}")))?
     }
 
     async fn do_publish(&self, r: pb::PublishVolumeRequest) -> Result<pb::Attachment, Status> {
@@ -398,9 +402,10 @@ impl Management for ManagementService {
         req: Request<pb::DeleteVolumeRequest>,
     ) -> Result<Response<pb::DeleteVolumeResponse>, Status> {
         audited!(req, "DeleteVolume", |r| {
+            let id = self.pool.volume_info(&r.name).map(|v| v.id).ok();
             let out = self.pool.delete_volume(&r.name).await;
-            if out.is_ok() {
-                self.host.limits.forget(&r.name);
+            if let (Ok(()), Some(id)) = (&out, id) {
+                self.host.limits.forget(&r.name, id);
             }
             out.map(|()| pb::DeleteVolumeResponse {}).map_err(|e| grpc_status(&e))
         })

@@ -13,8 +13,11 @@
 //! write operations, write bytes) keeps a theoretical arrival time `tat`; a request of
 //! cost `c` against a rate `r` is released at `max(now, tat - burst)` and moves `tat`
 //! on by `c / r`. Requests are released in the order they asked, never before their
-//! time, so over any interval longer than the burst a volume gets at most its rate,
-//! and a volume idle for `burst` may then spend `burst × rate` at once.
+//! time. A request is released before its cost is paid: one larger than `burst × rate`
+//! goes when its turn comes and holds the next back until it is paid for. So over a
+//! long interval a volume gets its rate, ahead by at most one request and the burst,
+//! and a volume idle for `burst` may spend `burst × rate` at once. Snapshots are read
+//! only and not limited.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -33,6 +36,10 @@ pub const QOS_LABEL: &str = mgmt_api::QOS_LABEL;
 /// Longest burst, in milliseconds (a minute).
 pub const MAX_BURST_MS: u32 = 60_000;
 
+/// Lowest byte rate, in bytes per second (1 MiB/s: the largest NBD request, 32 MiB,
+/// then holds its volume back at most 32 s).
+pub const MIN_BYTES_PER_SECOND: u64 = 1 << 20;
+
 /// One volume's limits; 0 is no limit.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct QosLimits {
@@ -42,7 +49,8 @@ pub struct QosLimits {
     pub write_iops: u64,
     /// Bytes read per second.
     pub read_bytes_per_second: u64,
-    /// Bytes written per second (a WRITE's payload; TRIM and WRITE_ZEROES count none).
+    /// Bytes written per second (a WRITE's payload, a WRITE_ZEROES that writes zeros;
+    /// TRIM and WRITE_ZEROES that unmap count none).
     pub write_bytes_per_second: u64,
     /// How far ahead of its limits a volume that was idle may run, in milliseconds of
     /// each limit (0: none; at most [`MAX_BURST_MS`]).
@@ -73,11 +81,16 @@ impl QosLimits {
         ]
     }
 
-    /// Checks the values: a burst of at most [`MAX_BURST_MS`], and a burst only with a
-    /// limit to apply it to.
+    /// Checks the values: byte rates of at least [`MIN_BYTES_PER_SECOND`], a burst of
+    /// at most [`MAX_BURST_MS`], and a burst only with a limit to apply it to.
     ///
     /// Errors: the reason, for an INVALID_ARGUMENT.
     pub fn validate(&self) -> Result<(), String> {
+        for (what, r) in [("read", self.read_bytes_per_second), ("write", self.write_bytes_per_second)] {
+            if r != 0 && r < MIN_BYTES_PER_SECOND {
+                return Err(format!("{what} limit of {r} bytes per second is below {MIN_BYTES_PER_SECOND}"));
+            }
+        }
         if self.burst_ms > MAX_BURST_MS {
             return Err(format!("burst of {} ms is longer than {MAX_BURST_MS} ms", self.burst_ms));
         }
@@ -167,6 +180,8 @@ struct Schedule {
     limits: QosLimits,
     /// Read operations, read bytes, write operations, write bytes.
     tat: [Instant; 4],
+    /// Counts the changes of limits: a reservation made under older ones is made again.
+    generation: u64,
 }
 
 impl Schedule {
@@ -186,7 +201,8 @@ impl Schedule {
         }
         for (i, cost) in (first..first + 2).zip(costs) {
             if rates[i] != 0 && cost != 0 {
-                let nanos = u128::from(cost) * 1_000_000_000 / u128::from(rates[i]);
+                // Rounded up: a step is never shorter than the rate allows.
+                let nanos = (u128::from(cost) * 1_000_000_000).div_ceil(u128::from(rates[i]));
                 let step = Duration::from_nanos(u64::try_from(nanos).unwrap_or(u64::MAX));
                 self.tat[i] = self.tat[i].max(at) + step;
             }
@@ -201,9 +217,14 @@ impl Limiter {
         let now = Instant::now();
         Limiter {
             limited: AtomicBool::new(!limits.is_unlimited()),
-            state: Mutex::new(Schedule { limits, tat: [now; 4] }),
+            state: Mutex::new(Schedule { limits, tat: [now; 4], generation: 0 }),
             changed: Notify::new(),
         }
+    }
+
+    /// Whether any limit applies (a request may then have to wait).
+    pub fn is_limited(&self) -> bool {
+        self.limited.load(Ordering::Relaxed)
     }
 
     /// The limits applied now.
@@ -212,12 +233,18 @@ impl Limiter {
     }
 
     /// Applies `limits` from now on, to the requests waiting too: they are scheduled
-    /// again under the new limits, from a fresh start (no credit, no debt).
+    /// again under the new limits, from a start with no credit (the burst counts as
+    /// spent) and no debt. The same limits again change nothing.
     pub fn set(&self, limits: QosLimits) {
         {
             let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            if s.limits == limits {
+                return;
+            }
             s.limits = limits;
-            s.tat = [Instant::now(); 4];
+            let spent = Instant::now() + Duration::from_millis(u64::from(limits.burst_ms));
+            s.tat = [spent; 4];
+            s.generation += 1;
             self.limited.store(!limits.is_unlimited(), Ordering::SeqCst);
         }
         self.changed.notify_waiters();
@@ -231,17 +258,31 @@ impl Limiter {
             return Duration::ZERO;
         }
         let start = Instant::now();
+        // A place kept across a wake-up: (when, under which limits).
+        let mut place: Option<(Instant, u64)> = None;
         loop {
             // Registered before the schedule is read: a change after it wakes this one.
             let changed = self.changed.notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
             let now = Instant::now();
-            let at = self.state.lock().unwrap_or_else(|e| e.into_inner()).reserve(dir, bytes, now);
+            let at = {
+                let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+                match place {
+                    // Reserved under the limits in force: keep the place.
+                    Some((at, generation)) if generation == s.generation => at,
+                    _ => {
+                        let at = s.reserve(dir, bytes, now);
+                        place = Some((at, s.generation));
+                        at
+                    }
+                }
+            };
             if at <= now {
                 return now - start;
             }
             tokio::select! {
+                biased;
                 _ = tokio::time::sleep_until(at) => return Instant::now() - start,
                 _ = changed => continue,
             }
@@ -250,19 +291,26 @@ impl Limiter {
 }
 
 /// The limiters of the volumes being served, by name, each for the volume's id (a
-/// volume deleted and made again under its name gets a new limiter).
+/// volume deleted and made again under its name gets a new limiter; ids only grow, so
+/// a look-up that still holds an older volume never replaces a newer one's).
 #[derive(Default)]
 pub struct Limiters {
     by_name: Mutex<HashMap<String, (u64, Arc<Limiter>)>>,
+    /// Held by whoever changes limits, from storing them to applying them, so that the
+    /// limits applied are the ones stored last (every management listener shares it).
+    changes: tokio::sync::Mutex<()>,
 }
 
 impl Limiters {
     /// The limiter of volume `name` whose id is `id`, made with the limits of its
-    /// `labels` when it has none yet.
+    /// `labels` when it has none yet. A volume older than the one registered under its
+    /// name gets a limiter of its own, not registered (its connections are about to
+    /// fail: it was deleted).
     pub fn get(&self, name: &str, id: u64, labels: &storage_engine::Labels) -> Arc<Limiter> {
         let mut m = self.by_name.lock().unwrap_or_else(|e| e.into_inner());
         match m.get(name) {
             Some((i, l)) if *i == id => Arc::clone(l),
+            Some((i, _)) if *i > id => Arc::new(Limiter::new(QosLimits::of_labels(name, labels))),
             _ => {
                 let l = Arc::new(Limiter::new(QosLimits::of_labels(name, labels)));
                 m.insert(name.to_owned(), (id, Arc::clone(&l)));
@@ -277,15 +325,25 @@ impl Limiters {
         let mut m = self.by_name.lock().unwrap_or_else(|e| e.into_inner());
         match m.get(name) {
             Some((i, l)) if *i == id => l.set(limits),
+            Some((i, _)) if *i > id => {}
             _ => {
                 m.insert(name.to_owned(), (id, Arc::new(Limiter::new(limits))));
             }
         }
     }
 
-    /// Forgets volume `name` (deleted).
-    pub fn forget(&self, name: &str) {
-        self.by_name.lock().unwrap_or_else(|e| e.into_inner()).remove(name);
+    /// Forgets volume `name` whose id was `id` (deleted); a newer volume of that name
+    /// keeps its limiter.
+    pub fn forget(&self, name: &str, id: u64) {
+        let mut m = self.by_name.lock().unwrap_or_else(|e| e.into_inner());
+        if m.get(name).is_some_and(|(i, _)| *i == id) {
+            m.remove(name);
+        }
+    }
+
+    /// Taken while limits are stored and applied ([`Limiters::set`]).
+    pub async fn changing(&self) -> tokio::sync::MutexGuard<'_, ()> {
+        self.changes.lock().await
     }
 }
 
@@ -346,6 +404,31 @@ mod tests {
         }
         // Four quarter-MiB reads at 1 MiB/s: the fourth goes at 0.75 s.
         assert_eq!(Instant::now() - t0, Duration::from_millis(750));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_change_grants_no_burst_and_the_same_limits_change_nothing() {
+        let limits = QosLimits { write_iops: 100, burst_ms: 1000, ..Default::default() };
+        let l = Limiter::new(QosLimits { write_iops: 50, ..Default::default() });
+        l.set(limits);
+        // No credit after a change: one now, then one every 10 ms.
+        let t0 = Instant::now();
+        for _ in 0..11 {
+            l.admit(Direction::Write, 0).await;
+        }
+        assert_eq!(Instant::now() - t0, Duration::from_millis(100));
+        // Setting the same limits again resets nothing: still one per 10 ms.
+        l.set(limits);
+        let t1 = Instant::now();
+        l.admit(Direction::Write, 0).await;
+        assert_eq!(Instant::now() - t1, Duration::from_millis(10));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_larger_than_the_burst_goes_then_holds_the_next_back() {
+        let l = Limiter::new(QosLimits { write_bytes_per_second: 1 << 20, ..Default::default() });
+        assert_eq!(l.admit(Direction::Write, 32 << 20).await, Duration::ZERO);
+        assert_eq!(l.admit(Direction::Write, 4096).await, Duration::from_secs(32));
     }
 
     #[tokio::test(start_paused = true)]

@@ -173,3 +173,42 @@ fn a_throttled_volume_does_not_slow_another() {
     }
     panic!("the other volume's IOPS beside a throttled one, as a share of its IOPS alone: {ratios:?}");
 }
+
+/// An unpublish does not wait for requests a limit holds back: they never run, and the
+/// fenced connection closes at once instead of after the queue drains (32 writes at 2 a
+/// second would take 16 s).
+#[test]
+fn an_unpublish_cuts_off_requests_waiting_for_their_turn() {
+    let td = TestDir::new();
+    let s = Server::start_with(&td.data(), "2GiB", &["--nbd-access", "attached"]);
+    s.cli_ok(&["volume", "create", "v", "--size", "64MiB", "--write-iops", "2"]);
+    let a = json(&s.cli_ok(&["volume", "publish", "v", "--node", "node-1", "--json"]));
+    let uri = s.uri(a["export_name"].as_str().unwrap());
+    let dir = td.path().to_owned();
+    let fio = std::thread::spawn(move || {
+        output(peer("fio").current_dir(&dir).args([
+            "--name=q",
+            "--ioengine=nbd",
+            &format!("--uri={uri}"),
+            "--rw=randwrite",
+            "--bs=4k",
+            "--iodepth=32",
+            "--time_based",
+            "--runtime=30",
+        ]))
+    });
+    std::thread::sleep(Duration::from_millis(1500));
+    let t = Instant::now();
+    s.cli_ok(&["volume", "unpublish", "v", "--node", "node-1"]);
+    let took = t.elapsed();
+    let fio = fio.join().unwrap();
+    assert!(took < Duration::from_secs(4), "unpublish waited {took:?} for requests held back by the limit");
+    assert!(!fio.status.success(), "fio was not cut off: {}", text(&fio));
+    // Only the writes let through before the unpublish reached the volume (one at
+    // first, then two a second; each maps a 64 KiB unit), and nothing after it.
+    let allocated = || json(&s.cli_ok(&["volume", "info", "v", "--json"]))["allocated_bytes"].as_u64().unwrap();
+    let after = allocated();
+    assert!(after <= 8 * 65536, "{after} bytes allocated by writes a limit of 2 per second let through");
+    std::thread::sleep(Duration::from_millis(1000));
+    assert_eq!(allocated(), after, "a write held back by the limit landed after the unpublish");
+}

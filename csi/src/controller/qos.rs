@@ -7,7 +7,8 @@
 //! none:
 //! - `readIOPS`, `writeIOPS`: requests per second (TRIM and WRITE_ZEROES are writes);
 //! - `readBytesPerSecond`, `writeBytesPerSecond`: bytes per second, a whole number or
-//!   a Kubernetes quantity with a binary or decimal suffix (`100Mi`, `50M`);
+//!   a Kubernetes quantity with a binary or decimal suffix (`100Mi`, `50M`), at least
+//!   1Mi;
 //! - `burstMilliseconds`: how far ahead of its limits a volume that was idle may run
 //!   (0 to 60000).
 //!
@@ -36,6 +37,9 @@ pub const KEYS: [&str; 5] = [READ_IOPS, WRITE_IOPS, READ_BYTES_PER_SECOND, WRITE
 
 /// The longest burst a storage host takes, in milliseconds.
 const MAX_BURST_MS: u64 = 60_000;
+
+/// The lowest byte rate a storage host takes, in bytes per second.
+const MIN_BYTES_PER_SECOND: u64 = 1 << 20;
 
 /// Whether `key` is one of ferrovol's QoS parameters.
 pub fn is_qos_key(key: &str) -> bool {
@@ -100,14 +104,28 @@ pub fn apply(base: api::Qos, params: &HashMap<String, String>, what: &str) -> Re
         return Err(CsiError::invalid(format!("invalid {what}: {}", bad.join(", "))));
     }
     if q.burst_ms > 0 && is_unlimited(&q) {
-        return Err(CsiError::invalid(format!("invalid {what}: {BURST_MILLISECONDS} without a limit to apply it to")));
+        if params.contains_key(BURST_MILLISECONDS) {
+            return Err(CsiError::invalid(format!(
+                "invalid {what}: {BURST_MILLISECONDS} without a limit to apply it to"
+            )));
+        }
+        // The last limit removed: its burst goes with it.
+        q.burst_ms = 0;
+    }
+    for (k, r) in [(READ_BYTES_PER_SECOND, q.read_bytes_per_second), (WRITE_BYTES_PER_SECOND, q.write_bytes_per_second)]
+    {
+        if r != 0 && r < MIN_BYTES_PER_SECOND {
+            return Err(CsiError::invalid(format!("invalid {what}: {k} below {MIN_BYTES_PER_SECOND} (1Mi)")));
+        }
     }
     Ok(q)
 }
 
-/// The keys of `params` that are not QoS keys, sorted (for an INVALID_ARGUMENT).
+/// The keys of `params` that are neither QoS keys nor the sidecars' own
+/// (`csi.storage.k8s.io/...`), sorted (for an INVALID_ARGUMENT).
 pub fn unknown_keys(params: &HashMap<String, String>) -> Vec<&str> {
-    let mut k: Vec<&str> = params.keys().map(String::as_str).filter(|k| !is_qos_key(k)).collect();
+    let mut k: Vec<&str> =
+        params.keys().map(String::as_str).filter(|k| !is_qos_key(k) && !k.starts_with("csi.storage.k8s.io/")).collect();
     k.sort_unstable();
     k
 }
@@ -152,5 +170,10 @@ mod tests {
         }
         let e = apply(api::Qos::default(), &params(&[("burstMilliseconds", "100")]), "p").unwrap_err();
         assert!(e.message.contains("without a limit"), "{}", e.message);
+        let e = apply(api::Qos::default(), &params(&[("readBytesPerSecond", "1000")]), "p").unwrap_err();
+        assert!(e.message.contains("below"), "{}", e.message);
+        // Removing the last limit takes its burst with it.
+        let base = api::Qos { write_iops: 5, burst_ms: 100, ..Default::default() };
+        assert_eq!(apply(base, &params(&[("writeIOPS", "0")]), "p").unwrap(), api::Qos::default());
     }
 }
