@@ -110,12 +110,13 @@ fn volume_and_snapshot_tables_fit_long_names() {
 /// create-group` takes both, each member reads back its volume's data over NBD and the
 /// later writes are not in it; a second identical call is ALREADY_EXISTS from the CLI
 /// and the same members from the API with exist_ok; a partial group (one member made
-/// alone with the group's labels and the server's size label, as a crash can leave it)
-/// is taken again whole, while an ordinary snapshot of that name is never touched.
+/// alone with the group's labels and the server's size label, as a crash can leave it,
+/// made here through the engine with the server stopped since a client may not set that
+/// label) is taken again whole, while an ordinary snapshot of that name is never touched.
 #[test]
 fn group_snapshots_through_the_cli_and_the_api() {
     let td = TestDir::new();
-    let s = Server::start(&td.data());
+    let mut s = Server::start(&td.data());
     s.create_volume("data", "64MiB");
     s.create_volume("log", "64MiB");
     qemu_io_ok(&s.uri("data"), &["write -P 0x11 0 1M"]);
@@ -128,17 +129,19 @@ fn group_snapshots_through_the_cli_and_the_api() {
     assert!(s.cli_err(&["snapshot", "create-group", "g1", "data", "log"]).contains("exists"));
     assert!(s.cli_err(&["snapshot", "create-group", "g2", "data", "nope"]).contains("nope"));
 
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    rt.block_on(async {
-        use mgmt_api::{pb, ErrorKind};
+    // A runtime per phase: dropping it closes the management connection, so the
+    // server's stop does not wait for it.
+    let rt = || tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let labels: std::collections::HashMap<String, String> = [("group".to_owned(), "g2".to_owned())].into();
+    let req = |snapshot: &str| mgmt_api::pb::CreateGroupSnapshotRequest {
+        volumes: vec!["log".into(), "data".into()],
+        snapshot: snapshot.into(),
+        labels: labels.clone(),
+        exist_ok: true,
+    };
+    rt().block_on(async {
+        use mgmt_api::ErrorKind;
         let c = mgmt_api::Client::connect_unix(&s.dir.join("ferrovol.sock")).await.unwrap();
-        let labels: std::collections::HashMap<String, String> = [("group".to_owned(), "g2".to_owned())].into();
-        let req = |snapshot: &str| pb::CreateGroupSnapshotRequest {
-            volumes: vec!["log".into(), "data".into()],
-            snapshot: snapshot.into(),
-            labels: labels.clone(),
-            exist_ok: true,
-        };
         let a = c.create_group_snapshot(req("g2")).await.unwrap();
         let b = c.create_group_snapshot(req("g2")).await.unwrap();
         assert_eq!(a.iter().map(|v| v.id).collect::<Vec<_>>(), b.iter().map(|v| v.id).collect::<Vec<_>>());
@@ -148,28 +151,41 @@ fn group_snapshots_through_the_cli_and_the_api() {
         other.labels.clear();
         assert_eq!(c.create_group_snapshot(other).await.unwrap_err().kind(), ErrorKind::AlreadyExists);
         assert_eq!(a[0].labels["ferrovol/group-size"], "2", "the server's group size label");
-        // A partial group (what a crash can leave): only data@g3, with the group's
-        // labels and the server's size label. It is taken again, whole.
-        let mut member_labels = labels.clone();
-        member_labels.insert("ferrovol/group-size".into(), "2".into());
-        let alone = |snapshot: &str, labels: std::collections::HashMap<String, String>| pb::CreateSnapshotRequest {
-            volume: "data".into(),
-            snapshot: snapshot.into(),
-            labels,
-            exist_ok: false,
-        };
-        let partial = c.create_snapshot_with(alone("g3", member_labels)).await.unwrap();
-        let whole = c.create_group_snapshot(req("g3")).await.unwrap();
-        assert_eq!(whole.len(), 2);
-        assert_ne!(whole[0].id, partial.id, "the partial member was taken again");
-        // An ordinary snapshot of that name, even with the group's own labels, is never
-        // taken for a member: ALREADY_EXISTS, and it stays.
-        let ordinary = c.create_snapshot_with(alone("g4", labels.clone())).await.unwrap();
-        assert_eq!(c.create_group_snapshot(req("g4")).await.unwrap_err().kind(), ErrorKind::AlreadyExists);
-        assert_eq!(c.volume("data@g4").await.unwrap().id, ordinary.id, "the ordinary snapshot is untouched");
+        // A client may not set the server's size label.
         let mut reserved = req("g5");
         reserved.labels.insert("ferrovol/group-size".into(), "9".into());
         assert_eq!(c.create_group_snapshot(reserved).await.unwrap_err().kind(), ErrorKind::InvalidArgument);
+    });
+
+    // A partial group (what a crash can leave): only data@g3, with the group's labels
+    // and the server's size label, made through the engine with the server stopped.
+    s.stop();
+    let pool = storage_engine::Pool::open(&s.dir.join("pool.img")).unwrap();
+    let mut member_labels: storage_engine::Labels = labels.clone().into_iter().collect();
+    member_labels.insert("ferrovol/group-size".into(), "2".into());
+    let partial_id = rt().block_on(pool.create_snapshot_with("data", "g3", &member_labels)).unwrap().id;
+    pool.close().unwrap();
+    s.restart();
+    rt().block_on(async {
+        use mgmt_api::{pb, ErrorKind};
+        let c = mgmt_api::Client::connect_unix(&s.dir.join("ferrovol.sock")).await.unwrap();
+        assert_eq!(c.volume("data@g3").await.unwrap().id, partial_id);
+        let whole = c.create_group_snapshot(req("g3")).await.unwrap();
+        assert_eq!(whole.len(), 2);
+        assert_ne!(whole[0].id, partial_id, "the partial member was taken again");
+        // An ordinary snapshot of that name, even with the group's own labels, is never
+        // taken for a member: ALREADY_EXISTS, and it stays.
+        let ordinary = c
+            .create_snapshot_with(pb::CreateSnapshotRequest {
+                volume: "data".into(),
+                snapshot: "g4".into(),
+                labels: labels.clone(),
+                exist_ok: false,
+            })
+            .await
+            .unwrap();
+        assert_eq!(c.create_group_snapshot(req("g4")).await.unwrap_err().kind(), ErrorKind::AlreadyExists);
+        assert_eq!(c.volume("data@g4").await.unwrap().id, ordinary.id, "the ordinary snapshot is untouched");
     });
     qemu_io_ro_ok(&s.uri("data@g3"), &["read -P 0x33 0 1M"]);
 }
