@@ -185,6 +185,78 @@ fn labels_set_after_creation_persist_and_bad_ones_change_nothing() {
     assert_eq!(pool.volume_info("a@s").unwrap().labels, snap_labels);
 }
 
+/// Bytes of the host file system the pool file holds (st_blocks).
+fn host_bytes(dir: &std::path::Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(pool_path(dir)).unwrap().blocks() * 512
+}
+
+/// [`host_bytes`] once the pool has no frees waiting for their punch (its thread
+/// punches them after the commit), within 10 s.
+fn host_bytes_settled(pool: &Pool, dir: &std::path::Path) -> u64 {
+    let t = std::time::Instant::now();
+    while pool.status().freeing > 0 && t.elapsed() < std::time::Duration::from_secs(10) {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    assert_eq!(pool.status().freeing, 0, "frees still waiting after 10 s");
+    host_bytes(dir)
+}
+
+/// A pool file gives the units it frees back to the host file system (hole punching),
+/// once their frees are durable: a deleted volume's and trimmed units'. Units taken
+/// again afterwards hold what is written to them; a preallocated pool keeps its blocks.
+#[test]
+fn freed_units_go_back_to_the_host_file_system() {
+    let dir = tempfile::tempdir().unwrap();
+    let rt = rt();
+    let pool = create(dir.path(), 64 * MIB);
+    rt.block_on(pool.create_volume("a", 16 * MIB)).unwrap();
+    rt.block_on(pool.create_volume("b", 16 * MIB)).unwrap();
+    let (a, b) = (pool.volume("a").unwrap(), pool.volume("b").unwrap());
+    rt.block_on(write(&a, 0, &vec![0xa1; 8 << 20], false)).unwrap();
+    rt.block_on(write(&b, 0, &vec![0xb1; 4 << 20], false)).unwrap();
+    rt.block_on(pool.flush()).unwrap();
+    let full = host_bytes(dir.path());
+    drop(a);
+    rt.block_on(pool.delete_volume("a")).unwrap();
+    rt.block_on(pool.flush()).unwrap();
+    let after_delete = host_bytes_settled(&pool, dir.path());
+    assert!(full - after_delete >= 8 * MIB, "deleting 8 MiB gave back {} bytes", full - after_delete);
+    // A trim of whole units gives them back too.
+    rt.block_on(b.trim(MIB, 2 * MIB, false)).unwrap();
+    rt.block_on(pool.flush()).unwrap();
+    let after_trim = host_bytes_settled(&pool, dir.path());
+    assert!(after_delete - after_trim >= 2 * MIB, "trimming 2 MiB gave back {} bytes", after_delete - after_trim);
+    // The units are taken again and hold the new data; b is intact.
+    rt.block_on(pool.create_volume("c", 16 * MIB)).unwrap();
+    let c = pool.volume("c").unwrap();
+    rt.block_on(write(&c, 0, &vec![0xc1; 10 << 20], false)).unwrap();
+    rt.block_on(pool.flush()).unwrap();
+    assert!(rt.block_on(read(&c, 0, 10 << 20)).iter().all(|&x| x == 0xc1));
+    let bb = rt.block_on(read(&b, 0, 4 << 20));
+    assert!(bb[..1 << 20].iter().chain(&bb[3 << 20..]).all(|&x| x == 0xb1));
+    assert!(bb[1 << 20..3 << 20].iter().all(|&x| x == 0), "the trimmed range reads as zeros");
+    drop((b, c));
+    let pool = reopen_crash(pool, dir.path());
+    let c = pool.volume("c").unwrap();
+    assert!(rt.block_on(read(&c, 0, 10 << 20)).iter().all(|&x| x == 0xc1));
+    drop(c);
+    pool.close().unwrap();
+
+    // Preallocated: every block stays with the pool.
+    let dir = tempfile::tempdir().unwrap();
+    let opts = PoolOptions { size: 64 * MIB, preallocate: true, ..Default::default() };
+    let pool = Pool::create(&pool_path(dir.path()), &opts).unwrap();
+    rt.block_on(pool.create_volume("a", 16 * MIB)).unwrap();
+    let a = pool.volume("a").unwrap();
+    rt.block_on(write(&a, 0, &vec![0xa1; 8 << 20], false)).unwrap();
+    drop(a);
+    let before = host_bytes(dir.path());
+    rt.block_on(pool.delete_volume("a")).unwrap();
+    rt.block_on(pool.flush()).unwrap();
+    assert_eq!(host_bytes_settled(&pool, dir.path()), before, "a preallocated pool punched holes");
+}
+
 fn sha(path: &std::path::Path) -> Vec<u8> {
     std::fs::read(path).unwrap()
 }

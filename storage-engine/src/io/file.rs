@@ -88,6 +88,21 @@ pub fn available_bytes(file: &File) -> io::Result<u64> {
     Ok(st.f_bavail * st.f_frsize)
 }
 
+/// Returns the blocks of `len` bytes at `offset` of `file` to the host file system
+/// (`fallocate` with `FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE`): the range reads as
+/// zeros afterwards, the size does not change.
+///
+/// Errors: `fallocate`'s (`EOPNOTSUPP` where the file system cannot).
+pub fn punch_hole(file: &File, offset: u64, len: u64) -> io::Result<()> {
+    let mode = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+    // SAFETY: fallocate on an fd that `file` keeps open; no memory is passed.
+    if unsafe { libc::fallocate(file.as_raw_fd(), mode, offset as libc::off_t, len as libc::off_t) } == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
 /// Allocates blocks for `len` bytes at `offset` of `file` (`fallocate`, mode 0: the
 /// size does not change, the content reads as before).
 ///

@@ -172,6 +172,11 @@ pub struct Allocator {
     /// Free units known to be backed (given back from the spare): the first to take
     /// when the spare must grow. May name units taken since; check before use.
     pub backed_free: Vec<u32>,
+    /// Units whose frees are durable, waiting for their blocks to be given back to the
+    /// host file system (hole punching) before they become allocatable.
+    pub punch_queue: Vec<u32>,
+    /// Units taken from `punch_queue` and being punched now.
+    pub punching: u64,
 }
 
 /// What a checkpoint of the metadata holds, counted: enough to bound its size in bytes
@@ -243,6 +248,8 @@ impl Allocator {
             checkpoint_units: 0,
             pending_growth: 0,
             backed_free: Vec::new(),
+            punch_queue: Vec::new(),
+            punching: 0,
         }
     }
 
@@ -507,6 +514,14 @@ impl Allocator {
     /// durable): the units become allocatable, except units that in-flight I/O still
     /// pins, which stay pending; settling units may be written in place again.
     pub fn release_pending(&mut self, mark: PendingMark, pins: &StripedCounts) {
+        self.release_pending_punching(mark, pins, false);
+    }
+
+    /// [`Self::release_pending`], except that with `punch` the units it would free go
+    /// to [`Self::punch_queue`] instead: the pool gives their blocks back to the host
+    /// first ([`Self::take_punch_batch`], [`Self::finish_punch`]), so that no write to
+    /// a unit taken again can be punched away.
+    pub fn release_pending_punching(&mut self, mark: PendingMark, pins: &StripedCounts, punch: bool) {
         let s = mark.settle.min(self.pending_settle.len());
         for u in self.pending_settle.drain(..s) {
             self.settling.sub(u);
@@ -519,10 +534,40 @@ impl Allocator {
             }
             if pins.is_set(u) {
                 self.pending_free.push(u);
+            } else if punch {
+                self.punch_queue.push(u);
             } else {
                 self.set_free(u);
             }
         }
+    }
+
+    /// Takes up to `max` units of the punch queue to punch now; they count in
+    /// [`Self::punching`] until [`Self::finish_punch`].
+    pub fn take_punch_batch(&mut self, max: usize) -> Vec<u32> {
+        let n = max.min(self.punch_queue.len());
+        let batch: Vec<u32> = self.punch_queue.drain(..n).collect();
+        self.punching += batch.len() as u64;
+        batch
+    }
+
+    /// Frees the units of a batch [`Self::take_punch_batch`] gave, now punched.
+    pub fn finish_punch(&mut self, batch: &[u32]) {
+        for &u in batch {
+            debug_assert_eq!(self.rc(u), 0);
+            self.set_free(u);
+        }
+        self.punching -= batch.len() as u64;
+    }
+
+    /// Frees the units still waiting in the punch queue without punching them (room is
+    /// needed now, or the host cannot punch); returns how many.
+    pub fn free_punch_queue(&mut self) -> usize {
+        let queue = std::mem::take(&mut self.punch_queue);
+        for &u in &queue {
+            self.set_free(u);
+        }
+        queue.len()
     }
 
     /// After replay: every pending free and settle is durable (it came from the log).

@@ -144,3 +144,23 @@ fn a_unit_left_to_one_owner_settles_only_when_durable() {
     a.release_pending(a.pending_mark(), &pins);
     assert!(!settling.is_set(u));
 }
+
+#[test]
+fn released_units_wait_for_their_punch_before_they_are_free() {
+    let mut a = Allocator::new(64);
+    let units: Vec<u32> = (0..8).map(|_| a.alloc().unwrap()).collect();
+    for u in &units[..6] {
+        a.decref(*u);
+    }
+    let free = a.free_count();
+    a.release_pending_punching(a.pending_mark(), &StripedCounts::new(), true);
+    assert!(a.pending_free.is_empty());
+    assert_eq!(a.punch_queue.len(), 6);
+    assert_eq!(a.free_count(), free, "queued units are not allocatable");
+    let batch = a.take_punch_batch(4);
+    assert_eq!((batch.len(), a.punching, a.punch_queue.len()), (4, 4, 2));
+    a.finish_punch(&batch);
+    assert_eq!((a.free_count(), a.punching), (free + 4, 0));
+    assert_eq!(a.free_punch_queue(), 2, "room needed now: the rest are freed unpunched");
+    assert_eq!(a.free_count(), free + 6);
+}

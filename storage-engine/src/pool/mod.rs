@@ -125,7 +125,7 @@ impl Pool {
             used: a.used * us,
             metadata: a.meta * us,
             free: (unit_count - a.used - a.meta) * us,
-            freeing: a.pending_free.len() as u64 * us,
+            freeing: (a.pending_free.len() as u64 + a.punch_queue.len() as u64 + a.punching) * us,
             reserved: self.store.data_reserve(&a).min(unit_count - a.used - a.meta) * us,
             unit_size: us as u32,
             volumes,

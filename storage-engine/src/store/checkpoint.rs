@@ -105,8 +105,8 @@ impl Store {
             a.retire_meta(u);
         }
         self.trim_spare(&mut a);
-        a.release_pending(pending, &self.pins);
         drop(a);
+        self.release_pending(pending);
         self.records_durable.fetch_max(upto, Ordering::SeqCst);
         let bytes = log.checkpoint_units.len() as u64 * self.geo.unit_size;
         self.costs.checkpoint(began.elapsed(), hold, bytes);

@@ -410,7 +410,7 @@ impl Store {
         log.cursor.pos = plan.end;
         log.cursor.seq += plan.writes.len() as u64;
         self.records_durable.fetch_max(upto, Ordering::SeqCst);
-        self.alloc.lock().release_pending(pending, &self.pins);
+        self.release_pending(pending);
     }
 }
 

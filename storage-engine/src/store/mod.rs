@@ -61,6 +61,7 @@
 
 mod checkpoint;
 mod commit;
+mod punch;
 pub(crate) mod room;
 
 use std::collections::BTreeMap;
@@ -219,6 +220,11 @@ pub(crate) struct Store {
     /// The host file system refused room for a write (ENOSPC): allocations look for
     /// units the pool file already holds blocks for (room.rs) until it has room again.
     host_full: AtomicBool,
+    /// Freed data units of a pool file are given back to the host (hole punching):
+    /// cleared when the host file system cannot, and never done when `backed_all`.
+    punch_holes: AtomicBool,
+    /// Wakes the thread that punches them (punch.rs).
+    puncher: Arc<punch::Signal>,
     ring: IoRing,
     direct: bool,
     geo: Geometry,
@@ -303,6 +309,8 @@ impl Store {
             file: p.file,
             backed_all: AtomicBool::new(p.backed_all),
             host_full: AtomicBool::new(false),
+            punch_holes: AtomicBool::new(true),
+            puncher: Arc::new(punch::Signal::default()),
             ring: p.ring,
             direct: p.direct,
             geo: p.geo,
@@ -346,7 +354,7 @@ impl Store {
             .spawn(move || commit::committer(weak, commits))
             .map_err(|e| Error::io("start committer", e))?;
         *self.committer.lock() = Some(handle);
-        Ok(())
+        self.start_puncher()
     }
 
     /// Stops the committer and writes a last checkpoint (the pool's close).
@@ -363,6 +371,7 @@ impl Store {
         if let Some(h) = self.committer.lock().take() {
             let _ = h.join();
         }
+        self.stop_puncher();
         if self.failed.load(Ordering::SeqCst) {
             return Err(Error::new(ErrorKind::Failed, "pool failed; not writing a final checkpoint"));
         }

@@ -124,6 +124,9 @@ struct Tries {
 pub(crate) enum Remedy {
     /// Frees wait for a commit to become durable.
     Commit,
+    /// Freed units wait for their hole punch (punch.rs): free them unpunched, and wait
+    /// for the batch being punched.
+    Unpunch,
     /// The spare can grow from the free set.
     GrowSpare,
     /// The current checkpoint is larger than the next would be (deletes): a checkpoint
@@ -231,6 +234,11 @@ impl Store {
                 return Some(r);
             }
         }
+        if !a.punch_queue.is_empty() || a.punching > 0 {
+            if let Some(r) = untried(Remedy::Unpunch) {
+                return Some(r);
+            }
+        }
         if !a.pending_free.is_empty() {
             return untried(Remedy::Commit);
         }
@@ -288,7 +296,16 @@ impl Store {
         };
         tried.done.push(r);
         match r {
-            Remedy::Commit => self.commit().await?,
+            Remedy::Commit => {
+                self.commit().await?;
+                // The frees it made durable are needed now: not after their punch.
+                self.alloc.lock().free_punch_queue();
+                self.wait_punching().await;
+            }
+            Remedy::Unpunch => {
+                self.alloc.lock().free_punch_queue();
+                self.wait_punching().await;
+            }
             Remedy::GrowSpare => self.grow_spare_async().await?,
             Remedy::Checkpoint => self.checkpoint_async().await?,
         }
@@ -310,7 +327,13 @@ impl Store {
             let mut to_back = Vec::new();
             for _ in 0..want {
                 match a.take_for_spare() {
-                    Some((u, backed)) if backed || self.backed_all.load(Ordering::Relaxed) => a.spare.push_back(u),
+                    // Known to be backed: unless freed units are punched, since a
+                    // unit once noted backed may have been taken, freed and punched.
+                    Some((u, backed))
+                        if self.backed_all.load(Ordering::Relaxed) || (backed && !self.punches_holes()) =>
+                    {
+                        a.spare.push_back(u)
+                    }
                     Some((u, _)) => to_back.push(u),
                     None => break,
                 }

@@ -1,0 +1,165 @@
+//! Giving the data units a pool file frees back to the host file system (hole
+//! punching, `fallocate(PUNCH_HOLE)`), so that deleting a volume or trimming frees
+//! space on the host, not only in the pool.
+//!
+//! Lives here: the order that makes it safe and the thread that does it. A unit's
+//! blocks are punched only after its free is durable and before it is allocatable:
+//! a release of pending frees ([`Store::release_pending`]) queues the units
+//! ([`Allocator::punch_queue`]) instead of freeing them; a thread of its own takes
+//! them in batches of [`PUNCH_BATCH`], punches them with no lock held, and then frees
+//! them. So no write to a unit taken again is ever punched away, and no lock of the
+//! data path waits for the host file system (a fragmented unit takes it some 45 µs).
+//! When room is needed now, the make-room protocol frees the queued units unpunched
+//! (room.rs). Not done: on a preallocated pool file or a block device (`backed_all`),
+//! and once the host file system answers `EOPNOTSUPP`. Units freed but not yet punched
+//! when the pool closes or crashes stay in the file until they are freed again.
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::time::Duration;
+
+use super::Store;
+use crate::error::{Error, Result};
+use crate::meta::PendingMark;
+
+#[cfg(doc)]
+use crate::meta::Allocator;
+
+/// Units punched per batch: each batch is freed as a whole once punched, so a writer
+/// that needs room waits for at most one batch (about 3 ms on ext4).
+pub(crate) const PUNCH_BATCH: usize = 64;
+
+/// Wakes the punching thread, and tells it to stop.
+#[derive(Default)]
+pub(crate) struct Signal {
+    /// (work queued, stop)
+    state: Mutex<(bool, bool)>,
+    cv: Condvar,
+    /// Notified when a batch is freed.
+    punched: tokio::sync::Notify,
+}
+
+impl Signal {
+    fn set(&self, work: bool, stop: bool) {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.0 |= work;
+        st.1 |= stop;
+        self.cv.notify_all();
+    }
+}
+
+impl Store {
+    /// Whether freed units are given back to the host file system now (a pool file
+    /// that is not preallocated, on a file system that punches holes).
+    pub(crate) fn punches_holes(&self) -> bool {
+        self.punch_holes.load(Ordering::Relaxed) && !self.backed_all.load(Ordering::Relaxed)
+    }
+
+    /// Releases the pending frees and settles before `mark` (their records are
+    /// durable); the freed units wait for their hole punch when the pool
+    /// [punches holes](Self::punches_holes).
+    pub(crate) fn release_pending(&self, mark: PendingMark) {
+        let queued = {
+            let mut a = self.alloc.lock();
+            a.release_pending_punching(mark, &self.pins, self.punches_holes());
+            !a.punch_queue.is_empty()
+        };
+        if queued {
+            self.puncher.set(true, false);
+        }
+    }
+
+    /// Punches one batch of the queue and frees it. Returns false when the queue was
+    /// empty.
+    fn punch_batch(&self) -> bool {
+        let batch = self.alloc.lock().take_punch_batch(PUNCH_BATCH);
+        if batch.is_empty() {
+            return false;
+        }
+        let mut sorted = batch.clone();
+        sorted.sort_unstable();
+        let us = self.geo.unit_size;
+        let mut i = 0;
+        while i < sorted.len() && self.punches_holes() {
+            let mut j = i + 1;
+            while j < sorted.len() && sorted[j] == sorted[j - 1] + 1 {
+                j += 1;
+            }
+            let (off, len) = (self.geo.unit_offset(u64::from(sorted[i])), (j - i) as u64 * us);
+            match crate::io::punch_hole(&self.file, off, len) {
+                Ok(()) => {}
+                Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {
+                    tracing::info!(error = %e, "the host file system does not punch holes: freed space stays in the pool file");
+                    self.punch_holes.store(false, Ordering::Relaxed);
+                }
+                // The units are free all the same: only the host's space is not given back.
+                Err(e) => {
+                    tracing::warn!(error = %e, offset = off, len, "punching freed units out of the pool file failed")
+                }
+            }
+            i = j;
+        }
+        {
+            let mut a = self.alloc.lock();
+            a.finish_punch(&batch);
+            if !self.punches_holes() {
+                a.free_punch_queue();
+            }
+        }
+        self.puncher.punched.notify_waiters();
+        true
+    }
+
+    /// Starts the thread that punches freed units.
+    ///
+    /// Errors: [`ErrorKind::Io`](crate::ErrorKind::Io) when the thread cannot be made.
+    pub(crate) fn start_puncher(self: &Arc<Self>) -> Result<()> {
+        let (weak, signal) = (Arc::downgrade(self), Arc::clone(&self.puncher));
+        std::thread::Builder::new()
+            .name("ferrovol-punch".into())
+            .spawn(move || puncher(weak, signal))
+            .map_err(|e| Error::io("start the hole puncher", e))?;
+        Ok(())
+    }
+
+    /// Stops the punching thread (the pool's close); units still queued are freed
+    /// unpunched.
+    pub(crate) fn stop_puncher(&self) {
+        self.puncher.set(false, true);
+        self.alloc.lock().free_punch_queue();
+    }
+
+    /// Waits until no batch is being punched (a writer that needs room, after it freed
+    /// the queue: the batch in flight is free when this returns).
+    pub(crate) async fn wait_punching(&self) {
+        loop {
+            let punched = self.puncher.punched.notified();
+            tokio::pin!(punched);
+            punched.as_mut().enable();
+            if self.alloc.lock().punching == 0 {
+                return;
+            }
+            punched.await;
+        }
+    }
+}
+
+/// The punching thread: waits for queued units and punches them batch after batch,
+/// until the pool closes or is dropped.
+fn puncher(store: Weak<Store>, signal: Arc<Signal>) {
+    loop {
+        {
+            let st = signal.state.lock().unwrap_or_else(|e| e.into_inner());
+            let (mut st, _) = signal
+                .cv
+                .wait_timeout_while(st, Duration::from_millis(500), |(work, stop)| !*work && !*stop)
+                .unwrap_or_else(|e| e.into_inner());
+            if st.1 {
+                return;
+            }
+            st.0 = false;
+        }
+        let Some(s) = store.upgrade() else { return };
+        while !signal.state.lock().unwrap_or_else(|e| e.into_inner()).1 && s.punch_batch() {}
+    }
+}
