@@ -11,6 +11,7 @@
 
 mod common;
 
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -112,9 +113,20 @@ fn host_full_is_enospc_and_the_pool_goes_on(fs: HostFs) {
     rt.block_on(write(&v, 0, &[0xee; MIB as usize], true)).unwrap();
     rt.block_on(v.flush()).unwrap();
     rt.block_on(pool.checkpoint()).unwrap();
-    // Space the pool frees is its own: trimmed units take new writes with the host full.
+    // Space the pool frees is its own: trimmed units take new writes with the host full,
+    // and are not given back to the host (no hole punching while it is full).
+    let held = std::fs::metadata(fs.path().join("pool.img")).unwrap().blocks();
     rt.block_on(v.trim(MIB, 4 * MIB, false)).unwrap();
     rt.block_on(v.flush()).unwrap();
+    // Freed units waiting for a punch count in `freeing`: once it is 0, any punch is done.
+    for _ in 0..1000 {
+        if pool.status().freeing == 0 {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let now = std::fs::metadata(fs.path().join("pool.img")).unwrap().blocks();
+    assert!(now >= held, "the pool gave {} bytes back to a full host", (held - now) * 512);
     for i in 0..4 {
         let off = (written + 8 + i) * MIB;
         rt.block_on(write(&v, off, &[0x77; MIB as usize], false))

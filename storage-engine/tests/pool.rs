@@ -221,12 +221,15 @@ fn freed_units_go_back_to_the_host_file_system() {
     rt.block_on(pool.delete_volume("a")).unwrap();
     rt.block_on(pool.flush()).unwrap();
     let after_delete = host_bytes_settled(&pool, dir.path());
-    assert!(full - after_delete >= 8 * MIB, "deleting 8 MiB gave back {} bytes", full - after_delete);
+    // The metadata written in between takes a few blocks: a margin of 1 MiB.
+    let given = full.saturating_sub(after_delete);
+    assert!(given >= 7 * MIB, "deleting 8 MiB gave back {given} bytes");
     // A trim of whole units gives them back too.
     rt.block_on(b.trim(MIB, 2 * MIB, false)).unwrap();
     rt.block_on(pool.flush()).unwrap();
     let after_trim = host_bytes_settled(&pool, dir.path());
-    assert!(after_delete - after_trim >= 2 * MIB, "trimming 2 MiB gave back {} bytes", after_delete - after_trim);
+    let given = after_delete.saturating_sub(after_trim);
+    assert!(given + MIB / 2 >= 2 * MIB, "trimming 2 MiB gave back {given} bytes");
     // The units are taken again and hold the new data; b is intact.
     rt.block_on(pool.create_volume("c", 16 * MIB)).unwrap();
     let c = pool.volume("c").unwrap();

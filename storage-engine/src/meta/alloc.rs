@@ -551,8 +551,15 @@ impl Allocator {
         batch
     }
 
-    /// Frees the units of a batch [`Self::take_punch_batch`] gave, now punched.
+    /// Frees the units of a batch [`Self::take_punch_batch`] gave, now punched: they
+    /// are no longer known to be backed (a unit noted in `backed_free` may have been
+    /// taken and freed since).
     pub fn finish_punch(&mut self, batch: &[u32]) {
+        if !self.backed_free.is_empty() {
+            let mut sorted = batch.to_vec();
+            sorted.sort_unstable();
+            self.backed_free.retain(|u| sorted.binary_search(u).is_err());
+        }
         for &u in batch {
             debug_assert_eq!(self.rc(u), 0);
             self.set_free(u);

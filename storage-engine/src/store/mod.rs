@@ -24,7 +24,8 @@
 //!
 //! A volume's *properties lock* (`VolState::props`, labels and attachments) is a leaf:
 //! held only to clone or replace the `Arc` it guards, with no other lock taken under
-//! it. Its value changes only under that volume's map lock (5) held for writing.
+//! it. Its value changes only under that volume's map lock (5) held for writing. The
+//! hole puncher's signal (`punch::Signal`, punch.rs) is a leaf too.
 //!
 //! Locks 4 to 7 are parking_lot locks held for short synchronous steps, never across an
 //! `.await`; 1 to 3 are tokio locks, which may be held across I/O. A step that holds a
@@ -566,5 +567,6 @@ impl Drop for Store {
         // Without close(): a crash-equivalent stop; the log has everything committed.
         self.commits.queue.lock().shutdown = true;
         self.commits.cv.notify_all();
+        self.puncher.stop();
     }
 }

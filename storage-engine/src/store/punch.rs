@@ -46,13 +46,22 @@ impl Signal {
         st.1 |= stop;
         self.cv.notify_all();
     }
+
+    /// Tells the punching thread to stop (after the batch it is punching).
+    pub(crate) fn stop(&self) {
+        self.set(false, true);
+    }
 }
 
 impl Store {
     /// Whether freed units are given back to the host file system now (a pool file
-    /// that is not preallocated, on a file system that punches holes).
+    /// that is not preallocated, on a file system that punches holes, which is not
+    /// full: with the host full, space the pool frees stays the pool's, for its own
+    /// writes).
     pub(crate) fn punches_holes(&self) -> bool {
-        self.punch_holes.load(Ordering::Relaxed) && !self.backed_all.load(Ordering::Relaxed)
+        self.punch_holes.load(Ordering::Relaxed)
+            && !self.backed_all.load(Ordering::Relaxed)
+            && !self.host_full.load(Ordering::Relaxed)
     }
 
     /// Releases the pending frees and settles before `mark` (their records are
@@ -125,7 +134,7 @@ impl Store {
     /// Stops the punching thread (the pool's close); units still queued are freed
     /// unpunched.
     pub(crate) fn stop_puncher(&self) {
-        self.puncher.set(false, true);
+        self.puncher.stop();
         self.alloc.lock().free_punch_queue();
     }
 
@@ -159,7 +168,19 @@ fn puncher(store: Weak<Store>, signal: Arc<Signal>) {
             }
             st.0 = false;
         }
-        let Some(s) = store.upgrade() else { return };
-        while !signal.state.lock().unwrap_or_else(|e| e.into_inner()).1 && s.punch_batch() {}
+        // The pool is held for one batch at a time, so that a pool dropped without a
+        // close is not kept open (nor its file lock held) by this thread.
+        loop {
+            if signal.state.lock().unwrap_or_else(|e| e.into_inner()).1 {
+                return;
+            }
+            let Some(s) = store.upgrade() else { return };
+            if s.closed.load(Ordering::SeqCst) || s.failed.load(Ordering::SeqCst) {
+                return;
+            }
+            if !s.punch_batch() {
+                break;
+            }
+        }
     }
 }

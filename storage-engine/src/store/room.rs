@@ -327,13 +327,8 @@ impl Store {
             let mut to_back = Vec::new();
             for _ in 0..want {
                 match a.take_for_spare() {
-                    // Known to be backed: unless freed units are punched, since a
-                    // unit once noted backed may have been taken, freed and punched.
-                    Some((u, backed))
-                        if self.backed_all.load(Ordering::Relaxed) || (backed && !self.punches_holes()) =>
-                    {
-                        a.spare.push_back(u)
-                    }
+                    // Known to be backed (a punched unit is no longer noted so).
+                    Some((u, backed)) if self.backed_all.load(Ordering::Relaxed) || backed => a.spare.push_back(u),
                     Some((u, _)) => to_back.push(u),
                     None => break,
                 }
