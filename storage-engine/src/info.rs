@@ -42,6 +42,9 @@ pub struct PoolStatus {
     pub uuid: String,
     /// Path of the pool file or device.
     pub path: PathBuf,
+    /// Bytes of the pool: its superblocks, log and data area (what it was created with,
+    /// or last grown to: [`crate::Pool::grow`]).
+    pub size: u64,
     /// Bytes of the data area (units × unit size).
     pub capacity: u64,
     /// Bytes in data units referenced by volumes.

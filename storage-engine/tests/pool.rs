@@ -947,3 +947,99 @@ fn volume_creates_in_a_full_pool_leave_room_for_the_checkpoint() {
     assert_eq!(pool.names().len(), created);
     pool.close().unwrap();
 }
+
+/// A pool grows online onto a larger file: to a size given, or to the file's length
+/// when none is; it never shrinks, and a size past the format's bound is refused; the
+/// grown size survives a crash and a clean close.
+#[test]
+fn a_pool_grows_onto_a_larger_file_and_never_shrinks() {
+    let dir = tempfile::tempdir().unwrap();
+    let rt = rt();
+    let pool = create(dir.path(), 16 * MIB);
+    let before = pool.status();
+    assert_eq!(before.size, 16 * MIB);
+    for (size, why) in [(8 * MIB, "smaller"), (1 << 50, "past 2^32-2 units")] {
+        let e = rt.block_on(pool.grow(Some(size))).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{why}: {e}");
+        assert_eq!(pool.status().capacity, before.capacity, "{why}: a refused grow changes nothing");
+    }
+    assert_eq!(std::fs::metadata(pool_path(dir.path())).unwrap().len(), 16 * MIB);
+    // Nothing to grow onto: nothing changes.
+    assert_eq!(rt.block_on(pool.grow(None)).unwrap().capacity, before.capacity);
+    // The file lengthened by hand, then the pool grown onto it.
+    std::fs::OpenOptions::new().write(true).open(pool_path(dir.path())).unwrap().set_len(40 * MIB).unwrap();
+    let s = rt.block_on(pool.grow(None)).unwrap();
+    assert_eq!((s.size, s.capacity), (40 * MIB, before.capacity + 24 * MIB));
+    assert_eq!(s.free - before.free, 24 * MIB, "the new units are free");
+    // A size given lengthens the file.
+    let s = rt.block_on(pool.grow(Some(64 * MIB))).unwrap();
+    assert_eq!((s.size, s.capacity), (64 * MIB, before.capacity + 48 * MIB));
+    assert_eq!(std::fs::metadata(pool_path(dir.path())).unwrap().len(), 64 * MIB);
+    let pool = reopen_crash(pool, dir.path());
+    assert_eq!((pool.status().size, pool.status().capacity), (64 * MIB, before.capacity + 48 * MIB));
+    pool.close().unwrap();
+    assert_clean(dir.path());
+    let pool = Pool::open(&pool_path(dir.path())).unwrap();
+    assert_eq!(pool.status().size, 64 * MIB);
+    pool.close().unwrap();
+}
+
+/// Writers that fill a pool while it grows, step by step, beside snapshots on a
+/// multi-threaded runtime: every write either succeeds or finds the pool full
+/// (`ENOSPC`, tried again after the next step), no write is lost, and the pool is
+/// consistent after a crash.
+#[test]
+fn a_pool_grows_while_writers_fill_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let pool = create(dir.path(), 16 * MIB);
+    const PIECES: u64 = 96; // 1 MiB each: more than the first size holds
+    for name in ["a", "b"] {
+        rt.block_on(pool.create_volume(name, PIECES * MIB)).unwrap();
+    }
+    let writer = |name: &'static str| {
+        let v = pool.volume(name).unwrap();
+        rt.spawn(async move {
+            let mut full = 0;
+            for i in 0..PIECES / 2 {
+                let data = vec![i as u8 ^ name.as_bytes()[0]; MIB as usize];
+                loop {
+                    match write(&v, i * MIB, &data, false).await {
+                        Ok(()) => break,
+                        Err(e) if e.kind() == ErrorKind::NoSpace => {
+                            full += 1;
+                            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+                        }
+                        Err(e) => panic!("{name} piece {i}: {e}"),
+                    }
+                }
+            }
+            v.flush().await.unwrap();
+            full
+        })
+    };
+    let (a, b) = (writer("a"), writer("b"));
+    let grower = {
+        let pool = pool.clone();
+        rt.spawn(async move {
+            for step in 1..=10u64 {
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                pool.grow(Some((16 + 12 * step) * MIB)).await.unwrap();
+                pool.create_snapshot(if step % 2 == 0 { "a" } else { "b" }, &format!("s{step}")).await.unwrap();
+            }
+        })
+    };
+    rt.block_on(grower).unwrap();
+    let full = rt.block_on(a).unwrap() + rt.block_on(b).unwrap();
+    assert!(full > 0, "the writers should have found the pool full before it grew");
+    let pool = reopen_crash(pool, dir.path());
+    assert_eq!(pool.status().size, 136 * MIB);
+    for name in ["a", "b"] {
+        let v = pool.volume(name).unwrap();
+        for i in 0..PIECES / 2 {
+            let want = i as u8 ^ name.as_bytes()[0];
+            assert!(rt.block_on(read(&v, i * MIB, MIB)).iter().all(|&x| x == want), "{name} piece {i}");
+        }
+    }
+    pool.close().unwrap();
+}

@@ -1,6 +1,6 @@
 //! Power-loss simulation: random workloads over several volumes (writes of many sizes,
 //! FUA, flush, trim, write zeroes, snapshot create and delete, clone, grow, attach and
-//! detach, close and reopen) run on a pool whose io_uring records every completed write and flush
+//! detach, close and reopen, pool grow) run on a pool whose io_uring records every completed write and flush
 //! (`storage_engine::testing::IoLog`). Then, at many cut points, the image a power cut
 //! would leave is built (flushed and FUA writes kept, every other write kept, lost or
 //! torn at random) and checked:
@@ -40,18 +40,56 @@ const FIXED_SEED: u64 = 0x5eed_f00d_2026;
 /// One operation of a workload, as the model needs it.
 #[derive(Debug, Clone)]
 enum Op {
-    CreateVolume { name: String },
-    Write { name: String, sector: u64, tags: Vec<u64>, fua: bool },
-    Zero { name: String, sector: u64, count: u64, trim: bool },
-    Flush { name: String },
-    Snapshot { volume: String, full: String },
-    DeleteSnapshot { full: String },
-    Clone { source: String, name: String },
-    DeleteVolume { name: String },
-    Grow { name: String, size: u64 },
-    Attach { name: String, node: String, read_only: bool },
-    Detach { name: String, node: String },
+    CreateVolume {
+        name: String,
+    },
+    Write {
+        name: String,
+        sector: u64,
+        tags: Vec<u64>,
+        fua: bool,
+    },
+    Zero {
+        name: String,
+        sector: u64,
+        count: u64,
+        trim: bool,
+    },
+    Flush {
+        name: String,
+    },
+    Snapshot {
+        volume: String,
+        full: String,
+    },
+    DeleteSnapshot {
+        full: String,
+    },
+    Clone {
+        source: String,
+        name: String,
+    },
+    DeleteVolume {
+        name: String,
+    },
+    Grow {
+        name: String,
+        size: u64,
+    },
+    Attach {
+        name: String,
+        node: String,
+        read_only: bool,
+    },
+    Detach {
+        name: String,
+        node: String,
+    },
     Reopen,
+    /// The pool grows to `size` bytes (its file lengthened and synced first).
+    GrowPool {
+        size: u64,
+    },
 }
 
 /// An operation and the span of the I/O log it ran over: `start` events were recorded
@@ -192,6 +230,8 @@ fn expected(history: &[Done], cut: usize) -> BTreeMap<String, Expect> {
                     m.values_mut().for_each(Expect::settle);
                 }
             }
+            // Not a flush: it changes no volume.
+            Op::GrowPool { .. } => {}
         }
     }
     m
@@ -215,6 +255,7 @@ fn workload(dir: &Path, rng: &mut Rng) -> (Vec<u8>, Vec<storage_engine::testing:
     // volume -> the nodes it is attached to
     let mut attached: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
     let mut n = 0u64;
+    let mut pool_size = POOL_SIZE;
     let run = |op: Op, pool: &mut Option<Pool>, history: &mut Vec<Done>| {
         let start = log.len();
         let p = pool.as_ref().unwrap();
@@ -265,6 +306,9 @@ fn workload(dir: &Path, rng: &mut Rng) -> (Vec<u8>, Vec<storage_engine::testing:
             Op::Reopen => {
                 pool.take().unwrap().close().unwrap();
                 *pool = Some(Pool::open_with(&path, &io).unwrap());
+            }
+            Op::GrowPool { size } => {
+                assert_eq!(rt.block_on(p.grow(Some(*size))).unwrap().size, *size);
             }
         }
         history.push(Done { op, start, end: log.len() });
@@ -351,8 +395,11 @@ fn workload(dir: &Path, rng: &mut Rng) -> (Vec<u8>, Vec<storage_engine::testing:
                     Op::Attach { name, node, read_only: rng.chance(30) }
                 }
             }
-        } else if r < 99 {
+        } else if r < 98 {
             Op::Reopen
+        } else if pool_size < 2 * POOL_SIZE {
+            pool_size += 4 * MIB;
+            Op::GrowPool { size: pool_size }
         } else {
             continue;
         };
@@ -361,6 +408,11 @@ fn workload(dir: &Path, rng: &mut Rng) -> (Vec<u8>, Vec<storage_engine::testing:
     // Whatever the committer does later is not part of the run.
     let events = log.events();
     drop(pool);
+    // A grow lengthens the file and syncs it before any superblock names the new size
+    // (the ring records neither): every cut image has the final length, its new
+    // range holding what the ring wrote there.
+    let mut base = base;
+    base.resize(pool_size as usize, 0);
     (base, events, history)
 }
 
@@ -483,4 +535,72 @@ fn power_cuts_keep_flushed_data_and_consistent_metadata() {
     let random = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
     eprintln!("power-loss: random seed {random:#x}");
     run_seed(random, cuts);
+}
+
+/// A full pool grows and its new units take writes: a power cut anywhere from before
+/// the grow to after the flush that follows leaves a pool that `check` passes and that
+/// opens with every sector written before the grow (flushed then) intact, and every
+/// sector written after it either as written or, before the flush completed, as before.
+/// The new units are only used once the superblocks naming them are durable: a grow
+/// that used them first would leave units past the pool's end mapped.
+#[test]
+fn a_full_pool_grown_keeps_what_it_holds_and_what_its_new_units_take() {
+    let dir = tempfile::tempdir().unwrap();
+    let rt = rt();
+    let path = pool_path(dir.path());
+    let opts = PoolOptions { size: POOL_SIZE, unit_size: UNIT, ..Default::default() };
+    Pool::create(&path, &opts).unwrap().close().unwrap();
+    let base = std::fs::read(&path).unwrap();
+    let log = Arc::new(IoLog::new());
+    let io = IoOptions { observer: Some(log.clone()), ..Default::default() };
+    let pool = Pool::open_with(&path, &io).unwrap();
+    rt.block_on(pool.create_volume("v", 4 * POOL_SIZE)).unwrap();
+    let v = pool.volume("v").unwrap();
+    let piece = u64::from(UNIT);
+    let tags = |piece_no: u64| -> Vec<u8> {
+        (0..piece / SECTOR).flat_map(|s| sector_bytes(((piece_no + 1) << 32) | s)).collect()
+    };
+    let mut filled = 0;
+    while rt.block_on(write(&v, filled * piece, &tags(filled), false)).is_ok() {
+        filled += 1;
+    }
+    rt.block_on(v.flush()).unwrap();
+    let grow_starts = log.len();
+    assert_eq!(rt.block_on(pool.grow(Some(2 * POOL_SIZE))).unwrap().size, 2 * POOL_SIZE);
+    let mut more = 0;
+    while more < filled / 2 {
+        rt.block_on(write(&v, (filled + more) * piece, &tags(filled + more), false))
+            .unwrap_or_else(|e| panic!("a write into the grown pool: {e}"));
+        more += 1;
+    }
+    let flush_starts = log.len();
+    rt.block_on(v.flush()).unwrap();
+    let flushed = log.len();
+    let events = log.events();
+    drop(v);
+    drop(pool);
+    let mut base = base;
+    base.resize(2 * POOL_SIZE as usize, 0);
+    let image = dir.path().join("cut.img");
+    let mut rng = Rng::new(FIXED_SEED);
+    let cuts: Vec<usize> =
+        (grow_starts..=flushed).step_by(((flushed - grow_starts) / 60).max(1)).chain([flushed]).collect();
+    for cut in cuts {
+        cut_image(&image, &base, &events, cut, &mut rng);
+        let problems = storage_engine::check(&image).unwrap().problems;
+        assert!(problems.is_empty(), "check after a cut at {cut}: {problems:?}");
+        let pool = Pool::open(&image).unwrap_or_else(|e| panic!("the pool does not open after a cut at {cut}: {e}"));
+        let v = pool.volume("v").unwrap();
+        for p in 0..filled + more {
+            let data = rt.block_on(read(&v, p * piece, piece));
+            let want = tags(p);
+            let may_be_zero = p >= filled && cut < flushed;
+            assert!(
+                data == want || (may_be_zero && data.iter().all(|&b| b == 0)),
+                "piece {p} after a cut at {cut} (grow from {grow_starts}, flush {flush_starts}..{flushed}): wrong data"
+            );
+        }
+        drop(v);
+        pool.close().unwrap();
+    }
 }

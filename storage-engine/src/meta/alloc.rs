@@ -19,32 +19,88 @@ use super::{MapPage, MapTable};
 ///
 /// Allocated zeroed (`calloc`, fresh pages from the kernel), so units never used cost no
 /// resident memory: 16 MiB per TiB of 64 KiB units, resident only where units are in use.
-pub struct RefcountTable(Box<[AtomicU8]>);
+/// Kept in segments of [`RefcountTable::SEGMENT`] units, so that the table grows with
+/// the pool ([`Allocator::grow`]) without moving: a segment, once made, stays where it
+/// is for the table's life, and one past the length reads as 0.
+pub struct RefcountTable {
+    /// Segment `i` holds units `i * SEGMENT ..`; made in order, none past `len`'s.
+    segments: Box<[std::sync::OnceLock<Box<[AtomicU8]>>]>,
+    /// Number of units (only grows, under the allocator's lock).
+    len: std::sync::atomic::AtomicUsize,
+}
 
 impl RefcountTable {
     /// The byte of a refcount of 254 or more (exact value kept apart).
     pub const BIG: u8 = 254;
     /// The byte of a checkpoint unit.
     pub const META: u8 = 255;
+    /// Units per segment: 64 Mi (4 TiB of 64 KiB units). A segment is 64 MiB of address
+    /// space, above the C library's largest threshold for mapping an allocation on its
+    /// own, so it comes zeroed from the kernel and only the pages of units in use become
+    /// resident (with 1 MiB segments, which may come from the heap and be cleared by
+    /// hand, opening a 4 TiB pool went past 128 MiB resident). Few under the concurrency checker, whose atomics are
+    /// costly to create.
+    pub const SEGMENT: usize = if cfg!(feature = "shuttle") { 64 } else { 1 << 26 };
 
-    fn new(units: usize) -> RefcountTable {
-        RefcountTable(sync::zeroed(units))
+    /// A table of `units` zeros that can grow to `max_units`.
+    fn new(units: usize, max_units: usize) -> RefcountTable {
+        let max_units = max_units.max(units);
+        let t = RefcountTable {
+            segments: (0..max_units.div_ceil(Self::SEGMENT)).map(|_| std::sync::OnceLock::new()).collect(),
+            len: std::sync::atomic::AtomicUsize::new(0),
+        };
+        t.grow(units);
+        t
+    }
+
+    /// Makes the table `units` long (at least its length; at most what it was made to
+    /// grow to). Called by the only writer.
+    fn grow(&self, units: usize) {
+        assert!(units <= self.segments.len() * Self::SEGMENT, "refcount table grown past its bound");
+        for seg in &self.segments[..units.div_ceil(Self::SEGMENT)] {
+            seg.get_or_init(|| sync::zeroed(Self::SEGMENT));
+        }
+        self.len.fetch_max(units, std::sync::atomic::Ordering::Release);
     }
 
     /// Number of units.
     pub fn len(&self) -> usize {
-        self.0.len()
+        self.len.load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// Whether the table has no units.
     pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
+        self.len() == 0
     }
 
-    /// The byte of `unit` (see the type's docs).
+    #[inline]
+    fn slot(&self, unit: u32) -> Option<&AtomicU8> {
+        let u = unit as usize;
+        self.segments.get(u / Self::SEGMENT)?.get().map(|s| &s[u % Self::SEGMENT])
+    }
+
+    /// The byte of `unit` (see the type's docs); 0 past the table.
     #[inline]
     pub fn byte(&self, unit: u32) -> u8 {
-        self.0[unit as usize].load(Ordering::Acquire)
+        self.slot(unit).map_or(0, |b| b.load(Ordering::Acquire))
+    }
+
+    /// Stores the byte of `unit` (the only writer; `unit` within the table).
+    fn store(&self, unit: u32, byte: u8) {
+        self.slot(unit).expect("a refcount past the table").store(byte, Ordering::Release)
+    }
+
+    /// The non-zero bytes, in unit order.
+    fn nonzero(&self) -> impl Iterator<Item = u32> + '_ {
+        let len = self.len();
+        self.segments
+            .iter()
+            .map_while(|s| s.get())
+            .enumerate()
+            .flat_map(|(i, s)| s.iter().enumerate().map(move |(j, b)| ((i * Self::SEGMENT + j) as u32, b)))
+            .take(len)
+            .filter(|(_, b)| b.load(Ordering::Relaxed) != 0)
+            .map(|(u, _)| u)
     }
 
     /// Whether more than one mapping page references `unit` (a write must copy it).
@@ -224,15 +280,20 @@ impl MetaCounts {
 }
 
 impl Allocator {
+    /// The most units an allocator can grow to: the format's bound (a unit number is
+    /// 32 bits, `u32::MAX` excluded); under the concurrency checker, no growth.
+    pub const MAX_UNITS: usize = if cfg!(feature = "shuttle") { 0 } else { u32::MAX as usize - 1 };
+
     /// An allocator over `units` data units, all free. Its per-unit tables are zeroed
     /// and untouched, so they cost resident memory only where units come into use.
+    /// It can [grow](Self::grow) to [`Self::MAX_UNITS`].
     pub fn new(units: usize) -> Allocator {
         let mut free_bits = vec![u64::MAX; units.div_ceil(64)];
         if !units.is_multiple_of(64) {
             free_bits[units / 64] = (1 << (units % 64)) - 1;
         }
         Allocator {
-            refcount: Arc::new(RefcountTable::new(units)),
+            refcount: Arc::new(RefcountTable::new(units, Self::MAX_UNITS)),
             big: HashMap::new(),
             cow_inflight: Default::default(),
             free_bits,
@@ -277,6 +338,22 @@ impl Allocator {
         }
     }
 
+    /// Adds units `unit_count() .. units`, free (a pool grown: docs/on-disk-format.md
+    /// 6.4). `units` at most [`Self::MAX_UNITS`] (the caller checks); fewer than
+    /// [`Self::unit_count`] change nothing.
+    pub fn grow(&mut self, units: usize) {
+        let old = self.unit_count() as usize;
+        if units <= old {
+            return;
+        }
+        self.refcount.grow(units);
+        self.free_bits.resize(units.div_ceil(64), 0);
+        for u in old..units {
+            self.free_bits[u / 64] |= 1 << (u % 64);
+        }
+        self.free_count += (units - old) as u64;
+    }
+
     /// Number of data units managed.
     pub fn unit_count(&self) -> u64 {
         self.refcount.len() as u64
@@ -309,7 +386,7 @@ impl Allocator {
         if byte != RefcountTable::BIG && self.refcount.byte(unit) == RefcountTable::BIG {
             self.big.remove(&unit);
         }
-        self.refcount.0[unit as usize].store(byte, Ordering::Release)
+        self.refcount.store(unit, byte)
     }
 
     /// Refcount of `unit` ([`META`] for checkpoint units).
@@ -320,10 +397,7 @@ impl Allocator {
     /// The units with a non-zero refcount, in ascending order, with their refcounts
     /// ([`META`] for checkpoint units). Reads every counter; allocates nothing.
     pub fn nonzero_refcounts(&self) -> impl Iterator<Item = (u32, u32)> + '_ {
-        self.refcount.0.iter().enumerate().filter_map(|(u, r)| match r.load(Ordering::Relaxed) {
-            0 => None,
-            _ => Some((u as u32, self.rc(u as u32))),
-        })
+        self.refcount.nonzero().map(|u| (u, self.rc(u)))
     }
 
     /// The refcount table itself, for lock-free reads (a value may be stale by the

@@ -121,6 +121,7 @@ impl Pool {
         PoolStatus {
             uuid: uuid::Uuid::from_bytes(self.store.geo().uuid).to_string(),
             path: self.store.path().to_owned(),
+            size: self.store.pool_size(),
             capacity: unit_count * us,
             used: a.used * us,
             metadata: a.meta * us,
@@ -132,6 +133,26 @@ impl Pool {
             direct_io: self.store.direct(),
             failed: self.store.is_failed(),
         }
+    }
+
+    /// Grows the pool onto a larger file or device, online: to `size` bytes, or with
+    /// `None` to the size its file or device has now (a device grown underneath, or a
+    /// file lengthened by hand). A pool file is lengthened to `size`; a preallocated one
+    /// (`PoolOptions::preallocate`) also gets the new range allocated. The new data
+    /// units are free once both superblock slots name them (durable on return). A size
+    /// that adds no whole unit changes nothing. Returns the status after.
+    ///
+    /// Errors: [`ErrorKind::InvalidArgument`] when `size` is smaller than the pool (a
+    /// pool never shrinks), larger than its block device, or more than 2^32-2 units of
+    /// its unit size; [`ErrorKind::NoSpace`] when the host file system has no room to
+    /// preallocate; [`ErrorKind::Io`]; [`ErrorKind::Failed`] after close or failure.
+    pub async fn grow(&self, size: Option<u64>) -> Result<PoolStatus> {
+        let store = Arc::clone(&self.store);
+        tokio::task::spawn_blocking(move || store.grow_blocking(size))
+            .await
+            .map_err(|e| Error::new(ErrorKind::Failed, format!("the pool grow stopped: {e}")))?
+            .map_err(|e| e.op("grow pool"))?;
+        Ok(self.status())
     }
 
     /// Makes every write completed before the call durable (group commit across volumes).

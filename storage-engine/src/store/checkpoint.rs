@@ -47,7 +47,7 @@ impl Store {
     /// Makes `sb` the current superblock: numbers it one generation past the current
     /// one, writes it into that generation's slot and syncs it. Call with the log
     /// locked (`log`).
-    fn switch_superblock(&self, log: &mut LogState, mut sb: Superblock) -> Result<()> {
+    pub(super) fn switch_superblock(&self, log: &mut LogState, mut sb: Superblock) -> Result<()> {
         sb.generation = (log.sb.generation.get() + 1).into();
         sb.crc = sb.compute_crc().into();
         write_blocks(&self.ring, SUPERBLOCK_OFFSETS[(sb.generation.get() % 2) as usize], sb.as_bytes())?;

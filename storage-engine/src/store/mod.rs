@@ -62,6 +62,7 @@
 
 mod checkpoint;
 mod commit;
+mod grow;
 mod punch;
 pub(crate) mod room;
 
@@ -228,7 +229,15 @@ pub(crate) struct Store {
     puncher: Arc<punch::Signal>,
     ring: IoRing,
     direct: bool,
+    /// The geometry the pool was opened with: its unit size and data offset hold for
+    /// good; its size and unit count are those at open (a grown pool's are in
+    /// `pool_size` and the allocator).
     geo: Geometry,
+    /// Bytes of the pool now (the superblock's `pool_size`; changes when it grows).
+    pool_size: AtomicU64,
+    /// Held by a pool grow from start to end (grow.rs): one at a time. Taken with no
+    /// lock held, before the log lock.
+    grow_lock: std::sync::Mutex<()>,
     volumes: RwLock<BTreeMap<String, Arc<VolState>>>,
     next_volume: AtomicU64,
     alloc: Mutex<Allocator>,
@@ -314,6 +323,8 @@ impl Store {
             puncher: Arc::new(punch::Signal::default()),
             ring: p.ring,
             direct: p.direct,
+            pool_size: AtomicU64::new(p.geo.pool_size),
+            grow_lock: std::sync::Mutex::new(()),
             geo: p.geo,
             volumes: RwLock::new(p.volumes),
             next_volume: AtomicU64::new(p.next_volume),
@@ -496,6 +507,11 @@ impl Store {
             labels: props.labels.clone(),
             attachments: props.attachments.clone(),
         }
+    }
+
+    /// Bytes of the pool now (its superblock's `pool_size`).
+    pub(crate) fn pool_size(&self) -> u64 {
+        self.pool_size.load(Ordering::SeqCst)
     }
 
     pub(crate) fn check_writable(&self) -> Result<()> {

@@ -483,7 +483,7 @@ impl Store {
             return;
         }
         let start = self.geo.data_offset;
-        let end = self.geo.unit_offset(self.geo.unit_count);
+        let end = self.geo.unit_offset(self.alloc.lock().unit_count());
         let Ok(ranges) = io::data_ranges(&self.file, start, end, 4096) else { return };
         let mut a = self.alloc.lock();
         for (off, len) in ranges {
