@@ -384,6 +384,17 @@ impl Client {
         Ok(r.into_inner())
     }
 
+    /// Grows the pool to `size_bytes` (0: the size of its file or device now); returns
+    /// its status after.
+    ///
+    /// Errors: [`ErrorKind::InvalidArgument`] (smaller than the pool, larger than its
+    /// device, too many units), [`ErrorKind::NoSpace`] (no room to preallocate on the
+    /// host), and the transport's.
+    pub async fn grow_pool(&self, size_bytes: u64) -> Result<PoolStatus> {
+        let req = pb::GrowPoolRequest { size_bytes };
+        self.raw().grow_pool(req).await.map(|r| r.into_inner()).map_err(ApiError::from_status)
+    }
+
     /// Takes snapshot `snapshot` of `volume`, exported as `VOLUME@SNAPSHOT`.
     ///
     /// Errors: [`ErrorKind::NotFound`], [`ErrorKind::AlreadyExists`],

@@ -55,7 +55,7 @@ pub fn management(data: &[u8]) {
                     }
                 };
             }
-            match sel % 15 {
+            match sel % 16 {
                 0 => call!(create_volume, pb::CreateVolumeRequest),
                 1 => call!(delete_volume, pb::DeleteVolumeRequest),
                 2 => call!(resize_volume, pb::ResizeVolumeRequest),
@@ -70,6 +70,13 @@ pub fn management(data: &[u8]) {
                 11 => call!(publish_volume, pb::PublishVolumeRequest),
                 12 => call!(unpublish_volume, pb::UnpublishVolumeRequest),
                 13 => call!(set_volume_qos, pb::SetVolumeQosRequest),
+                14 => {
+                    // Within 1 GiB: a grown pool holds memory for its units, as a created one.
+                    if let Ok(mut m) = pb::GrowPoolRequest::decode(body) {
+                        m.size_bytes %= 1 << 30;
+                        let _ = s.grow_pool(Request::new(m)).await;
+                    }
+                }
                 _ => call!(get_host_info, pb::GetHostInfoRequest),
             }
         });

@@ -28,6 +28,10 @@ pub struct HostOptions {
     pub pool: Option<PathBuf>,
     /// Size in bytes of a new pool file.
     pub pool_size: u64,
+    /// Grow an existing pool file smaller than `pool_size` to it at start (`serve
+    /// --pool-size` given explicitly); a larger pool is kept as it is (a pool never
+    /// shrinks). Not for a block device: `ferrovol pool grow` takes a grown device.
+    pub grow_to_pool_size: bool,
     /// Data-unit size in bytes of a new pool.
     pub unit_size: u32,
     /// With `pool` a block device: format it if it holds no pool (destroys its contents).
@@ -74,6 +78,7 @@ impl HostOptions {
             data_dir: data_dir.into(),
             pool: None,
             pool_size: storage_engine::DEFAULT_POOL_SIZE,
+            grow_to_pool_size: false,
             unit_size: storage_engine::DEFAULT_UNIT_SIZE,
             format: false,
             preallocate: false,
@@ -227,6 +232,24 @@ impl Host {
                 return Err(anyhow::anyhow!("pool {}: {e}", pool_path.display()));
             }
         };
+        let is_file = std::fs::metadata(&pool_path).is_ok_and(|m| m.file_type().is_file());
+        if opts.grow_to_pool_size && pool_existed && is_file {
+            let size = pool.status().size;
+            if size < opts.pool_size {
+                if let Err(e) = pool.grow(Some(opts.pool_size)).await {
+                    let _ = std::fs::remove_file(&nbd_socket);
+                    let _ = std::fs::remove_file(&mgmt_socket);
+                    let _ = pool.close();
+                    return Err(anyhow::anyhow!("grow pool {} to --pool-size: {e}", pool_path.display()));
+                }
+            } else if size > opts.pool_size {
+                tracing::warn!(
+                    pool_bytes = size,
+                    pool_size = opts.pool_size,
+                    "the pool is larger than --pool-size and a pool never shrinks: kept as it is"
+                );
+            }
+        }
         // Opening with accepted losses drops committed writes: a new generation as well.
         let lossy = opts.accept_log_loss || opts.accept_superblock_rollback;
         let generation = match CrashGenerationFile::start(data_dir, &pool.status().uuid, pool_existed, lossy) {

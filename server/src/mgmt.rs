@@ -519,8 +519,21 @@ impl Management for ManagementService {
         &self,
         _req: Request<pb::GetPoolStatusRequest>,
     ) -> Result<Response<pb::PoolStatus>, Status> {
-        let s = self.pool.status();
-        Ok(Response::new(pb::PoolStatus {
+        Ok(Response::new(self.pool_status(self.pool.status())))
+    }
+
+    async fn grow_pool(&self, req: Request<pb::GrowPoolRequest>) -> Result<Response<pb::PoolStatus>, Status> {
+        audited!(req, "GrowPool", |r| {
+            let size = (r.size_bytes != 0).then_some(r.size_bytes);
+            self.pool.grow(size).await.map(|s| self.pool_status(s)).map_err(|e| grpc_status(&e))
+        })
+    }
+}
+
+impl ManagementService {
+    /// The wire form of the pool's status.
+    fn pool_status(&self, s: storage_engine::PoolStatus) -> pb::PoolStatus {
+        pb::PoolStatus {
             uuid: s.uuid,
             path: s.path.display().to_string(),
             capacity_bytes: s.capacity,
@@ -533,6 +546,7 @@ impl Management for ManagementService {
             failed: s.failed,
             nbd_endpoints: self.host.endpoints.clone(),
             reserved_bytes: s.reserved,
-        }))
+            size_bytes: s.size,
+        }
     }
 }

@@ -233,3 +233,57 @@ fn concurrent_writers_hit_enospc_and_pool_stays_consistent() {
     s.stop();
     check_clean(&td.data());
 }
+
+/// A full pool grown online through the CLI takes the writes it refused, keeps what it
+/// held, refuses to shrink with a clear error, and is still grown after a kill -9.
+#[test]
+fn a_full_pool_grown_through_the_cli_takes_more_writes() {
+    let td = TestDir::new();
+    let mut s = Server::start_with(&td.data(), "32MiB", &[]);
+    let capacity = status_u64(&s, "capacity_bytes");
+    assert_eq!(status_u64(&s, "size_bytes"), 32 * MIB);
+    s.create_volume("v", "1GiB");
+    let uri = s.uri("v");
+    let mut k = 0;
+    while qemu_io_succeeded(&qemu_io(&uri, &[&format!("write -P {} {} 1M", pat(k), k * MIB)])) {
+        k += 1;
+        assert!(k * MIB <= capacity, "{k} MiB written into a pool of {capacity} bytes");
+    }
+    let refused = qemu_io(&uri, &[&format!("write -P {} {} 1M", pat(k), k * MIB)]);
+    assert!(text(&refused).contains("No space left on device"), "{}", text(&refused));
+
+    let err = s.cli_err(&["pool", "grow", "--size", "16MiB"]);
+    assert!(err.contains("never shrinks"), "a smaller size: {err}");
+    assert_eq!(status_u64(&s, "size_bytes"), 32 * MIB, "a refused grow changes nothing");
+    let out = s.cli_ok(&["pool", "grow", "--size", "96MiB"]);
+    assert!(out.contains("pool grown from 32.0 MiB to 96.0 MiB"), "{out}");
+    assert_eq!(status_u64(&s, "capacity_bytes"), capacity + 64 * MIB);
+    assert_eq!(std::fs::metadata(s.pool_path()).unwrap().len(), 96 * MIB, "the pool file is lengthened");
+    let again = s.cli_ok(&["pool", "grow"]);
+    assert!(again.contains("nothing to grow"), "{again}");
+
+    // The writes it refused now fit, up to what it held before and as much again.
+    let more = k + 2 * (capacity / MIB) / 3;
+    for i in k..more {
+        let o = qemu_io(&uri, &[&format!("write -P {} {} 1M", pat(i), i * MIB), "flush"]);
+        assert!(qemu_io_succeeded(&o), "write {i} into the grown pool: {}", text(&o));
+    }
+    s.kill9();
+    s.restart();
+    assert_eq!(status_u64(&s, "size_bytes"), 96 * MIB, "the grown size after a kill -9");
+    let reads: Vec<String> = (0..more).map(|i| format!("read -P {} {} 1M", pat(i), i * MIB)).collect();
+    let o = qemu_io(&s.uri("v"), &refs(&reads));
+    assert!(qemu_io_succeeded(&o), "data after the grow and the kill: {}", text(&o));
+    s.stop();
+    check_clean(&td.data());
+    // A restart with a larger --pool-size grows the pool file; a smaller one keeps it.
+    let mut s = Server::start_with(&td.data(), "128MiB", &[]);
+    assert_eq!(status_u64(&s, "size_bytes"), 128 * MIB, "serve --pool-size larger than the pool");
+    s.stop();
+    let mut s = Server::start_with(&td.data(), "64MiB", &[]);
+    assert_eq!(status_u64(&s, "size_bytes"), 128 * MIB, "serve --pool-size smaller than the pool");
+    let o = qemu_io(&s.uri("v"), &refs(&reads));
+    assert!(qemu_io_succeeded(&o), "data after the restarts: {}", text(&o));
+    s.stop();
+    check_clean(&td.data());
+}

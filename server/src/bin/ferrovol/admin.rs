@@ -275,19 +275,38 @@ pub(crate) async fn host_info(target: &Target, json: bool) -> anyhow::Result<()>
 /// `ferrovol pool status` against the server at `target`.
 pub(crate) async fn pool_status(target: &Target, json: bool) -> anyhow::Result<()> {
     let c = connect(target).await?;
-    let s = c.pool_status().await?;
+    print_pool_status(c.pool_status().await?, json);
+    Ok(())
+}
+
+/// `ferrovol pool grow [--size SIZE]`: grows the pool and prints its status after.
+pub(crate) async fn pool_grow(target: &Target, size: Option<u64>, json: bool) -> anyhow::Result<()> {
+    let c = connect(target).await?;
+    let before = c.pool_status().await?.size_bytes;
+    let s = c.grow_pool(size.unwrap_or(0)).await?;
+    if !json {
+        match s.size_bytes > before {
+            true => out!("pool grown from {} to {}", human(before), human(s.size_bytes)),
+            false => out!("pool already {}: nothing to grow", human(s.size_bytes)),
+        }
+    }
+    print_pool_status(s, json);
+    Ok(())
+}
+
+fn print_pool_status(s: mgmt_api::pb::PoolStatus, json: bool) {
     if json {
         out!(
             "{}",
             serde_json::json!({
                 "uuid": s.uuid, "path": s.path, "capacity_bytes": s.capacity_bytes, "used_bytes": s.used_bytes,
                 "metadata_bytes": s.metadata_bytes, "free_bytes": s.free_bytes, "reserved_bytes": s.reserved_bytes,
-                "unit_size_bytes": s.unit_size_bytes,
+                "unit_size_bytes": s.unit_size_bytes, "size_bytes": s.size_bytes,
                 "volume_count": s.volume_count, "direct_io": s.direct_io, "failed": s.failed, "nbd_endpoints": s.nbd_endpoints,
             })
         );
     } else {
-        out!("pool {} at {}", s.uuid, s.path);
+        out!("pool {} at {} ({})", s.uuid, s.path, human(s.size_bytes));
         out!(
             "capacity {}  used {}  metadata {}  free {} (of which {} reserved for metadata)",
             human(s.capacity_bytes),
@@ -307,7 +326,6 @@ pub(crate) async fn pool_status(target: &Target, json: bool) -> anyhow::Result<(
             out!("nbd: {e}");
         }
     }
-    Ok(())
 }
 
 /// `ferrovol check [--repair]` on the stopped pool at `path`: exit 0 clean (or

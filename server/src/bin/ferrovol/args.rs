@@ -139,9 +139,11 @@ pub(crate) struct ServeArgs {
     /// Pool file or raw block device (default: <data-dir>/pool.img, created if missing).
     #[arg(long)]
     pub(crate) pool: Option<PathBuf>,
-    /// Size of a new pool file (K, M, G, T are powers of 1024). Ignored for an existing pool.
-    #[arg(long, default_value = "64GiB", value_parser = parse_size)]
-    pub(crate) pool_size: u64,
+    /// Size of a new pool file (K, M, G, T are powers of 1024) [default: 64GiB]. An
+    /// existing pool file smaller than this is grown to it at start; a larger one is
+    /// kept (a pool never shrinks). A block device's pool is grown with `pool grow`.
+    #[arg(long, value_parser = parse_size)]
+    pub(crate) pool_size: Option<u64>,
     /// Data-unit (allocation-unit) size of a new pool: 16K, 32K, 64K or 128K.
     #[arg(long, default_value = "64KiB", value_parser = parse_size)]
     pub(crate) unit_size: u64,
@@ -616,6 +618,17 @@ pub(crate) enum PoolCmd {
         #[arg(long)]
         json: bool,
     },
+    /// Grow the pool online onto a larger file or device (a pool never shrinks): a pool
+    /// file is lengthened to SIZE; without --size, the pool takes the size its file or
+    /// device has now (a device or file grown underneath it).
+    Grow {
+        /// New size of the pool (superblocks, log and data area), e.g. 200GiB.
+        #[arg(long, value_parser = parse_size)]
+        size: Option<u64>,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 pub(crate) fn parse_label(s: &str) -> Result<(String, String), String> {
@@ -634,7 +647,8 @@ impl ServeArgs {
     pub(crate) fn host_options(&self, data_dir: &Path, mgmt_socket: PathBuf) -> anyhow::Result<HostOptions> {
         let mut o = HostOptions::new(data_dir);
         o.pool = self.pool.clone();
-        o.pool_size = self.pool_size;
+        o.pool_size = self.pool_size.unwrap_or(storage_engine::DEFAULT_POOL_SIZE);
+        o.grow_to_pool_size = self.pool_size.is_some();
         o.unit_size =
             u32::try_from(self.unit_size).map_err(|_| anyhow::anyhow!("unit size {} is too large", self.unit_size))?;
         o.format = self.format;

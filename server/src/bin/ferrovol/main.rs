@@ -97,6 +97,9 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Cmd::Pool { mgmt, cmd: PoolCmd::Status { json } } => {
             admin::pool_status(&mgmt.target(dir), json).await.map(|()| ExitCode::SUCCESS)
         }
+        Cmd::Pool { mgmt, cmd: PoolCmd::Grow { size, json } } => {
+            admin::pool_grow(&mgmt.target(dir), size, json).await.map(|()| ExitCode::SUCCESS)
+        }
         Cmd::Nbd { cmd } => {
             match cmd {
                 NbdCmd::Attach { uri, device, connections, dead_timeout, backend, run_dir, tls_dir } => {
