@@ -25,8 +25,13 @@ pub const FORMAT_VERSION: u32 = 5;
 /// First format version whose superblock carries compatible and read-only-compatible
 /// feature bits (before it, those bytes were reserved and zero).
 pub const FEATURES_VERSION: u32 = 5;
-/// Incompatible features this build knows: none.
-pub const INCOMPAT_FEATURES_KNOWN: u64 = 0;
+/// Incompatible feature: the current checkpoint stores no refcounts ([`REC_REFCOUNTS`]);
+/// the open derives every unit's from the mappings (docs/on-disk-format.md 7.3), which it
+/// walks anyway. Set by every checkpoint this build writes; a build that does not know it
+/// would take every mapped unit for free, so it must refuse the pool.
+pub const INCOMPAT_DERIVED_REFCOUNTS: u64 = 1 << 0;
+/// Incompatible features this build knows.
+pub const INCOMPAT_FEATURES_KNOWN: u64 = INCOMPAT_DERIVED_REFCOUNTS;
 /// Read-only-compatible features this build knows: none.
 pub const RO_COMPAT_FEATURES_KNOWN: u64 = 0;
 /// Compatible features this build knows: none (unknown ones are kept, never refused).
@@ -223,7 +228,8 @@ pub const REC_POOL: u8 = 16;
 pub const REC_PAGE: u8 = 17;
 /// Checkpoint: a volume's page index refers to a page already written ([`PageRefRec`]).
 pub const REC_PAGE_REF: u8 = 18;
-/// Checkpoint: reference counts of data units ([`RefcountEntry`]s).
+/// Checkpoint: reference counts of data units ([`RefcountEntry`]s). Read from
+/// checkpoints without [`INCOMPAT_DERIVED_REFCOUNTS`] only; this build writes none.
 pub const REC_REFCOUNTS: u8 = 19;
 /// Checkpoint: end marker with totals ([`EndRec`]); a checkpoint without it is invalid.
 pub const REC_END: u8 = 20;

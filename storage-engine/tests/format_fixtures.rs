@@ -12,11 +12,11 @@
 
 mod common;
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::path::Path;
 
 use common::*;
-use storage_engine::format::{Superblock, FORMAT_VERSION, SUPERBLOCK_OFFSETS};
+use storage_engine::format::{Superblock, FORMAT_VERSION, INCOMPAT_DERIVED_REFCOUNTS, SUPERBLOCK_OFFSETS};
 use storage_engine::{Labels, Pool, PoolOptions};
 
 const K: u64 = 1024;
@@ -94,18 +94,20 @@ fn recipe(dir: &Path) -> Vec<u8> {
     image
 }
 
-fn gunzip(path: &Path) -> Vec<u8> {
-    let mut out = Vec::new();
-    flate2::read::GzDecoder::new(std::fs::File::open(path).unwrap()).read_to_end(&mut out).unwrap();
-    out
-}
-
-fn slot_version(image: &Path, at: u64) -> u32 {
+fn slot(image: &Path, at: u64) -> Superblock {
     use std::os::unix::fs::FileExt;
     use zerocopy::FromBytes;
     let mut b = [0u8; 256];
     std::fs::File::open(image).unwrap().read_exact_at(&mut b, at).unwrap();
-    Superblock::read_from_bytes(&b).unwrap().version.get()
+    Superblock::read_from_bytes(&b).unwrap()
+}
+
+fn slot_version(image: &Path, at: u64) -> u32 {
+    slot(image, at).version.get()
+}
+
+fn slot_incompat(image: &Path, at: u64) -> u64 {
+    slot(image, at).incompat_features.get()
 }
 
 /// Checks that the pool at `path` holds what the recipe left.
@@ -144,8 +146,7 @@ fn assert_recipe_content(pool: &Pool) {
 fn a_version_4_pool_from_an_older_build_opens_and_is_upgraded() {
     let dir = tempfile::tempdir().unwrap();
     let path = pool_path(dir.path());
-    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/pool-v4.img.gz");
-    std::fs::write(&path, gunzip(&fixture)).unwrap();
+    std::fs::write(&path, fixture_image("pool-v4")).unwrap();
     for at in SUPERBLOCK_OFFSETS {
         assert_eq!(slot_version(&path, at), 4, "the fixture's slot at byte {at}");
     }
@@ -157,6 +158,8 @@ fn a_version_4_pool_from_an_older_build_opens_and_is_upgraded() {
     pool.close().unwrap();
     for at in SUPERBLOCK_OFFSETS {
         assert_eq!(slot_version(&path, at), FORMAT_VERSION, "slot at byte {at} after the upgrading open");
+        // Its checkpoints now store no refcounts: a build that would read them refuses it.
+        assert_eq!(slot_incompat(&path, at), INCOMPAT_DERIVED_REFCOUNTS, "slot at byte {at} after the upgrading open");
     }
     assert_clean(dir.path());
     let pool = Pool::open(&path).unwrap();

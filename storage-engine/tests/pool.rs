@@ -662,7 +662,7 @@ fn unknown_feature_bits_are_honoured_by_kind() {
     for (what, edit) in [
         (
             "an unknown incompatible feature",
-            &(|sb: &mut storage_engine::format::Superblock| sb.incompat_features = 1u64.into())
+            &(|sb: &mut storage_engine::format::Superblock| sb.incompat_features = (1u64 << 5).into())
                 as &dyn Fn(&mut storage_engine::format::Superblock),
         ),
         ("a newer version", &|sb: &mut storage_engine::format::Superblock| sb.version = 6.into()),

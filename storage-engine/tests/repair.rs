@@ -1,7 +1,8 @@
-//! `repair` (`ferrovol check --repair`) on a stopped pool whose refcounts disagree with
-//! its mappings: open refuses it naming the repair, the repair rebuilds every refcount
-//! from the mappings and reports each change, and the pool then checks clean and opens
-//! with its data. A pool whose mappings are damaged is refused and left unchanged.
+//! `repair` (`ferrovol check --repair`) on a stopped pool whose stored refcounts disagree
+//! with its mappings (a pool of an older build: this one stores none, and derives them
+//! at open): open refuses it naming the repair, the repair rebuilds every refcount from
+//! the mappings and reports each change, and the pool then checks clean and opens with
+//! its data. A pool whose mappings are damaged is refused and left unchanged.
 //! The damage is written into the checkpoint with its checksums recomputed, as a bug in
 //! the engine (a leaked reference) would leave it.
 
@@ -91,20 +92,41 @@ fn assert_data(dir: &Path) {
     pool.close().unwrap();
 }
 
+/// Every volume's and snapshot's bytes in the pool at `path` (opened, so upgraded).
+fn contents(path: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
+    let rt = rt();
+    let pool = Pool::open(path).unwrap();
+    let out = pool
+        .list_volumes()
+        .into_iter()
+        .chain(pool.list_snapshots(None))
+        .map(|v| {
+            let data = rt.block_on(read(&pool.volume(&v.name).unwrap(), 0, v.size));
+            (v.name, data)
+        })
+        .collect();
+    pool.close().unwrap();
+    out
+}
+
 #[test]
 fn repair_rebuilds_refcounts_from_the_mappings() {
+    // A pool of format version 4, whose checkpoint stores refcounts.
     let dir = tempfile::tempdir().unwrap();
-    pool_with_data(dir.path());
     let path = pool_path(dir.path());
+    std::fs::write(&path, fixture_image("pool-v4")).unwrap();
+    let pristine = dir.path().join("pristine.img");
+    std::fs::write(&pristine, fixture_image("pool-v4")).unwrap();
+    let want = contents(&pristine);
     // A reference leaked (one unit counted twice) and one entry moved to a unit no page
     // maps (so a mapped unit lost its count, and a free one is held).
     let mut damaged = Vec::new();
     patch_checkpoint(&path, |payload| {
         let entries = refcount_entries(payload);
         assert!(entries.len() >= 5, "{entries:?}");
-        let (at, unit, _) = entries[0];
-        payload[at + 8..at + 12].copy_from_slice(&2u32.to_le_bytes());
-        damaged.push((unit as u32, 2, 1));
+        let (at, unit, rc) = entries[0];
+        payload[at + 8..at + 12].copy_from_slice(&(rc + 1).to_le_bytes());
+        damaged.push((unit as u32, rc + 1, rc));
         let (at, unit, rc) = entries[1];
         payload[at..at + 8].copy_from_slice(&900u64.to_le_bytes());
         damaged.push((unit as u32, 0, rc));
@@ -120,11 +142,37 @@ fn repair_rebuilds_refcounts_from_the_mappings() {
     assert_eq!(report.changed, damaged, "each change, unit by unit");
     assert_eq!(report.freed, 1, "the unit no page maps is free again");
     assert_clean(dir.path());
-    assert_data(dir.path());
+    assert_eq!(contents(&path), want, "the data after the repair");
     // A clean pool needs nothing, and the repair writes nothing.
     let before = std::fs::read(&path).unwrap();
     assert!(storage_engine::repair(&path).unwrap().changed.is_empty());
     assert!(std::fs::read(&path).unwrap() == before, "a repair of a clean pool wrote to it");
+}
+
+/// This build's checkpoints store no refcounts: the open derives each unit's from the
+/// mappings, so the pool holds its data across a close and a crash, and a unit two
+/// tables share is copied on write.
+#[test]
+fn refcounts_are_derived_from_the_mappings_at_open() {
+    let dir = tempfile::tempdir().unwrap();
+    pool_with_data(dir.path());
+    let path = pool_path(dir.path());
+    patch_checkpoint(&path, |payload| assert!(refcount_entries(payload).is_empty(), "refcounts stored"));
+    assert_clean(dir.path());
+    assert_data(dir.path());
+    // Shared units are still shared: a write to the volume leaves the snapshot as it was.
+    let rt = rt();
+    let pool = Pool::open(&path).unwrap();
+    let v = pool.volume("v").unwrap();
+    rt.block_on(write(&v, 65536, &[7; 4096], false)).unwrap();
+    rt.block_on(v.flush()).unwrap();
+    drop(v);
+    drop(pool); // a crash: the log is replayed onto the derived refcounts
+    assert_clean(dir.path());
+    let pool = Pool::open(&path).unwrap();
+    assert!(rt.block_on(read(&pool.volume("v@s").unwrap(), 65536, 4096)).iter().all(|&b| b == 2), "the snapshot");
+    assert!(rt.block_on(read(&pool.volume("v").unwrap(), 65536, 4096)).iter().all(|&b| b == 7), "the volume");
+    pool.close().unwrap();
 }
 
 #[test]
@@ -133,7 +181,7 @@ fn repair_refuses_a_pool_whose_mappings_are_damaged() {
     pool_with_data(dir.path());
     let path = pool_path(dir.path());
     // The volume's size made not a multiple of 4096: its record is damaged, and with it
-    // what its mappings mean; a leaked reference besides.
+    // what its mappings mean.
     patch_checkpoint(&path, |payload| {
         // The record of volume "v": a name length of 1, two bytes of flags, the name.
         let name = payload
@@ -143,8 +191,6 @@ fn repair_refuses_a_pool_whose_mappings_are_damaged() {
             .expect("the volume record");
         let size_at = name - 24 + 8;
         payload[size_at..size_at + 8].copy_from_slice(&(16 * MIB + 1).to_le_bytes());
-        let (at, _, _) = refcount_entries(payload)[0];
-        payload[at + 8..at + 12].copy_from_slice(&2u32.to_le_bytes());
     });
     let before = std::fs::read(&path).unwrap();
     let e = storage_engine::repair(&path).unwrap_err();

@@ -110,7 +110,15 @@ fn load_from(read: &mut ReadAt<'_>, sb: Superblock, geo: Geometry, later_commits
             v.written = v.map.pages().next().is_some();
         }
     }
-    let refcount_mismatches = refcount_mismatches(&state, geo.unit_count)?;
+    let refcount_mismatches = if sb.incompat_features.get() & INCOMPAT_DERIVED_REFCOUNTS != 0 {
+        if state.alloc.used != 0 {
+            return Err(Error::corrupt("checkpoint stores refcounts, but its superblock says they are derived"));
+        }
+        load_derived_refcounts(&mut state)?;
+        Vec::new()
+    } else {
+        refcount_mismatches(&state, geo.unit_count)?
+    };
     // Kept up to date through replay by the table changes and the records.
     state.alloc.counts = MetaCounts::of(state.volumes.values().map(|v| (&v.map, v.own_bytes())));
     let (log, batches) = replay_log(read, &mut state, &sb, &geo)?;
@@ -310,6 +318,22 @@ impl CheckpointLoad {
         }
         Ok(())
     }
+}
+
+/// Gives every unit of a checkpoint that stores no refcounts
+/// ([`INCOMPAT_DERIVED_REFCOUNTS`]) the refcount its mappings imply: the number of
+/// distinct pages that map it (docs/on-disk-format.md 7.3). Walks every page once.
+///
+/// Errors: [`crate::ErrorKind::Corrupt`] when a mapped unit is part of the checkpoint.
+fn load_derived_refcounts(state: &mut State) -> Result<()> {
+    let derived = derive_refcounts(state.volumes.values().map(|v| &v.map), state.alloc.unit_count() as usize);
+    for (u, r) in derived.nonzero_refcounts() {
+        if state.alloc.refcount(u) == META {
+            return Err(Error::corrupt(format!("data unit {u} is both mapped and part of the checkpoint")));
+        }
+        state.alloc.set_loaded(u, r);
+    }
+    Ok(())
 }
 
 /// Checkpoint refcounts that differ from those its mappings imply (docs/on-disk-format.md

@@ -221,40 +221,15 @@ impl State {
                 w.push(REC_PAGE, &[head.as_bytes(), &body])?;
             }
         }
-        // Refcount records fill what room the current chunk has left (up to a record's
-        // largest body), so that they waste at most one entry per chunk: the bound on a
-        // checkpoint's size (`checkpoint_bytes_bound`) counts on it.
-        let mut refcounts = 0u64;
-        let mut body = Vec::new();
-        let entry = size_of::<RefcountEntry>();
-        let room = |w: &ChunkWriter<'_, '_>| {
-            (w.limit - w.chunk.len()).saturating_sub(size_of::<RecordHeader>()).min(u16::MAX as usize) / entry * entry
-        };
-        for (u, r) in self.alloc.nonzero_refcounts() {
-            if r != META && !self.alloc.cow_inflight.contains(&u) {
-                if body.is_empty() && room(&w) < entry {
-                    w.make_room(size_of::<RecordHeader>() + entry)?;
-                }
-                body.extend_from_slice(
-                    RefcountEntry { unit: (u as u64).into(), refcount: r.into(), pad: 0.into() }.as_bytes(),
-                );
-                refcounts += 1;
-                if body.len() + entry > room(&w) {
-                    w.push(REC_REFCOUNTS, &[&body])?;
-                    body.clear();
-                }
-            }
-        }
-        if !body.is_empty() {
-            w.push(REC_REFCOUNTS, &[&body])?;
-        }
+        // No refcount records: the open derives refcounts from the mappings
+        // (`INCOMPAT_DERIVED_REFCOUNTS`, docs/on-disk-format.md 7.3).
         // The END record must know the chunk count, so make its room first.
         w.make_room(size_of::<RecordHeader>() + size_of::<EndRec>())?;
         let chunks = w.emitted + 1;
         let end = EndRec {
             volumes: (self.volumes.len() as u64).into(),
             pages: pages.into(),
-            refcounts: refcounts.into(),
+            refcounts: 0.into(),
             chunks: chunks.into(),
         };
         w.push(REC_END, &[end.as_bytes()])?;
@@ -263,37 +238,30 @@ impl State {
     }
 }
 
-/// The largest checkpoint record but refcount records: a full mapping page (a property
-/// record is no larger).
+/// The largest checkpoint record: a full mapping page (a property record is no larger).
 const LARGEST_RECORD: u64 =
     (size_of::<RecordHeader>() + size_of::<PageRec>() + PAGE_ENTRIES * size_of::<PageEntry>()) as u64;
 const _: () = assert!(crate::props::MAX_PROPS_BYTES <= LARGEST_RECORD);
 
-/// Bytes of records a checkpoint of metadata counted as `c`, with `refcounts` refcount
-/// entries, takes at most ([`State::encode_checkpoint`]): one record per volume (and
-/// its property record, counted in `volume_bytes`) and per distinct page (16 bytes per
-/// entry), one page reference per further table holding a
-/// page, 16 bytes per refcount entry with a record header per 4 KiB of them and two more
-/// per chunk they may end (a refcount record fills the room its chunk has left), and
-/// the pool and end records.
-pub(crate) fn checkpoint_bytes_bound(c: &MetaCounts, refcounts: u64) -> u64 {
+/// Bytes of records a checkpoint of metadata counted as `c` takes at most
+/// ([`State::encode_checkpoint`]): one record per volume (and its property record,
+/// counted in `volume_bytes`) and per distinct page (16 bytes per entry), one page
+/// reference per further table holding a page, and the pool and end records. No
+/// refcounts: the open derives them.
+pub(crate) fn checkpoint_bytes_bound(c: &MetaCounts) -> u64 {
     let hdr = size_of::<RecordHeader>() as u64;
-    let refcount_bytes = refcounts * size_of::<RefcountEntry>() as u64;
     (hdr + size_of::<PoolRec>() as u64)
         + c.volumes * (hdr + size_of::<VolumeRec>() as u64)
         + c.volume_bytes
         + c.pages * (hdr + size_of::<PageRec>() as u64)
         + c.entries * size_of::<PageEntry>() as u64
         + c.page_refs.saturating_sub(c.pages) * (hdr + size_of::<PageRefRec>() as u64)
-        + refcount_bytes
-        + hdr * (2 * refcount_bytes.div_ceil(4096) + 2)
         + (hdr + size_of::<EndRec>() as u64)
 }
 
 /// Chunks (data units of `unit_size` bytes) a checkpoint of `bytes` bytes of records
 /// takes at most: every chunk but the last is handed on only when the next record does
-/// not fit, so it holds more than its payload less the largest record (refcount
-/// records, which fill what is left, waste less).
+/// not fit, so it holds more than its payload less the largest record.
 pub(crate) fn checkpoint_units_bound(bytes: u64, unit_size: u64) -> u64 {
     let fill = unit_size - size_of::<ChunkHeader>() as u64 - LARGEST_RECORD;
     bytes.div_ceil(fill) + 1

@@ -82,7 +82,7 @@ fn a_checkpoint_never_takes_more_chunks_than_its_bound() {
             Ok(())
         })
         .unwrap();
-        let bound_bytes = checkpoint_bytes_bound(&st.alloc.counts, st.alloc.used);
+        let bound_bytes = checkpoint_bytes_bound(&st.alloc.counts);
         let bound = checkpoint_units_bound(bound_bytes, unit_size);
         assert!(bytes <= bound_bytes, "round {round}: {bytes} bytes of records, bound {bound_bytes}");
         assert!(chunks <= bound, "round {round}: {chunks} chunks of {unit_size} bytes, bound {bound}");

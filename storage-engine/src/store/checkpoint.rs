@@ -89,6 +89,8 @@ impl Store {
         // K3: the sync above made the data and the chunks durable; switch superblocks.
         let mut sb = log.sb.clone();
         sb.version = FORMAT_VERSION.into();
+        // The checkpoint stores no refcounts: a build that would read them must refuse it.
+        sb.incompat_features = (sb.incompat_features.get() | INCOMPAT_DERIVED_REFCOUNTS).into();
         sb.checkpoint_unit = u64::from(units[0]).into();
         sb.checkpoint_chunks = (units.len() as u64).into();
         sb.checkpoint_seq = seq.into();
@@ -127,10 +129,7 @@ impl Store {
         let mut alloc = self.alloc.lock();
         // The units this checkpoint takes at most, from the spare (room.rs): they
         // are backed, and the rule that sizes the spare guarantees them.
-        let bound = journal::checkpoint_units_bound(
-            journal::checkpoint_bytes_bound(&alloc.counts, alloc.used),
-            self.geo.unit_size,
-        );
+        let bound = journal::checkpoint_units_bound(journal::checkpoint_bytes_bound(&alloc.counts), self.geo.unit_size);
         let reserved: VecDeque<u32> = (0..bound).map_while(|_| alloc.alloc_meta()).collect();
         if (reserved.len() as u64) < bound {
             tracing::error!(bound, spare = reserved.len(), "the spare holds fewer units than a checkpoint may take");
@@ -155,15 +154,9 @@ impl Store {
                 (v.id, meta)
             })
             .collect();
-        // Its tables are resident only where units are in use, like the live ones.
-        let mut copy = Allocator::new(alloc.unit_count() as usize);
-        for (u, r) in alloc.nonzero_refcounts() {
-            // Checkpoint units and copy-on-write targets not yet mapped are free in it.
-            if r != crate::meta::META && !alloc.cow_inflight.contains(&u) {
-                copy.set_loaded(u, r);
-            }
-        }
-        let st = State { volumes, next_volume: self.next_volume(), alloc: copy, unit_size: self.geo.unit_size };
+        // No refcounts: the checkpoint stores none (the open derives them).
+        let st =
+            State { volumes, next_volume: self.next_volume(), alloc: Allocator::new(0), unit_size: self.geo.unit_size };
         Snapshot {
             state: st,
             pending: alloc.pending_mark(),

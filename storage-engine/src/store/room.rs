@@ -137,7 +137,7 @@ pub(crate) enum Remedy {
 impl Store {
     /// `N`: units a checkpoint of the metadata takes at most, with `extra` more bytes.
     pub(crate) fn checkpoint_need(&self, a: &Allocator, extra: u64) -> u64 {
-        let bytes = checkpoint_bytes_bound(&a.counts, a.used) + a.pending_growth + extra;
+        let bytes = checkpoint_bytes_bound(&a.counts) + a.pending_growth + extra;
         checkpoint_units_bound(bytes, self.geo.unit_size)
     }
 

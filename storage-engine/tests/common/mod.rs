@@ -121,3 +121,13 @@ pub fn cut_image(
         f.write_all_at(data, off).unwrap();
     }
 }
+
+/// The image of fixture `name` (`tests/fixtures/NAME.img.gz`, a pool an older build
+/// wrote), uncompressed.
+pub fn fixture_image(name: &str) -> Vec<u8> {
+    use std::io::Read;
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/fixtures/{name}.img.gz"));
+    let mut out = Vec::new();
+    flate2::read::GzDecoder::new(std::fs::File::open(&path).unwrap()).read_to_end(&mut out).unwrap();
+    out
+}
