@@ -252,6 +252,8 @@ fn a_full_pool_grown_through_the_cli_takes_more_writes() {
     let refused = qemu_io(&uri, &[&format!("write -P {} {} 1M", pat(k), k * MIB)]);
     assert!(text(&refused).contains("No space left on device"), "{}", text(&refused));
 
+    let err = s.cli_err(&["pool", "grow", "--size", "0"]);
+    assert!(err.contains("not a pool size"), "--size 0: {err}");
     let err = s.cli_err(&["pool", "grow", "--size", "16MiB"]);
     assert!(err.contains("never shrinks"), "a smaller size: {err}");
     assert_eq!(status_u64(&s, "size_bytes"), 32 * MIB, "a refused grow changes nothing");

@@ -971,6 +971,13 @@ fn a_pool_grows_onto_a_larger_file_and_never_shrinks() {
     let s = rt.block_on(pool.grow(None)).unwrap();
     assert_eq!((s.size, s.capacity), (40 * MIB, before.capacity + 24 * MIB));
     assert_eq!(s.free - before.free, 24 * MIB, "the new units are free");
+    // A size that is not a whole number of units: the file holds all of it.
+    let odd = 52 * MIB + 12345;
+    let s = rt.block_on(pool.grow(Some(odd))).unwrap();
+    assert_eq!((s.size, s.capacity), (odd, before.capacity + 36 * MIB));
+    assert_eq!(std::fs::metadata(pool_path(dir.path())).unwrap().len(), odd);
+    let pool = reopen_crash(pool, dir.path());
+    assert_eq!(pool.status().size, odd, "the odd size after a crash");
     // A size given lengthens the file.
     let s = rt.block_on(pool.grow(Some(64 * MIB))).unwrap();
     assert_eq!((s.size, s.capacity), (64 * MIB, before.capacity + 48 * MIB));

@@ -233,6 +233,9 @@ pub struct Allocator {
     pub punch_queue: Vec<u32>,
     /// Units taken from `punch_queue` and being punched now.
     pub punching: u64,
+    /// Batches of punched units freed so far: a search for backed units that began
+    /// before a change of it may have seen a unit's blocks that are gone.
+    pub punch_epoch: u64,
 }
 
 /// What a checkpoint of the metadata holds, counted: enough to bound its size in bytes
@@ -311,6 +314,7 @@ impl Allocator {
             backed_free: Vec::new(),
             punch_queue: Vec::new(),
             punching: 0,
+            punch_epoch: 0,
         }
     }
 
@@ -347,9 +351,14 @@ impl Allocator {
             return;
         }
         self.refcount.grow(units);
-        self.free_bits.resize(units.div_ceil(64), 0);
-        for u in old..units {
-            self.free_bits[u / 64] |= 1 << (u % 64);
+        // Whole words at once: a grow by 2^30 units takes milliseconds, not seconds.
+        let (first_word, last_word) = (old / 64, units.div_ceil(64));
+        self.free_bits.resize(last_word, u64::MAX);
+        if !old.is_multiple_of(64) {
+            self.free_bits[first_word] |= u64::MAX << (old % 64);
+        }
+        if !units.is_multiple_of(64) {
+            self.free_bits[last_word - 1] &= (1 << (units % 64)) - 1;
         }
         self.free_count += (units - old) as u64;
     }
@@ -639,6 +648,7 @@ impl Allocator {
             self.set_free(u);
         }
         self.punching -= batch.len() as u64;
+        self.punch_epoch += 1;
     }
 
     /// Frees the units still waiting in the punch queue without punching them (room is

@@ -164,3 +164,31 @@ fn released_units_wait_for_their_punch_before_they_are_free() {
     assert_eq!(a.free_punch_queue(), 2, "room needed now: the rest are freed unpunched");
     assert_eq!(a.free_count(), free + 6);
 }
+
+/// A grown allocator frees exactly the new units, whatever the word boundaries, and
+/// keeps the refcounts and free bits of the old ones.
+#[test]
+fn growing_frees_exactly_the_new_units() {
+    let mut a = Allocator::from_refcounts(vec![0, 3, 0, 1, 0, 0, 0]);
+    let mut taken = vec![1, 3];
+    for units in [70usize, 128, 129, 300] {
+        let before = a.unit_count() as usize;
+        a.grow(units);
+        assert_eq!(a.unit_count() as usize, units);
+        assert_eq!(a.free_count() as usize, units - taken.len(), "free after growing to {units}");
+        for past in units..units.next_multiple_of(64) {
+            assert!(!a.take_unit(past as u32), "unit {past} is free in a pool of {units}");
+        }
+        // Every free unit comes out once, and only those.
+        let mut got = Vec::new();
+        while let Some((u, _)) = a.take_for_spare() {
+            got.push(u as usize);
+        }
+        got.sort_unstable();
+        let want: Vec<usize> = (0..units).filter(|u| !taken.contains(u)).collect();
+        assert_eq!(got, want, "grown from {before} to {units}");
+        taken = (0..units).collect();
+    }
+    assert_eq!(a.refcount(1), 3);
+    assert_eq!(a.refcount(3), 1);
+}

@@ -53,14 +53,24 @@ impl Store {
             return Ok(false);
         }
         if !is_dev {
-            let end = data_offset + units * us;
-            if now < end {
-                file.set_len(end).map_err(|e| Error::io(format!("lengthen the pool file to {end} bytes"), e))?;
+            // The file holds the whole pool (its size is what the superblock records,
+            // and an open refuses a file shorter than that), not only its whole units.
+            if now < target {
+                file.set_len(target).map_err(|e| {
+                    if e.raw_os_error() == Some(libc::EFBIG) {
+                        Error::new(
+                            ErrorKind::InvalidArgument,
+                            format!("the host file system cannot hold a pool file of {target} bytes"),
+                        )
+                    } else {
+                        Error::io(format!("lengthen the pool file to {target} bytes"), e)
+                    }
+                })?;
             }
             if self.backed_all.load(Ordering::Relaxed) {
-                let start = data_offset + old_units * us;
+                let (start, end) = (data_offset + old_units * us, data_offset + units * us);
                 if let Err(e) = io::allocate(file, start, end - start) {
-                    if now < end {
+                    if now < target {
                         // Nothing of the pool lives there yet: give the host its room back.
                         let _ = file.set_len(now);
                     }
@@ -71,9 +81,21 @@ impl Store {
                     });
                 }
             }
-            file.sync_all().map_err(|e| Error::io("sync the lengthened pool file", e))?;
+            if let Err(e) = file.sync_all() {
+                // The same file as the ring's: a writeback error it reports is reported
+                // once, so it fails the pool as an fdatasync error does.
+                let e = Error::io("sync the lengthened pool file", e);
+                self.fail(&e);
+                return Err(e);
+            }
         }
+        let mut closed = false;
         self.with_log_locked(|log| {
+            // A close that came first wrote its last checkpoint: nothing more is written.
+            if self.closed.load(Ordering::SeqCst) {
+                closed = true;
+                return Ok(());
+            }
             let mut sb = log.sb.clone();
             sb.pool_size = target.into();
             sb.unit_count = units.into();
@@ -84,6 +106,9 @@ impl Store {
             self.alloc.lock().grow(units as usize);
             Ok(())
         })?;
+        if closed {
+            return Err(Error::new(ErrorKind::Failed, "the pool was closed"));
+        }
         tracing::info!(from = current, to = target, units, "grew the pool");
         Ok(true)
     }

@@ -27,7 +27,8 @@
 //! it. Its value changes only under that volume's map lock (5) held for writing. The
 //! hole puncher's signal (`punch::Signal`, punch.rs) is a leaf too. A pool grow's
 //! *grow lock* (`grow_lock`, grow.rs) comes before all of them: taken with no lock held,
-//! it holds the log lock (3) only to write the superblocks.
+//! it takes the log lock (3) to write the superblocks, and the allocator (6) under
+//! it to free the new units.
 //!
 //! Locks 4 to 7 are parking_lot locks held for short synchronous steps, never across an
 //! `.await`; 1 to 3 are tokio locks, which may be held across I/O. A step that holds a

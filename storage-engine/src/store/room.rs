@@ -479,13 +479,22 @@ impl Store {
             self.host_full.store(false, Ordering::Relaxed);
             return;
         }
-        if !self.alloc.lock().backed_free.is_empty() {
-            return;
-        }
+        let (epoch, unit_count) = {
+            let a = self.alloc.lock();
+            if !a.backed_free.is_empty() {
+                return;
+            }
+            (a.punch_epoch, a.unit_count())
+        };
         let start = self.geo.data_offset;
-        let end = self.geo.unit_offset(self.alloc.lock().unit_count());
+        let end = self.geo.unit_offset(unit_count);
         let Ok(ranges) = io::data_ranges(&self.file, start, end, 4096) else { return };
         let mut a = self.alloc.lock();
+        if a.punch_epoch != epoch {
+            // Units freed by a punch since the search may be holes now; the next
+            // allocation searches again.
+            return;
+        }
         for (off, len) in ranges {
             for u in (off - start).div_ceil(us)..(off + len - start) / us {
                 if a.backed_free.len() >= 4096 {

@@ -281,6 +281,9 @@ pub(crate) async fn pool_status(target: &Target, json: bool) -> anyhow::Result<(
 
 /// `ferrovol pool grow [--size SIZE]`: grows the pool and prints its status after.
 pub(crate) async fn pool_grow(target: &Target, size: Option<u64>, json: bool) -> anyhow::Result<()> {
+    if size == Some(0) {
+        anyhow::bail!("--size 0 is not a pool size (leave --size out to take the file's or device's size)");
+    }
     let c = connect(target).await?;
     let before = c.pool_status().await?.size_bytes;
     let s = c.grow_pool(size.unwrap_or(0)).await?;
