@@ -183,7 +183,10 @@ def start_server(ddir, port, logf):
                          stdout=logf, stderr=logf)
     for _ in range(300):
         if p.poll() is not None:
-            raise RuntimeError(f"server exited rc={p.returncode}")
+            logf.flush()
+            with open(logf.name, "rb") as f:
+                tail = f.read()[-2000:].decode(errors="replace")
+            raise RuntimeError(f"server exited rc={p.returncode}; the end of its log:\n{tail}")
         if cli(ddir, "pool", "status").returncode == 0:
             return p
         time.sleep(0.05)

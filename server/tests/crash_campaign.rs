@@ -18,7 +18,15 @@ fn crash_campaign_on_two_dataplane_threads_finds_no_violation() {
     require_python_nbd();
     let td = TestDir::new();
     let seed = rand_below(1 << 30).to_string();
-    let port = free_port().to_string();
+    // The campaign listens on PORT + cycle: four ports free now, not only the first.
+    let port = loop {
+        let p = free_port();
+        let free =
+            (1..4).all(|i| p.checked_add(i).is_some_and(|q| std::net::TcpListener::bind(("127.0.0.1", q)).is_ok()));
+        if free {
+            break p.to_string();
+        }
+    };
     let o = output(
         Command::new("timeout")
             .args(["-k", "5", "600", PYTHON, SCRIPT, "--cycles", "4", "--seed", &seed, "--port", &port])
