@@ -15,7 +15,7 @@ pub const SUPERBLOCK_MAGIC: [u8; 8] = *b"FERROVOL";
 /// [`BatchHeader::commit_index`], which lets replay tell a torn commit from a damaged
 /// acknowledged one; version 4 added volume properties ([`REC_PROPS`]: labels and
 /// attachments) and [`VOLUME_FLAG_WRITTEN`]. An older pool opens and is written as the
-/// current version from its first checkpoint on (every open writes one), so older
+/// current version from its first checkpoint on (its open writes one), so older
 /// builds refuse it afterwards. Version 5 added the three feature sets of the
 /// superblock ([`Superblock::incompat_features`], [`Superblock::compat_features`],
 /// [`Superblock::ro_compat_features`], ext4's scheme): later additions to the format

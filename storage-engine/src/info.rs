@@ -86,7 +86,7 @@ pub struct CommitStats {
     pub commit_seconds: f64,
     /// The longest commit cycle, seconds.
     pub commit_max_seconds: f64,
-    /// Checkpoints written (at open, when the log fills, on request, at close).
+    /// Checkpoints written (at an open that needs one, when the log fills, on request).
     pub checkpoints: u64,
     /// Seconds the checkpoints took in all.
     pub checkpoint_seconds: f64,

@@ -524,7 +524,8 @@ fn a_volume_record_damaged_under_a_valid_checksum_is_refused_at_open() {
     let v = pool.volume("corruptme").unwrap();
     rt.block_on(write(&v, 0, &[7; 4096], false)).unwrap();
     drop(v);
-    pool.close().unwrap(); // everything in the checkpoint, the log empty
+    rt.block_on(pool.checkpoint()).unwrap(); // everything in the checkpoint, the log empty
+    pool.close().unwrap();
 
     let path = pool_path(dir.path());
     let f = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
@@ -731,6 +732,7 @@ fn an_older_pool_counts_its_volumes_written_by_their_mappings() {
     assert_eq!(pool.volume_info("trimmed").unwrap().allocated, 0, "the trim unmapped the unit");
     assert!(!t.is_pristine(), "written, then trimmed: not pristine in this format");
     drop(t);
+    rt.block_on(pool.checkpoint()).unwrap(); // the volumes in the checkpoint, the log empty
     pool.close().unwrap();
     let pristine = |pool: &Pool| ["empty", "data", "trimmed"].map(|n| pool.volume_info(n).unwrap().pristine);
     let pool = Pool::open(&path).unwrap();
@@ -761,8 +763,10 @@ fn a_rollback_drops_the_newer_generations_commits_for_good() {
     let v = pool.volume("v").unwrap();
     rt.block_on(write(&v, 0, &[0xaa; 65536], false)).unwrap();
     drop(v);
-    pool.close().unwrap(); // generation G: v and its write in the checkpoint, the log empty
-    let pool = Pool::open(&path).unwrap(); // generation G + 1
+    rt.block_on(pool.checkpoint()).unwrap(); // generation G: v and its write in the checkpoint
+    pool.close().unwrap();
+    let pool = Pool::open(&path).unwrap();
+    rt.block_on(pool.checkpoint()).unwrap(); // generation G + 1
     rt.block_on(pool.create_volume("w", MIB)).unwrap(); // two commits, in the log only
     rt.block_on(pool.resize_volume("v", 32 * MIB)).unwrap();
     drop(pool); // a crash
@@ -1049,4 +1053,50 @@ fn a_pool_grows_while_writers_fill_it() {
         }
     }
     pool.close().unwrap();
+}
+
+/// The superblock generation now current in the pool file at `path` (each checkpoint
+/// writes one more).
+fn generation(path: &std::path::Path) -> u64 {
+    let f = std::fs::File::open(path).unwrap();
+    storage_engine::format::SUPERBLOCK_OFFSETS.iter().map(|&at| slot(&f, at).generation.get()).max().unwrap()
+}
+
+/// A clean close and the open after it write no checkpoint (no superblock either): the
+/// close commits what is left, the open replays the log since the last checkpoint. So
+/// does the open after a crash that left no batch past the end of the log. The data
+/// and the volumes made in between are all there each time.
+#[test]
+fn a_clean_close_and_the_open_after_it_write_no_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = pool_path(dir.path());
+    let rt = rt();
+    let pool = create(dir.path(), 64 * MIB);
+    rt.block_on(pool.create_volume("v", 16 * MIB)).unwrap();
+    let v = pool.volume("v").unwrap();
+    rt.block_on(write(&v, 0, &[0x11; 65536], false)).unwrap();
+    drop(v);
+    let g = generation(&path);
+    pool.close().unwrap();
+    assert_eq!(generation(&path), g, "the close wrote a checkpoint");
+    let pool = Pool::open(&path).unwrap();
+    assert_eq!(generation(&path), g, "the open wrote a checkpoint");
+    assert!(pool.recovery().batches_replayed > 0, "the log since the checkpoint is replayed");
+    let v = pool.volume("v").unwrap();
+    assert!(rt.block_on(read(&v, 0, 65536)).iter().all(|&b| b == 0x11));
+    rt.block_on(pool.create_snapshot("v", "s")).unwrap();
+    rt.block_on(write(&v, 0, &[0x22; 4096], false)).unwrap();
+    rt.block_on(v.flush()).unwrap();
+    drop(v);
+    drop(pool); // a crash after a completed flush: nothing past the end of the log
+    assert_clean(dir.path());
+    let pool = Pool::open(&path).unwrap();
+    assert_eq!(generation(&path), g, "the open after the crash wrote a checkpoint");
+    assert!(rt.block_on(read(&pool.volume("v").unwrap(), 0, 4096)).iter().all(|&b| b == 0x22));
+    assert!(rt.block_on(read(&pool.volume("v@s").unwrap(), 0, 4096)).iter().all(|&b| b == 0x11));
+    // An asked-for checkpoint still writes one.
+    rt.block_on(pool.checkpoint()).unwrap();
+    assert_eq!(generation(&path), g + 1);
+    pool.close().unwrap();
+    assert_clean(dir.path());
 }

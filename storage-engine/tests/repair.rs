@@ -75,6 +75,7 @@ fn pool_with_data(dir: &Path) {
     rt.block_on(pool.create_snapshot("v", "s")).unwrap();
     rt.block_on(write(&v, 0, &[9; 4096], false)).unwrap();
     drop(v);
+    rt.block_on(pool.checkpoint()).unwrap();
     pool.close().unwrap();
 }
 

@@ -208,7 +208,7 @@ fn unknown_incompat(sb: &Superblock) -> u64 {
 }
 
 /// The read-only-compatible features of `sb` this build does not know: a pool with any
-/// may be read (checked) but not opened, since every open writes (a checkpoint).
+/// may be read (checked) but not opened, since an open writes (commits, checkpoints).
 pub(crate) fn unknown_ro_compat(sb: &Superblock) -> u64 {
     sb.ro_compat_features.get() & !RO_COMPAT_FEATURES_KNOWN
 }

@@ -167,13 +167,15 @@ impl Pool {
         self.store.recovery()
     }
 
-    /// Stops the committer and writes a checkpoint; the pool then opens without replay.
-    /// Writes, trims and flushes through outstanding [`Volume`] handles fail afterwards
-    /// (reads still work); the pool file stays open until the last handle is dropped.
+    /// Stops the committer and commits what is left: every change and completed write
+    /// is durable on return. Writes no checkpoint: the next open replays the log since
+    /// the last one (at most half the log) and writes nothing. Writes, trims and
+    /// flushes through outstanding [`Volume`] handles fail afterwards (reads still
+    /// work); the pool file stays open until the last handle is dropped.
     ///
-    /// Errors: [`ErrorKind::Failed`] if the pool had failed (no checkpoint is written);
-    /// [`ErrorKind::Io`] if the final checkpoint cannot be written (the pool is then
-    /// marked failed; the log still holds every committed change).
+    /// Errors: [`ErrorKind::Failed`] if the pool had failed (nothing is written);
+    /// [`ErrorKind::Io`] if the final commit cannot be written (the pool is then
+    /// marked failed; the log still holds every change committed before).
     pub fn close(self) -> Result<()> {
         self.store.close()
     }

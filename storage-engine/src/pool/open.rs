@@ -235,6 +235,9 @@ impl Pool {
             tracing::warn!(path = %path.display(), "{w}");
         }
         let mut loaded = loaded;
+        // Opens that must write a checkpoint (below): the others write none.
+        let salvaged = loaded.superblock_warning.is_some() || loaded.log_warning.is_some();
+        let repairing = repair.is_some();
         let damaged = volume_problems(&loaded.state, loaded.geo.blocks_per_unit());
         if let Some(first) = damaged.first() {
             let what = if repair.is_some() {
@@ -268,6 +271,7 @@ impl Pool {
         let ring = IoRing::new(file.clone(), 256, io).map_err(|e| Error::io("set up io_uring", e))?;
         let journal::Loaded { sb, geo, state, log, checkpoint_units, batches, highest_seq, .. } = loaded;
         let upgrade = sb.version.get() < FORMAT_VERSION;
+        let first = sb.checkpoint_unit.get() == NO_UNIT;
         let State { volumes, next_volume, mut alloc, .. } = state;
         debug_assert_eq!(
             alloc.counts,
@@ -293,19 +297,26 @@ impl Pool {
             recovery: Recovery { batches_replayed: batches, bytes_read },
             log: LogState { cursor: log, sb, checkpoint_units },
         });
-        // Checkpoint at once, moving the log's sequence numbers past any batch that a
-        // crash may have left beyond the end of the replayed log (a batch written while
-        // an earlier one of the same commit was torn), and past every valid batch in
-        // the log region (after a rollback, those of the generation it dropped).
-        // Replay then never reaches one.
-        let jump = (store.geo().log_size / BLOCK_SIZE + 1).max(highest_seq - log.seq + 1);
-        // The spare first: the checkpoint takes its units from it (room.rs).
+        // The spare first: a checkpoint takes its units from it (room.rs).
         store.prepare_at_open().map_err(|e| e.op("open pool"))?;
-        store.checkpoint(jump).map_err(|e| e.op("open pool"))?;
-        if upgrade {
-            // The checkpoint wrote one slot in this build's format; write the other
-            // too, so that no slot is left that an older build could open from.
-            store.rewrite_superblock().map_err(|e| e.op("open pool"))?;
+        // A checkpoint at open (docs/on-disk-format.md 7.6) only when one is needed:
+        // - a valid batch lies in the log region past the replayed end (a batch written
+        //   while an earlier one of the same commit was torn, or after a rollback, those
+        //   of the generation it dropped): the checkpoint moves the sequence numbers past
+        //   every one, so that replay never reaches one;
+        // - the pool is of an older version (upgraded), has no checkpoint yet (its
+        //   creation), opened with an accepted loss, or had its refcounts repaired.
+        // Otherwise (a clean close, or a crash that left nothing past the end) the
+        // checkpoint and the log describe the pool, and commits go on from the end.
+        let stale_batches = highest_seq > log.seq;
+        if stale_batches || upgrade || first || salvaged || repairing {
+            let jump = (store.geo().log_size / BLOCK_SIZE + 1).max(highest_seq - log.seq + 1);
+            store.checkpoint(jump).map_err(|e| e.op("open pool"))?;
+            if upgrade {
+                // The checkpoint wrote one slot in this build's format; write the other
+                // too, so that no slot is left that an older build could open from.
+                store.rewrite_superblock().map_err(|e| e.op("open pool"))?;
+            }
         }
         store.start_committer()?;
         Ok(Pool { store })

@@ -55,8 +55,8 @@
 //! step 2, and the flushing task issues that `fdatasync` itself;
 //! flushes that arrive while one runs share the next.
 //!
-//! A *checkpoint* (when half the log is used or a commit would not fit, at open, and at
-//! close) snapshots the metadata under all the locks, writes the snapshot into free data
+//! A *checkpoint* (when half the log is used or a commit would not fit, on request, and
+//! at an open that needs one; a close writes none) snapshots the metadata under all the locks, writes the snapshot into free data
 //! units, `fdatasync`s (data and chunks), then writes the other superblock slot pointing
 //! at it with the log restarting at the current position, and `fdatasync`s. Until that
 //! last write the old superblock, checkpoint and log describe the pool; after it, the
@@ -372,10 +372,12 @@ impl Store {
         self.start_puncher()
     }
 
-    /// Stops the committer and writes a last checkpoint (the pool's close).
+    /// Stops the committer and commits what is left (the pool's close): every logged
+    /// change and completed write is durable on return. No checkpoint: the next open
+    /// replays the log (at most half of it, docs/on-disk-format.md 6.2).
     ///
-    /// Errors: [`ErrorKind::Failed`] if the pool had failed (no checkpoint is written);
-    /// the checkpoint's (the pool is then failed).
+    /// Errors: [`ErrorKind::Failed`] if the pool had failed (nothing is written);
+    /// the commit's (the pool is then failed).
     pub(crate) fn close(&self) -> Result<()> {
         self.closed.store(true, Ordering::SeqCst);
         {
@@ -388,12 +390,11 @@ impl Store {
         }
         self.stop_puncher();
         if self.failed.load(Ordering::SeqCst) {
-            return Err(Error::new(ErrorKind::Failed, "pool failed; not writing a final checkpoint"));
+            return Err(Error::new(ErrorKind::Failed, "pool failed; not writing a final commit"));
         }
-        self.checkpoint(0).map_err(|e| {
-            self.fail(&e);
-            e.op("close pool")
-        })
+        // A change that began before the close may have logged its records after the
+        // committer's last cycle.
+        self.commit_cycle().map_err(|e| e.op("close pool"))
     }
 
     /// The pool's geometry.
