@@ -1,7 +1,8 @@
 //! A pool on a block device (a loop device over a file of its own; needs root, as the
 //! test command runs): `open_or_format_device` formats a device that holds no pool,
 //! opens one that does with its data, and refuses, formatting nothing, a device whose
-//! pool is damaged (both superblock slots fail, but carry the pool's magic).
+//! pool is damaged (both superblock slots fail, but carry the pool's magic); a pool
+//! grows when its device does.
 
 mod common;
 
@@ -15,6 +16,7 @@ use storage_engine::{ErrorKind, Pool, PoolOptions};
 /// A loop device over a sparse file; detached on drop.
 struct Loop {
     _dir: tempfile::TempDir,
+    backing: PathBuf,
     dev: PathBuf,
 }
 
@@ -26,7 +28,14 @@ impl Loop {
         let out = Command::new("losetup").args(["--find", "--show"]).arg(&file).output().unwrap();
         assert!(out.status.success(), "losetup: {}", String::from_utf8_lossy(&out.stderr));
         let dev = PathBuf::from(String::from_utf8(out.stdout).unwrap().trim());
-        Loop { _dir: dir, dev }
+        Loop { _dir: dir, backing: file, dev }
+    }
+
+    /// Lengthens the backing file to `bytes` and tells the loop device (`losetup -c`).
+    fn grow(&self, bytes: u64) {
+        std::fs::OpenOptions::new().write(true).open(&self.backing).unwrap().set_len(bytes).unwrap();
+        let out = Command::new("losetup").arg("-c").arg(&self.dev).output().unwrap();
+        assert!(out.status.success(), "losetup -c: {}", String::from_utf8_lossy(&out.stderr));
     }
 }
 
@@ -67,4 +76,43 @@ fn a_device_without_a_pool_is_formatted_and_a_damaged_pool_is_refused() {
     let mut magic = [0u8; 8];
     std::fs::File::open(&dev.dev).unwrap().read_exact_at(&mut magic, 0).unwrap();
     assert_eq!(&magic, b"FERROVOL", "the device was formatted over");
+}
+
+/// A pool on a device that grew underneath it (a logical volume extended, a disk
+/// resized: here a loop device over a longer file) takes the new size with
+/// `Pool::grow(None)`, online; a size past the device is refused; the data stays.
+#[test]
+fn a_pool_grows_onto_its_grown_device() {
+    let dev = Loop::new(64 * MIB);
+    let rt = rt();
+    let opts = PoolOptions { unit_size: 16 * 1024, ..Default::default() };
+    let pool = Pool::open_or_format_device(&dev.dev, &opts).unwrap();
+    rt.block_on(pool.create_volume("v", 256 * MIB)).unwrap();
+    let v = pool.volume("v").unwrap();
+    rt.block_on(write(&v, 0, &[0x42; 65536], false)).unwrap();
+    let before = pool.status();
+    assert_eq!(before.size, 64 * MIB);
+    let e = rt.block_on(pool.grow(Some(128 * MIB))).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "past the device: {e}");
+    assert!(e.to_string().contains("the device holds"), "{e}");
+    assert_eq!(rt.block_on(pool.grow(None)).unwrap().size, 64 * MIB, "nothing to grow onto");
+    dev.grow(128 * MIB);
+    let s = rt.block_on(pool.grow(None)).unwrap();
+    assert_eq!((s.size, s.capacity), (128 * MIB, before.capacity + 64 * MIB));
+    // Written into units past the old end (more than the first size held), and kept.
+    for i in 1..100u64 {
+        rt.block_on(write(&v, i * MIB, &vec![i as u8; MIB as usize], false)).unwrap();
+    }
+    rt.block_on(v.flush()).unwrap();
+    drop(v);
+    pool.close().unwrap();
+    let pool = Pool::open_or_format_device(&dev.dev, &opts).unwrap();
+    assert_eq!(pool.status().size, 128 * MIB);
+    let v = pool.volume("v").unwrap();
+    assert!(rt.block_on(read(&v, 0, 65536)).iter().all(|&b| b == 0x42));
+    for i in 1..100u64 {
+        assert!(rt.block_on(read(&v, i * MIB, MIB)).iter().all(|&b| b == i as u8), "MiB {i}");
+    }
+    drop(v);
+    pool.close().unwrap();
 }
