@@ -38,6 +38,8 @@ pub struct HostOptions {
     pub format: bool,
     /// Allocate the whole pool file on the host file system (`PoolOptions::preallocate`).
     pub preallocate: bool,
+    /// Pass freed units down to a block device as discards (`PoolOptions::discard`).
+    pub discard: bool,
     /// Open despite a damaged newer superblock slot (`PoolOptions::accept_superblock_rollback`).
     pub accept_superblock_rollback: bool,
     /// Open despite a damaged log batch before later commits (`PoolOptions::accept_log_loss`).
@@ -82,6 +84,7 @@ impl HostOptions {
             unit_size: storage_engine::DEFAULT_UNIT_SIZE,
             format: false,
             preallocate: false,
+            discard: false,
             accept_superblock_rollback: false,
             accept_log_loss: false,
             listen: SocketAddr::from(([127, 0, 0, 1], 10809)),
@@ -206,6 +209,7 @@ impl Host {
             accept_superblock_rollback: opts.accept_superblock_rollback,
             accept_log_loss: opts.accept_log_loss,
             preallocate: opts.preallocate,
+            discard: opts.discard,
         };
         // Listen first, so a busy port or socket leaves no new pool file behind.
         let Listeners { tcp, metrics: metrics_listener, unix, mgmt: mgmt_listener, api, nbd_socket, mgmt_socket } =

@@ -119,8 +119,9 @@ pub fn repair(path: &Path) -> Result<RepairReport> {
     let before = check(path)?;
     let mut changed = Vec::new();
     if !before.problems.is_empty() {
-        let pool = Pool::open_inner(path, &IoOptions::default(), journal::Accept::default(), false, Some(&mut changed))
-            .map_err(|e| e.op("repair pool"))?;
+        let pool =
+            Pool::open_inner(path, &IoOptions::default(), journal::Accept::default(), false, false, Some(&mut changed))
+                .map_err(|e| e.op("repair pool"))?;
         pool.close().map_err(|e| e.op("repair pool"))?;
     }
     let after = check(path)?;

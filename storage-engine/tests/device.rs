@@ -116,3 +116,53 @@ fn a_pool_grows_onto_its_grown_device() {
     drop(v);
     pool.close().unwrap();
 }
+
+/// Blocks the loop device's backing file holds, in bytes.
+fn backing_bytes(dev: &Loop) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(&dev.backing).unwrap().blocks() * 512
+}
+
+/// With `discard`, a pool on a block device passes the units it frees (a deleted
+/// volume's) down as discards once their free is durable: a loop device gives them
+/// back to the file under it. Without it, the device keeps them. The data of the
+/// volume left is untouched either way.
+#[test]
+fn freed_units_are_passed_down_as_discards_when_asked() {
+    for discard in [false, true] {
+        let dev = Loop::new(64 * MIB);
+        let rt = rt();
+        let opts = PoolOptions { discard, ..Default::default() };
+        let pool = Pool::open_or_format_device(&dev.dev, &opts).unwrap();
+        for name in ["a", "b"] {
+            rt.block_on(pool.create_volume(name, 16 * MIB)).unwrap();
+            let v = pool.volume(name).unwrap();
+            rt.block_on(write(&v, 0, &vec![name.as_bytes()[0]; 8 << 20], false)).unwrap();
+        }
+        rt.block_on(pool.flush()).unwrap();
+        let full = backing_bytes(&dev);
+        rt.block_on(pool.delete_volume("a")).unwrap();
+        rt.block_on(pool.flush()).unwrap();
+        let t = std::time::Instant::now();
+        while pool.status().freeing > 0 && t.elapsed() < std::time::Duration::from_secs(10) {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert_eq!(pool.status().freeing, 0, "frees still waiting after 10 s");
+        let given = full.saturating_sub(backing_bytes(&dev));
+        if discard {
+            assert!(given >= 7 * MIB, "deleting 8 MiB passed down {given} bytes");
+        } else {
+            assert!(given < MIB, "without discard the device gave back {given} bytes");
+        }
+        let b = pool.volume("b").unwrap();
+        assert!(rt.block_on(read(&b, 0, 8 << 20)).iter().all(|&x| x == b'b'));
+        // The units are taken again and hold what is written to them.
+        rt.block_on(pool.create_volume("c", 16 * MIB)).unwrap();
+        let c = pool.volume("c").unwrap();
+        rt.block_on(write(&c, 0, &vec![0xc1; 8 << 20], false)).unwrap();
+        rt.block_on(c.flush()).unwrap();
+        assert!(rt.block_on(read(&c, 0, 8 << 20)).iter().all(|&x| x == 0xc1));
+        drop((b, c));
+        pool.close().unwrap();
+    }
+}

@@ -103,6 +103,24 @@ pub fn punch_hole(file: &File, offset: u64, len: u64) -> io::Result<()> {
     }
 }
 
+/// Discards `len` bytes at `offset` of the block device `file` (`BLKDISCARD`): the
+/// device may give their space back (a thin-provisioned or flash device); what they read
+/// afterwards is undefined.
+///
+/// Errors: the `ioctl`'s (`EOPNOTSUPP` where the device takes no discards).
+pub fn discard(file: &File, offset: u64, len: u64) -> io::Result<()> {
+    // linux/fs.h: #define BLKDISCARD _IO(0x12,119)
+    const BLKDISCARD: libc::c_ulong = 0x1277;
+    let range: [u64; 2] = [offset, len];
+    // SAFETY: BLKDISCARD reads two u64s (start, length) from the pointer, which points
+    // at `range`, alive for the call; the fd is kept open by `file`.
+    if unsafe { libc::ioctl(file.as_raw_fd(), BLKDISCARD, range.as_ptr()) } == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
 /// Allocates blocks for `len` bytes at `offset` of `file` (`fallocate`, mode 0: the
 /// size does not change, the content reads as before).
 ///

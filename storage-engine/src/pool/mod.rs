@@ -46,6 +46,12 @@ pub struct PoolOptions {
     /// create and at open, so that no write to the pool ever needs room from the host:
     /// a thin pool on a thick file. Ignored for block devices, which need none.
     pub preallocate: bool,
+    /// On a block device, pass the data units the pool frees down to it as discards
+    /// (`BLKDISCARD`, once their free is durable, as a pool file's freed units are
+    /// punched), so that a thin-provisioned or flash device gets the space back. Off by
+    /// default; ignored for pool files, which always give freed units back to their
+    /// host file system unless preallocated.
+    pub discard: bool,
 }
 
 impl PoolOptions {
@@ -63,6 +69,7 @@ impl Default for PoolOptions {
             accept_superblock_rollback: false,
             accept_log_loss: false,
             preallocate: false,
+            discard: false,
         }
     }
 }

@@ -61,7 +61,7 @@ impl Pool {
     /// Errors: see [`Pool::open`] and [`Pool::create`].
     pub fn open_or_create(path: &Path, opts: &PoolOptions) -> Result<Pool> {
         if path.exists() {
-            Pool::open_inner(path, &opts.io, opts.accept(), opts.preallocate, None)
+            Pool::open_inner(path, &opts.io, opts.accept(), opts.preallocate, opts.discard, None)
         } else {
             Pool::create(path, opts)
         }
@@ -73,7 +73,7 @@ impl Pool {
     ///
     /// Errors: as [`Pool::open`] and [`Pool::create`].
     pub fn open_or_format_device(path: &Path, opts: &PoolOptions) -> Result<Pool> {
-        match Pool::open_inner(path, &opts.io, opts.accept(), opts.preallocate, None) {
+        match Pool::open_inner(path, &opts.io, opts.accept(), opts.preallocate, opts.discard, None) {
             Err(e) if e.is_not_a_pool() => {
                 tracing::warn!(path = %path.display(), "no ferrovol pool on the device; formatting it");
                 Pool::create(path, opts)
@@ -173,7 +173,7 @@ impl Pool {
         }
         drop(file); // releases the lock for open()
         tracing::info!(path = %path.display(), size, unit_size = unit, "created pool");
-        Pool::open_inner(path, &opts.io, journal::Accept::default(), opts.preallocate, None)
+        Pool::open_inner(path, &opts.io, journal::Accept::default(), opts.preallocate, opts.discard, None)
     }
 
     /// Opens an existing pool: reads the superblock and checkpoint, replays the log.
@@ -192,7 +192,7 @@ impl Pool {
     ///
     /// Errors: as [`Pool::open`].
     pub fn open_with(path: &Path, io: &IoOptions) -> Result<Pool> {
-        Pool::open_inner(path, io, journal::Accept::default(), false, None)
+        Pool::open_inner(path, io, journal::Accept::default(), false, false, None)
     }
 
     /// Opens the pool; with `repair`, rebuilds its refcounts from its mappings first
@@ -203,6 +203,7 @@ impl Pool {
         io: &IoOptions,
         accept: journal::Accept,
         preallocate: bool,
+        discard: bool,
         repair: Option<&mut Vec<RefcountRepair>>,
     ) -> Result<Pool> {
         let (file, direct) =
@@ -288,6 +289,7 @@ impl Pool {
             path: path.to_owned(),
             file,
             backed_all: is_dev || preallocate,
+            discard_device: discard && is_dev,
             ring,
             direct,
             geo,

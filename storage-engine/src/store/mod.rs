@@ -222,6 +222,9 @@ pub(crate) struct Store {
     /// Every unit is backed by blocks of the host (a block device, or a preallocated
     /// file): the spare needs no writes to back it (room.rs).
     backed_all: AtomicBool,
+    /// The pool is on a block device that gets the units it frees as discards
+    /// (punch.rs), though every unit counts as backed.
+    discard_device: bool,
     /// The host file system refused room for a write (ENOSPC): allocations look for
     /// units the pool file already holds blocks for (room.rs) until it has room again.
     host_full: AtomicBool,
@@ -303,6 +306,8 @@ pub(crate) struct Parts {
     pub path: PathBuf,
     pub file: Arc<File>,
     pub backed_all: bool,
+    /// A block device whose freed units are passed down as discards (`PoolOptions::discard`).
+    pub discard_device: bool,
     pub ring: IoRing,
     pub direct: bool,
     pub geo: Geometry,
@@ -321,6 +326,7 @@ impl Store {
             path: p.path,
             file: p.file,
             backed_all: AtomicBool::new(p.backed_all),
+            discard_device: p.discard_device,
             host_full: AtomicBool::new(false),
             punch_holes: AtomicBool::new(true),
             puncher: Arc::new(punch::Signal::default()),

@@ -54,14 +54,15 @@ impl Signal {
 }
 
 impl Store {
-    /// Whether freed units are given back to the host file system now (a pool file
+    /// Whether freed units are given back now: to the host file system by a pool file
     /// that is not preallocated, on a file system that punches holes, which is not
-    /// full: with the host full, space the pool frees stays the pool's, for its own
-    /// writes).
+    /// full (with the host full, space the pool frees stays the pool's, for its own
+    /// writes); or to a block device as discards, when asked (`PoolOptions::discard`)
+    /// and the device takes them.
     pub(crate) fn punches_holes(&self) -> bool {
         self.punch_holes.load(Ordering::Relaxed)
-            && !self.backed_all.load(Ordering::Relaxed)
-            && !self.host_full.load(Ordering::Relaxed)
+            && (self.discard_device
+                || (!self.backed_all.load(Ordering::Relaxed) && !self.host_full.load(Ordering::Relaxed)))
     }
 
     /// Releases the pending frees and settles before `mark` (their records are
@@ -95,10 +96,21 @@ impl Store {
                 j += 1;
             }
             let (off, len) = (self.geo.unit_offset(u64::from(sorted[i])), (j - i) as u64 * us);
-            match crate::io::punch_hole(&self.file, off, len) {
+            let r = match self.discard_device {
+                true => crate::io::discard(&self.file, off, len),
+                false => crate::io::punch_hole(&self.file, off, len),
+            };
+            match r {
                 Ok(()) => {}
                 Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {
-                    tracing::info!(error = %e, "the host file system does not punch holes: freed space stays in the pool file");
+                    match self.discard_device {
+                        true => {
+                            tracing::info!(error = %e, "the device takes no discards: freed units are not passed down")
+                        }
+                        false => {
+                            tracing::info!(error = %e, "the host file system does not punch holes: freed space stays in the pool file")
+                        }
+                    }
                     self.punch_holes.store(false, Ordering::Relaxed);
                 }
                 // The units are free all the same: only the host's space is not given back.

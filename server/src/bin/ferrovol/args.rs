@@ -249,6 +249,12 @@ pub(crate) struct ServeArgs {
     /// get ENOSPC, as in a full pool. No effect on a block device.
     #[arg(long)]
     pub(crate) preallocate: bool,
+    /// With --pool a block device: pass the data units the pool frees (deleted volumes
+    /// and snapshots, trims of whole units) down to it as discards, so that a
+    /// thin-provisioned or flash device gets the space back. A pool file always gives
+    /// freed units back to its file system (hole punching) unless preallocated.
+    #[arg(long)]
+    pub(crate) discard: bool,
     /// NBD data-plane threads, each with its own io_uring; a connection stays on the one
     /// serving the fewest connections when it is accepted. One thread batches the most
     /// requests per wake-up and was fastest on a 2-core host with its clients on the
@@ -653,6 +659,7 @@ impl ServeArgs {
             u32::try_from(self.unit_size).map_err(|_| anyhow::anyhow!("unit size {} is too large", self.unit_size))?;
         o.format = self.format;
         o.preallocate = self.preallocate;
+        o.discard = self.discard;
         o.accept_superblock_rollback = self.accept_superblock_rollback;
         o.accept_log_loss = self.accept_log_loss;
         o.listen = self.listen;
