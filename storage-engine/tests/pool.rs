@@ -1100,3 +1100,60 @@ fn a_clean_close_and_the_open_after_it_write_no_checkpoint() {
     pool.close().unwrap();
     assert_clean(dir.path());
 }
+
+/// A crash can leave the header of a commit's batch on disk without the rest of it (a
+/// torn batch): replay stops before it, and the open must not give its sequence number
+/// to a new batch, which could complete it (a later write of the same bytes over its
+/// missing blocks) and have a never-acknowledged commit replayed. So such an open writes
+/// a checkpoint, numbering past it; the commits after it survive the next crash.
+#[test]
+fn an_open_after_a_torn_batch_numbers_past_it() {
+    use std::os::unix::fs::FileExt;
+    use storage_engine::format::{BatchHeader, LOG_MAGIC, SUPERBLOCK_OFFSETS};
+    use zerocopy::FromBytes;
+    let dir = tempfile::tempdir().unwrap();
+    let path = pool_path(dir.path());
+    let rt = rt();
+    let pool = create(dir.path(), 64 * MIB);
+    rt.block_on(pool.create_volume("v", 16 * MIB)).unwrap();
+    let v = pool.volume("v").unwrap();
+    rt.block_on(write(&v, 0, &[0x11; 4096], false)).unwrap();
+    rt.block_on(v.flush()).unwrap();
+    drop(v);
+    rt.block_on(pool.create_volume("w", MIB)).unwrap(); // the last commit
+    drop(pool); // a crash
+                // Tear the last batch: its header stays, the last byte of its payload changes.
+    let f = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
+    let sb = SUPERBLOCK_OFFSETS.iter().map(|&at| slot(&f, at)).max_by_key(|sb| sb.generation.get()).unwrap();
+    let (log_offset, log_size) = (sb.log_offset.get(), sb.log_size.get());
+    let mut last: Option<(u64, u64, u64)> = None; // (seq, offset, payload bytes)
+    let mut block = vec![0u8; 4096];
+    for off in (log_offset..log_offset + log_size).step_by(4096) {
+        f.read_exact_at(&mut block, off).unwrap();
+        let (h, _) = BatchHeader::read_from_prefix(&block).unwrap();
+        if h.magic.get() == LOG_MAGIC && last.is_none_or(|(seq, _, _)| h.seq.get() > seq) {
+            last = Some((h.seq.get(), off, u64::from(h.payload_len.get())));
+        }
+    }
+    let (_, at, payload) = last.expect("a batch in the log");
+    let byte = at + size_of::<BatchHeader>() as u64 + payload - 1;
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, byte).unwrap();
+    f.write_all_at(&[b[0] ^ 0x5a], byte).unwrap();
+    drop(f);
+    let g = generation(&path);
+    let pool = Pool::open(&path).unwrap();
+    assert_eq!(pool.names(), vec!["v".to_string()], "the torn commit is not replayed");
+    assert_eq!(generation(&path), g + 1, "the open wrote no checkpoint past the torn batch");
+    rt.block_on(pool.create_volume("x", MIB)).unwrap();
+    let v = pool.volume("v").unwrap();
+    rt.block_on(write(&v, 0, &[0x22; 4096], false)).unwrap();
+    rt.block_on(v.flush()).unwrap();
+    drop(v);
+    drop(pool); // a crash
+    assert_clean(dir.path());
+    let pool = Pool::open(&path).unwrap();
+    assert_eq!(pool.names(), vec!["v".to_string(), "x".to_string()]);
+    assert!(rt.block_on(read(&pool.volume("v").unwrap(), 0, 4096)).iter().all(|&b| b == 0x22));
+    pool.close().unwrap();
+}

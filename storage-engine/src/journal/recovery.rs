@@ -46,7 +46,8 @@ pub(crate) struct Loaded {
     /// ([`batches_beyond`]).
     pub log_warning: Option<String>,
     /// The highest sequence number of any valid batch in the log region, at least the
-    /// last one replayed: the checkpoint at open must number past it.
+    /// last one replayed, and past it when a torn batch's header lies past the end: the
+    /// checkpoint at open must number past it.
     pub highest_seq: u64,
 }
 
@@ -426,8 +427,9 @@ fn replay_log(read: &mut ReadAt<'_>, state: &mut State, sb: &Superblock, geo: &G
 /// otherwise: then a warning saying what was dropped. In older pools, whose
 /// batches do not say where their commit began, the two cannot be told apart, and any
 /// valid later batch is returned as a warning instead. Also returns the highest
-/// sequence number of any valid batch found (at least `log.seq`). Reads the log once, a
-/// MiB at a time.
+/// sequence number of any valid batch found (at least `log.seq`), at least `log.seq + 1`
+/// when the header of a batch that is not valid lies past the end (a torn batch).
+/// Reads the log once, a MiB at a time.
 fn batches_beyond(
     read: &mut ReadAt<'_>,
     geo: &Geometry,
@@ -438,6 +440,9 @@ fn batches_beyond(
     const PIECE: u64 = 1 << 20;
     let missing = log.seq + 1;
     let (mut found, mut last) = (0u64, log.seq);
+    // A batch header past the end whose batch is not valid (torn): nothing to replay,
+    // but the open must not give its seq to a new batch (4.3, 7.6).
+    let mut torn = false;
     // The earliest commit start found past the missing batch, and its batch's sequence.
     let mut later_commit: Option<(u64, u64)> = None;
     let mut off = 0;
@@ -463,6 +468,8 @@ fn batches_beyond(
                 if start > missing && later_commit.is_none_or(|(s, _)| start < s) {
                     later_commit = Some((start, seq));
                 }
+            } else {
+                torn = true;
             }
         }
         off += len;
@@ -504,7 +511,7 @@ fn batches_beyond(
             // never acknowledged.
             (None, _) => None,
         };
-        return Ok((warning, last));
+        return Ok((warning, beyond(last, torn, log.seq)));
     }
     let warning = (found > 0).then(|| {
         format!(
@@ -516,7 +523,18 @@ fn batches_beyond(
              record where a commit begins; from its next open on it is version {FORMAT_VERSION}, which does.)"
         )
     });
-    Ok((warning, last))
+    Ok((warning, beyond(last, torn, log.seq)))
+}
+
+/// What [`batches_beyond`] reports as the highest sequence number: that of the last
+/// valid batch (`last`, at least the last replayed, `replayed`), or, when a torn
+/// batch's header lies past the end, at least one past it (so that the open jumps past
+/// it).
+fn beyond(last: u64, torn: bool, replayed: u64) -> u64 {
+    match torn {
+        true => last.max(replayed + 1),
+        false => last,
+    }
 }
 
 fn put_page(vol: &mut VolumeMeta, index: u64, page: Arc<MapPage>, unit_size: u64) -> std::result::Result<(), ()> {

@@ -304,8 +304,9 @@ impl Pool {
         // A checkpoint at open (docs/on-disk-format.md 7.6) only when one is needed:
         // - a valid batch lies in the log region past the replayed end (a batch written
         //   while an earlier one of the same commit was torn, or after a rollback, those
-        //   of the generation it dropped): the checkpoint moves the sequence numbers past
-        //   every one, so that replay never reaches one;
+        //   of the generation it dropped), or the header of a torn one (whose other
+        //   blocks a later batch of the same seq could complete): the checkpoint moves
+        //   the sequence numbers past every one, so that replay never reaches one;
         // - the pool is of an older version (upgraded), has no checkpoint yet (its
         //   creation), opened with an accepted loss, or had its refcounts repaired.
         // Otherwise (a clean close, or a crash that left nothing past the end) the

@@ -236,7 +236,7 @@ impl Store {
     async fn commit_on_task(&self, seen: u64) -> Option<Result<()>> {
         let mut log = self.log.lock().await;
         // Both looked at under the lock: a cycle or checkpoint that failed did so while
-        // holding it, and close() writes its checkpoint under it after setting `closed`.
+        // holding it, and close() writes its last commit under it after setting `closed`.
         if self.failed.load(Ordering::SeqCst) {
             return Some(Err(Error::new(ErrorKind::Failed, "commit failed; the pool refuses writes")));
         }

@@ -91,7 +91,7 @@ impl Store {
         }
         let mut closed = false;
         self.with_log_locked(|log| {
-            // A close that came first wrote its last checkpoint: nothing more is written.
+            // A close that came first wrote its last commit: nothing more is written.
             if self.closed.load(Ordering::SeqCst) {
                 closed = true;
                 return Ok(());
