@@ -268,6 +268,25 @@ pub(crate) fn sync(ring: &IoRing) -> Result<()> {
     ring.fdatasync().blocking_recv().map_err(|_| worker_gone())?.map_err(|e| Error::io("fdatasync pool", e))
 }
 
+/// Panics when a live refcount differs from the number of distinct pages of `maps`
+/// that map its unit (checkpoint units and copy-on-write targets not yet mapped
+/// excepted): a leaked or lost reference, which the derived refcounts of the next open
+/// would silently correct after it had done its harm.
+#[cfg(debug_assertions)]
+fn check_live_refcounts<'a>(alloc: &Allocator, maps: impl IntoIterator<Item = &'a crate::meta::MapTable>) {
+    let derived = journal::derive_refcounts(maps, alloc.unit_count() as usize);
+    let skip = |u: u32| alloc.refcount(u) == crate::meta::META || alloc.cow_inflight.contains(&u);
+    for (u, r) in alloc.nonzero_refcounts().filter(|&(u, _)| !skip(u)) {
+        assert_eq!(derived.refcount(u), r, "data unit {u}: live refcount {r}, mapped by {} pages", derived.refcount(u));
+    }
+    for (u, r) in derived.nonzero_refcounts() {
+        assert!(alloc.refcount(u) != crate::meta::META, "data unit {u} is mapped and holds the checkpoint");
+        if !alloc.cow_inflight.contains(&u) {
+            assert_eq!(alloc.refcount(u), r, "data unit {u}: mapped by {r} pages, live refcount {}", alloc.refcount(u));
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -302,25 +321,6 @@ mod tests {
                 b[(1 + blocks) * bs..].iter().all(|&x| x == 0xee),
                 "a {blocks}-block write changed the blocks after it"
             );
-        }
-    }
-}
-
-/// Panics when a live refcount differs from the number of distinct pages of `maps`
-/// that map its unit (checkpoint units and copy-on-write targets not yet mapped
-/// excepted): a leaked or lost reference, which the derived refcounts of the next open
-/// would silently correct after it had done its harm.
-#[cfg(debug_assertions)]
-fn check_live_refcounts<'a>(alloc: &Allocator, maps: impl IntoIterator<Item = &'a crate::meta::MapTable>) {
-    let derived = journal::derive_refcounts(maps, alloc.unit_count() as usize);
-    let skip = |u: u32| alloc.refcount(u) == crate::meta::META || alloc.cow_inflight.contains(&u);
-    for (u, r) in alloc.nonzero_refcounts().filter(|&(u, _)| !skip(u)) {
-        assert_eq!(derived.refcount(u), r, "data unit {u}: live refcount {r}, mapped by {} pages", derived.refcount(u));
-    }
-    for (u, r) in derived.nonzero_refcounts() {
-        assert!(alloc.refcount(u) != crate::meta::META, "data unit {u} is mapped and holds the checkpoint");
-        if !alloc.cow_inflight.contains(&u) {
-            assert_eq!(alloc.refcount(u), r, "data unit {u}: mapped by {r} pages, live refcount {}", alloc.refcount(u));
         }
     }
 }
