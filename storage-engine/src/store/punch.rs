@@ -10,8 +10,10 @@
 //! them. So no write to a unit taken again is ever punched away, and no lock of the
 //! data path waits for the host file system (a fragmented unit takes it some 45 µs).
 //! When room is needed now, the make-room protocol frees the queued units unpunched
-//! (room.rs). Not done: on a preallocated pool file or a block device (`backed_all`),
-//! and once the host file system answers `EOPNOTSUPP`. Units freed but not yet punched
+//! (room.rs). A block device gets the units as discards instead, when asked
+//! (`PoolOptions::discard`). Not done: on a preallocated pool file or a block device not
+//! asked to (`backed_all`), while the host file system is full, and once the host file
+//! system or the device answers `EOPNOTSUPP`. Units freed but not yet punched
 //! when the pool closes or crashes stay in the file until they are freed again.
 
 use std::sync::atomic::Ordering;
@@ -28,6 +30,10 @@ use crate::meta::Allocator;
 /// Units punched per batch: each batch is freed as a whole once punched, so a writer
 /// that needs room waits for at most one batch (about 3 ms on ext4).
 pub(crate) const PUNCH_BATCH: usize = 64;
+
+/// Gives `len` bytes at an offset of the pool file or device back (`io::punch_hole`,
+/// `io::discard`).
+type GiveBack = fn(&std::fs::File, u64, u64) -> std::io::Result<()>;
 
 /// Wakes the punching thread, and tells it to stop.
 #[derive(Default)]
@@ -89,6 +95,12 @@ impl Store {
         let mut sorted = batch.clone();
         sorted.sort_unstable();
         let us = self.geo.unit_size;
+        let (give_back, unsupported) = match self.discard_device {
+            true => (crate::io::discard as GiveBack, "the device takes no discards: freed units are not passed down"),
+            false => {
+                (crate::io::punch_hole, "the host file system does not punch holes: freed space stays in the pool file")
+            }
+        };
         let mut i = 0;
         while i < sorted.len() && self.punches_holes() {
             let mut j = i + 1;
@@ -96,21 +108,10 @@ impl Store {
                 j += 1;
             }
             let (off, len) = (self.geo.unit_offset(u64::from(sorted[i])), (j - i) as u64 * us);
-            let r = match self.discard_device {
-                true => crate::io::discard(&self.file, off, len),
-                false => crate::io::punch_hole(&self.file, off, len),
-            };
-            match r {
+            match give_back(&self.file, off, len) {
                 Ok(()) => {}
                 Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {
-                    match self.discard_device {
-                        true => {
-                            tracing::info!(error = %e, "the device takes no discards: freed units are not passed down")
-                        }
-                        false => {
-                            tracing::info!(error = %e, "the host file system does not punch holes: freed space stays in the pool file")
-                        }
-                    }
+                    tracing::info!(error = %e, "{unsupported}");
                     self.punch_holes.store(false, Ordering::Relaxed);
                 }
                 // The units are free all the same: only the host's space is not given back.
@@ -150,9 +151,15 @@ impl Store {
         self.alloc.lock().free_punch_queue();
     }
 
-    /// Waits until no batch is being punched (a writer that needs room, after it freed
-    /// the queue: the batch in flight is free when this returns).
-    pub(crate) async fn wait_punching(&self) {
+    /// Frees the units waiting for their punch at once, and waits for the batch being
+    /// punched (a writer that needs room: every freed unit is free when this returns).
+    pub(crate) async fn unpunch(&self) {
+        self.alloc.lock().free_punch_queue();
+        self.wait_punching().await;
+    }
+
+    /// Waits until no batch is being punched.
+    async fn wait_punching(&self) {
         loop {
             let punched = self.puncher.punched.notified();
             tokio::pin!(punched);

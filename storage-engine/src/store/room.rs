@@ -299,13 +299,9 @@ impl Store {
             Remedy::Commit => {
                 self.commit().await?;
                 // The frees it made durable are needed now: not after their punch.
-                self.alloc.lock().free_punch_queue();
-                self.wait_punching().await;
+                self.unpunch().await;
             }
-            Remedy::Unpunch => {
-                self.alloc.lock().free_punch_queue();
-                self.wait_punching().await;
-            }
+            Remedy::Unpunch => self.unpunch().await,
             Remedy::GrowSpare => self.grow_spare_async().await?,
             Remedy::Checkpoint => self.checkpoint_async().await?,
         }
@@ -328,7 +324,7 @@ impl Store {
             for _ in 0..want {
                 match a.take_for_spare() {
                     // Known to be backed (a punched unit is no longer noted so).
-                    Some((u, backed)) if self.backed_all.load(Ordering::Relaxed) || backed => a.spare.push_back(u),
+                    Some((u, backed)) if backed || self.backed_all.load(Ordering::Relaxed) => a.spare.push_back(u),
                     Some((u, _)) => to_back.push(u),
                     None => break,
                 }
