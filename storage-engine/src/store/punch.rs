@@ -97,9 +97,10 @@ impl Store {
         let us = self.geo.unit_size;
         let (give_back, unsupported) = match self.discard_device {
             true => (crate::io::discard as GiveBack, "the device takes no discards: freed units are not passed down"),
-            false => {
-                (crate::io::punch_hole, "the host file system does not punch holes: freed space stays in the pool file")
-            }
+            false => (
+                crate::io::punch_hole as GiveBack,
+                "the host file system does not punch holes: freed space stays in the pool file",
+            ),
         };
         let mut i = 0;
         while i < sorted.len() && self.punches_holes() {
