@@ -228,23 +228,27 @@ impl Host {
                 }
             })
             .await?;
+        // A start that fails from here on removes the sockets it bound, and closes the
+        // pool once it is open.
+        let give_up = |pool: Option<Pool>, e: anyhow::Error| {
+            let _ = std::fs::remove_file(&nbd_socket);
+            let _ = std::fs::remove_file(&mgmt_socket);
+            if let Some(pool) = pool {
+                let _ = pool.close();
+            }
+            e
+        };
         let pool = match pool {
             Ok(pool) => pool,
-            Err(e) => {
-                let _ = std::fs::remove_file(&nbd_socket);
-                let _ = std::fs::remove_file(&mgmt_socket);
-                return Err(anyhow::anyhow!("pool {}: {e}", pool_path.display()));
-            }
+            Err(e) => return Err(give_up(None, anyhow::anyhow!("pool {}: {e}", pool_path.display()))),
         };
         let is_file = std::fs::metadata(&pool_path).is_ok_and(|m| m.file_type().is_file());
         if opts.grow_to_pool_size && pool_existed && is_file {
             let size = pool.status().size;
             if size < opts.pool_size {
                 if let Err(e) = pool.grow(Some(opts.pool_size)).await {
-                    let _ = std::fs::remove_file(&nbd_socket);
-                    let _ = std::fs::remove_file(&mgmt_socket);
-                    let _ = pool.close();
-                    return Err(anyhow::anyhow!("grow pool {} to --pool-size: {e}", pool_path.display()));
+                    let e = anyhow::anyhow!("grow pool {} to --pool-size: {e}", pool_path.display());
+                    return Err(give_up(Some(pool), e));
                 }
             } else if size > opts.pool_size {
                 tracing::warn!(
@@ -258,12 +262,7 @@ impl Host {
         let lossy = opts.accept_log_loss || opts.accept_superblock_rollback;
         let generation = match CrashGenerationFile::start(data_dir, &pool.status().uuid, pool_existed, lossy) {
             Ok(g) => g,
-            Err(e) => {
-                let _ = std::fs::remove_file(&nbd_socket);
-                let _ = std::fs::remove_file(&mgmt_socket);
-                let _ = pool.close();
-                return Err(e);
-            }
+            Err(e) => return Err(give_up(Some(pool), e)),
         };
         let nbd_addr = tcp.local_addr()?;
         let endpoints = vec![format!("nbd://{nbd_addr}"), format!("nbd+unix:///?socket={}", nbd_socket.display())];
