@@ -1058,8 +1058,16 @@ fn a_pool_grows_while_writers_fill_it() {
 /// The superblock generation now current in the pool file at `path` (each checkpoint
 /// writes one more).
 fn generation(path: &std::path::Path) -> u64 {
-    let f = std::fs::File::open(path).unwrap();
-    storage_engine::format::SUPERBLOCK_OFFSETS.iter().map(|&at| slot(&f, at).generation.get()).max().unwrap()
+    current_slot(&std::fs::File::open(path).unwrap()).generation.get()
+}
+
+/// The superblock slot of the pool file `f` with the higher generation.
+fn current_slot(f: &std::fs::File) -> storage_engine::format::Superblock {
+    storage_engine::format::SUPERBLOCK_OFFSETS
+        .iter()
+        .map(|&at| slot(f, at))
+        .max_by_key(|sb| sb.generation.get())
+        .unwrap()
 }
 
 /// A clean close and the open after it write no checkpoint (no superblock either): the
@@ -1109,7 +1117,7 @@ fn a_clean_close_and_the_open_after_it_write_no_checkpoint() {
 #[test]
 fn an_open_after_a_torn_batch_numbers_past_it() {
     use std::os::unix::fs::FileExt;
-    use storage_engine::format::{BatchHeader, LOG_MAGIC, SUPERBLOCK_OFFSETS};
+    use storage_engine::format::{BatchHeader, LOG_MAGIC};
     use zerocopy::FromBytes;
     let dir = tempfile::tempdir().unwrap();
     let path = pool_path(dir.path());
@@ -1124,7 +1132,7 @@ fn an_open_after_a_torn_batch_numbers_past_it() {
     drop(pool); // a crash
                 // Tear the last batch: its header stays, the last byte of its payload changes.
     let f = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
-    let sb = SUPERBLOCK_OFFSETS.iter().map(|&at| slot(&f, at)).max_by_key(|sb| sb.generation.get()).unwrap();
+    let sb = current_slot(&f);
     let (log_offset, log_size) = (sb.log_offset.get(), sb.log_size.get());
     let mut last: Option<(u64, u64, u64)> = None; // (seq, offset, payload bytes)
     let mut block = vec![0u8; 4096];
