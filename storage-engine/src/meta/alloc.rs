@@ -38,8 +38,8 @@ impl RefcountTable {
     /// space, above the C library's largest threshold for mapping an allocation on its
     /// own, so it comes zeroed from the kernel and only the pages of units in use become
     /// resident (with 1 MiB segments, which may come from the heap and be cleared by
-    /// hand, opening a 4 TiB pool went past 128 MiB resident). Few under the concurrency checker, whose atomics are
-    /// costly to create.
+    /// hand, opening a 4 TiB pool went past 128 MiB resident). Few under the
+    /// concurrency checker, whose atomics are costly to create.
     pub const SEGMENT: usize = if cfg!(feature = "shuttle") { 64 } else { 1 << 26 };
 
     /// A table of `units` zeros that can grow to `max_units`.
