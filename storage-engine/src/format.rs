@@ -30,8 +30,14 @@ pub const FEATURES_VERSION: u32 = 5;
 /// walks anyway. Set by every checkpoint this build writes; a build that does not know it
 /// would take every mapped unit for free, so it must refuse the pool.
 pub const INCOMPAT_DERIVED_REFCOUNTS: u64 = 1 << 0;
+/// Incompatible feature: the checkpoint keeps its mapping pages in *page chunks*
+/// ([`PAGE_CHUNK_MAGIC`], [`REC_PAGE_BODY`]) that later checkpoints keep while their
+/// pages are unchanged, and its chain of chunks is a directory ([`REC_PAGE_CHUNK`],
+/// [`REC_PAGE_LOCS`]) naming them (docs/on-disk-format.md 5). Set by every checkpoint
+/// this build writes; a build that does not know it would find no pages.
+pub const INCOMPAT_PAGE_CHUNKS: u64 = 1 << 1;
 /// Incompatible features this build knows.
-pub const INCOMPAT_FEATURES_KNOWN: u64 = INCOMPAT_DERIVED_REFCOUNTS;
+pub const INCOMPAT_FEATURES_KNOWN: u64 = INCOMPAT_DERIVED_REFCOUNTS | INCOMPAT_PAGE_CHUNKS;
 /// Read-only-compatible features this build knows: none.
 pub const RO_COMPAT_FEATURES_KNOWN: u64 = 0;
 /// Compatible features this build knows: none (unknown ones are kept, never refused).
@@ -58,6 +64,9 @@ pub const LOG_OFFSET: u64 = 1 << 20;
 pub const LOG_MAGIC: u32 = u32::from_le_bytes(*b"FVLG");
 /// Magic of a checkpoint chunk header ("FVCP").
 pub const CHECKPOINT_MAGIC: u32 = u32::from_le_bytes(*b"FVCP");
+/// Magic of a page chunk's header ("FVPG"): a [`ChunkHeader`] whose payload holds
+/// [`REC_PAGE_BODY`] records, kept from one checkpoint to the next while its pages are.
+pub const PAGE_CHUNK_MAGIC: u32 = u32::from_le_bytes(*b"FVPG");
 /// "No unit" in on-disk unit fields.
 pub const NO_UNIT: u64 = u64::MAX;
 /// Smallest and largest allowed data-unit sizes, in bytes. The written-block bitmap of
@@ -233,6 +242,17 @@ pub const REC_PAGE_REF: u8 = 18;
 pub const REC_REFCOUNTS: u8 = 19;
 /// Checkpoint: end marker with totals ([`EndRec`]); a checkpoint without it is invalid.
 pub const REC_END: u8 = 20;
+/// Page chunk: the entries of one mapping page ([`PageBodyRec`] then [`PageEntry`]s),
+/// found by its page chunk's unit and its byte offset in the chunk's payload
+/// ([`INCOMPAT_PAGE_CHUNKS`]).
+pub const REC_PAGE_BODY: u8 = 21;
+/// Checkpoint: a page chunk the checkpoint's pages are read from ([`PageChunkRec`]).
+pub const REC_PAGE_CHUNK: u8 = 22;
+/// Checkpoint: where a volume's pages are ([`PageLocsRec`] then up to
+/// [`MAX_PAGE_LOCS`] [`PageLoc`]s).
+pub const REC_PAGE_LOCS: u8 = 23;
+/// Most [`PageLoc`]s in one [`REC_PAGE_LOCS`] record (6,156 bytes with its framing).
+pub const MAX_PAGE_LOCS: usize = 512;
 
 /// Body of [`REC_MAP`]. 32 bytes.
 #[derive(Debug, Clone, FromBytes, IntoBytes, KnownLayout, Immutable)]
@@ -464,3 +484,50 @@ const _: () = assert!(size_of::<EndRec>() == 32);
 
 /// Mapping entries per page (in memory and in checkpoints).
 pub const PAGE_ENTRIES: usize = 512;
+
+/// Head of a [`REC_PAGE_BODY`] (8 bytes), followed by `entries` [`PageEntry`]s in
+/// ascending `index`.
+#[derive(Debug, Clone, FromBytes, IntoBytes, KnownLayout, Immutable)]
+#[repr(C)]
+pub struct PageBodyRec {
+    /// Number of [`PageEntry`]s that follow, 1 … 512.
+    pub entries: U32,
+    /// Zero.
+    pub pad: U32,
+}
+const _: () = assert!(size_of::<PageBodyRec>() == 8);
+
+/// Body of [`REC_PAGE_CHUNK`]. 16 bytes.
+#[derive(Debug, Clone, FromBytes, IntoBytes, KnownLayout, Immutable)]
+#[repr(C)]
+pub struct PageChunkRec {
+    /// Data unit holding the page chunk.
+    pub unit: U64,
+    /// `checkpoint_seq` of the checkpoint that wrote it (its header's), at most this
+    /// checkpoint's.
+    pub seq: U64,
+}
+const _: () = assert!(size_of::<PageChunkRec>() == 16);
+
+/// Head of a [`REC_PAGE_LOCS`] body (8 bytes), followed by [`PageLoc`]s.
+#[derive(Debug, Clone, FromBytes, IntoBytes, KnownLayout, Immutable)]
+#[repr(C)]
+pub struct PageLocsRec {
+    /// Volume id (its [`REC_VOLUME`] comes earlier in the checkpoint).
+    pub volume: U64,
+}
+const _: () = assert!(size_of::<PageLocsRec>() == 8);
+
+/// Where one mapping page of a volume is. 12 bytes. Several volumes' locations may
+/// name the same body: the page is shared.
+#[derive(Debug, Clone, FromBytes, IntoBytes, KnownLayout, Immutable)]
+#[repr(C)]
+pub struct PageLoc {
+    /// Page index in the volume (`first lunit / 512`).
+    pub page_index: U32,
+    /// Data unit of the page chunk (one of the checkpoint's [`REC_PAGE_CHUNK`]s).
+    pub unit: U32,
+    /// Byte offset of the [`REC_PAGE_BODY`] record (its framing) in that chunk's payload.
+    pub offset: U32,
+}
+const _: () = assert!(size_of::<PageLoc>() == 12);

@@ -92,7 +92,7 @@ pub struct CommitStats {
     pub checkpoint_seconds: f64,
     /// The longest checkpoint, seconds.
     pub checkpoint_max_seconds: f64,
-    /// Bytes of checkpoint chunks written (whole data units).
+    /// Bytes checkpoints wrote: the blocks of their page chunks and directory chunks.
     pub checkpoint_bytes: u64,
     /// The longest time a checkpoint's first step (a copy of all metadata) held the
     /// volumes' maps and the allocator, seconds: writes that map or allocate waited

@@ -16,7 +16,9 @@ use std::io::Write;
 use std::path::Path;
 
 use common::*;
-use storage_engine::format::{Superblock, FORMAT_VERSION, INCOMPAT_DERIVED_REFCOUNTS, SUPERBLOCK_OFFSETS};
+use storage_engine::format::{
+    Superblock, FORMAT_VERSION, INCOMPAT_DERIVED_REFCOUNTS, INCOMPAT_PAGE_CHUNKS, SUPERBLOCK_OFFSETS,
+};
 use storage_engine::{Labels, Pool, PoolOptions};
 
 const K: u64 = 1024;
@@ -160,8 +162,13 @@ fn a_version_4_pool_from_an_older_build_opens_and_is_upgraded() {
     pool.close().unwrap();
     for at in SUPERBLOCK_OFFSETS {
         assert_eq!(slot_version(&path, at), FORMAT_VERSION, "slot at byte {at} after the upgrading open");
-        // Its checkpoints now store no refcounts: a build that would read them refuses it.
-        assert_eq!(slot_incompat(&path, at), INCOMPAT_DERIVED_REFCOUNTS, "slot at byte {at} after the upgrading open");
+        // Its checkpoints now store no refcounts and keep pages in page chunks: a build
+        // that would read them refuses it.
+        assert_eq!(
+            slot_incompat(&path, at),
+            INCOMPAT_DERIVED_REFCOUNTS | INCOMPAT_PAGE_CHUNKS,
+            "slot at byte {at} after the upgrading open"
+        );
     }
     assert_clean(dir.path());
     let pool = Pool::open(&path).unwrap();
@@ -199,6 +206,7 @@ fn a_version_5_pool_with_a_whole_checkpoint_opens() {
     std::fs::write(&path, fixture_image("pool-v5")).unwrap();
     for at in SUPERBLOCK_OFFSETS {
         assert_eq!(slot_version(&path, at), 5, "the fixture's slot at byte {at}");
+        assert_eq!(slot_incompat(&path, at), INCOMPAT_DERIVED_REFCOUNTS, "the fixture's slot at byte {at}");
     }
     let r = storage_engine::check(&path).unwrap();
     assert!(r.problems.is_empty(), "{r:?}");
@@ -207,6 +215,12 @@ fn a_version_5_pool_with_a_whole_checkpoint_opens() {
     assert_recipe_content(&pool);
     rt().block_on(pool.checkpoint()).unwrap();
     pool.close().unwrap();
+    let current = (0..2).max_by_key(|&i| slot(&path, SUPERBLOCK_OFFSETS[i]).generation.get()).unwrap();
+    assert_eq!(
+        slot_incompat(&path, SUPERBLOCK_OFFSETS[current]),
+        INCOMPAT_DERIVED_REFCOUNTS | INCOMPAT_PAGE_CHUNKS,
+        "this build's checkpoint keeps pages in page chunks"
+    );
     assert_clean(dir.path());
     let pool = Pool::open(&path).unwrap();
     assert_recipe_content(&pool);

@@ -821,7 +821,7 @@ fn a_rollback_stops_at_the_checkpoint_it_rolls_back_over() {
 /// Snapshots taken and deleted in a nearly full pool, with a write into each mapping
 /// page between (copying the page and a unit): once the snapshots are deleted, the
 /// room their metadata took is free again without a restart, and allocating writes
-/// fill what the trim gave back but for the room metadata holds (a few hundred KiB
+/// fill what the trim gave back but for the room metadata holds (about a MiB
 /// here). (An estimate of that room that only a checkpoint corrected once held
 /// megabytes back, which writes had to checkpoint to get.)
 #[test]
@@ -848,8 +848,10 @@ fn snapshot_churn_in_a_nearly_full_pool_does_not_hold_free_space_back() {
         rt.block_on(v.flush()).unwrap();
         rt.block_on(pool.delete_snapshot("v", "s")).unwrap();
     }
+    // About 60 units of 16 KiB: the next checkpoint, the current one at up to twice its
+    // compact size (its page chunks are kept while at least half live), and headroom.
     let reserved = pool.status().reserved;
-    assert!(reserved < MIB, "{reserved} bytes held back for metadata");
+    assert!(reserved < 5 * MIB / 4, "{reserved} bytes held back for metadata");
     // With no snapshot left, what was given back is writable again but for 2 MiB.
     let back = room - 2 * MIB;
     for off in (filled - room..filled - room + back).step_by(65536) {

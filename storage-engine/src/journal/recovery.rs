@@ -9,11 +9,11 @@ use std::sync::Arc;
 use zerocopy::{FromBytes, IntoBytes};
 
 use super::records::{split_records, Record};
-use super::state::{derive_refcounts, State, VolumeMeta};
+use super::state::{derive_refcounts, PageChunks, State, VolumeMeta};
 use super::superblock::{read_superblock, Geometry, ReadAt};
 use crate::error::{Error, Result};
 use crate::format::*;
-use crate::meta::{Allocator, Entry, MapPage, MapTable, MetaCounts, META};
+use crate::meta::{Allocator, Entry, MapPage, MapTable, MetaCounts, PageStored, META};
 use crate::props::Props;
 
 /// The log's position after loading: where the next batch goes.
@@ -33,8 +33,10 @@ pub(crate) struct Loaded {
     pub geo: Geometry,
     pub state: State,
     pub log: LogCursor,
-    /// Units of the current checkpoint.
+    /// Units of the current checkpoint: its chain of chunks, then its page chunks.
     pub checkpoint_units: Vec<u32>,
+    /// The current checkpoint's page chunks (also in `checkpoint_units`).
+    pub page_chunks: PageChunks,
     /// Checkpoint refcounts differing from those its mappings imply: (unit, stored, derived).
     pub refcount_mismatches: Vec<(u64, u32, u32)>,
     /// Log batches replayed.
@@ -103,7 +105,7 @@ enum LaterCommits {
 
 /// [`load`] after the superblock: the checkpoint `sb` names, then the log.
 fn load_from(read: &mut ReadAt<'_>, sb: Superblock, geo: Geometry, later_commits: LaterCommits) -> Result<Loaded> {
-    let (mut state, checkpoint_units) = load_checkpoint(read, &sb, &geo)?;
+    let (mut state, checkpoint_units, page_chunks) = load_checkpoint(read, &sb, &geo)?;
     if sb.version.get() < WRITTEN_FLAG_VERSION {
         // Those checkpoints do not record it: a volume that maps a unit was written (one
         // written and wholly trimmed since counts as pristine, and reads as zeros).
@@ -131,6 +133,7 @@ fn load_from(read: &mut ReadAt<'_>, sb: Superblock, geo: Geometry, later_commits
         state,
         log,
         checkpoint_units,
+        page_chunks,
         refcount_mismatches,
         batches,
         superblock_warning: None,
@@ -147,6 +150,14 @@ struct CheckpointLoad {
     next_volume: u64,
     /// Pages by `page_id`, for the page references that follow them.
     pages: Vec<Arc<MapPage>>,
+    /// The checkpoint keeps its pages in page chunks ([`INCOMPAT_PAGE_CHUNKS`]).
+    paged: bool,
+    /// Its page chunks, by unit, with their seq.
+    page_chunks: PageChunks,
+    /// Where each volume's pages are: `(volume, location)`, in order.
+    locs: Vec<(u64, PageLoc)>,
+    /// The checkpoint's `checkpoint_seq`.
+    seq: u64,
     /// Refcount entries read.
     refcounts: u64,
     /// The end record, once read.
@@ -155,16 +166,23 @@ struct CheckpointLoad {
 
 /// Loads the checkpoint `sb` names (docs/on-disk-format.md 7.2): walks its chain of
 /// chunks, checking each header and checksum, applies their records, and checks the
-/// totals. Returns the state it holds (the refcounts as stored) and its units.
+/// totals; then reads the page chunks it names, if it keeps its pages in them
+/// ([`INCOMPAT_PAGE_CHUNKS`], 5.1), and installs each volume's pages. Returns the state
+/// it holds (the refcounts as stored), its units (the chain's, then the page chunks')
+/// and its page chunks.
 ///
 /// Errors: [`crate::ErrorKind::Corrupt`] naming the chunk and what is wrong;
 /// [`crate::ErrorKind::Io`].
-fn load_checkpoint(read: &mut ReadAt<'_>, sb: &Superblock, geo: &Geometry) -> Result<(State, Vec<u32>)> {
+fn load_checkpoint(read: &mut ReadAt<'_>, sb: &Superblock, geo: &Geometry) -> Result<(State, Vec<u32>, PageChunks)> {
     let mut c = CheckpointLoad {
         alloc: Allocator::new(geo.unit_count as usize),
         volumes: BTreeMap::new(),
         next_volume: 1,
         pages: Vec::new(),
+        paged: sb.incompat_features.get() & INCOMPAT_PAGE_CHUNKS != 0,
+        page_chunks: PageChunks::new(),
+        locs: Vec::new(),
+        seq: sb.checkpoint_seq.get(),
         refcounts: 0,
         end: None,
     };
@@ -214,13 +232,18 @@ fn load_checkpoint(read: &mut ReadAt<'_>, sb: &Superblock, geo: &Geometry) -> Re
         let Some(end) = &c.end else {
             return Err(Error::corrupt("checkpoint has no end record (incomplete)"));
         };
+        let pages = if c.paged { c.locs.len() } else { c.pages.len() };
         if end.chunks.get() != index
             || sb.checkpoint_chunks.get() != index
             || end.volumes.get() != c.volumes.len() as u64
-            || end.pages.get() != c.pages.len() as u64
+            || end.pages.get() != pages as u64
             || end.refcounts.get() != c.refcounts
         {
             return Err(Error::corrupt("checkpoint totals do not match its contents"));
+        }
+        if c.paged {
+            c.load_pages(read, geo)?;
+            checkpoint_units.extend(c.page_chunks.keys());
         }
     }
     // Ids are never reused: one at or above the next id would be given again to a new
@@ -233,7 +256,7 @@ fn load_checkpoint(read: &mut ReadAt<'_>, sb: &Superblock, geo: &Geometry) -> Re
         )));
     }
     let state = State { volumes: c.volumes, next_volume: c.next_volume, alloc: c.alloc, unit_size: geo.unit_size };
-    Ok((state, checkpoint_units))
+    Ok((state, checkpoint_units, c.page_chunks))
 }
 
 impl CheckpointLoad {
@@ -244,6 +267,17 @@ impl CheckpointLoad {
     fn apply_chunk(&mut self, index: u64, payload: &[u8], geo: &Geometry) -> Result<()> {
         for (kind, body) in split_records(payload)? {
             let bad = |what: &str| Error::corrupt(format!("checkpoint chunk {index}: malformed {what} record"));
+            // Each format's own records only: pages in the chain, or page chunks and
+            // page locations (INCOMPAT_PAGE_CHUNKS).
+            let paged_kind = matches!(kind, REC_PAGE_CHUNK | REC_PAGE_LOCS);
+            let whole_kind = matches!(kind, REC_PAGE | REC_PAGE_REF | REC_REFCOUNTS);
+            if (self.paged && whole_kind) || (!self.paged && paged_kind) {
+                return Err(Error::corrupt(format!(
+                    "checkpoint chunk {index}: record kind {kind} does not belong to a checkpoint whose superblock {} \
+                     page chunks",
+                    if self.paged { "names" } else { "names no" }
+                )));
+            }
             match kind {
                 REC_POOL => {
                     self.next_volume = PoolRec::read_from_bytes(body).map_err(|_| bad("pool"))?.next_volume.get()
@@ -276,17 +310,7 @@ impl CheckpointLoad {
                     if entries.len() != n || h.page_id.get() != self.pages.len() as u64 {
                         return Err(bad("page"));
                     }
-                    let mut page = MapPage::new();
-                    page.mapped = n as u32;
-                    for e in entries {
-                        let i = e.index.get() as usize;
-                        let punit = u32::try_from(e.punit.get()).map_err(|_| bad("page"))?;
-                        if i >= PAGE_ENTRIES || page.entries[i].is_mapped() || u64::from(punit) >= geo.unit_count {
-                            return Err(bad("page entry"));
-                        }
-                        page.entries[i] = Entry { punit, bitmap: e.bitmap.get() };
-                    }
-                    let page = Arc::new(page);
+                    let page = Arc::new(page_of(entries, geo).ok_or_else(|| bad("page entry"))?);
                     self.pages.push(page.clone());
                     let vol = self.volumes.get_mut(&h.volume.get()).ok_or_else(|| bad("page (unknown volume)"))?;
                     put_page(vol, h.page_index.get(), page, geo.unit_size).map_err(|_| bad("page (index)"))?;
@@ -310,6 +334,30 @@ impl CheckpointLoad {
                         self.refcounts += 1;
                     }
                 }
+                REC_PAGE_CHUNK => {
+                    let r = PageChunkRec::read_from_bytes(body).map_err(|_| bad("page chunk"))?;
+                    let (unit, seq) = (r.unit.get(), r.seq.get());
+                    if unit >= geo.unit_count || seq > self.seq || self.alloc.refcount(unit as u32) != 0 {
+                        return Err(Error::corrupt(format!(
+                            "checkpoint chunk {index}: page chunk at unit {unit} (seq {seq}) is out of range, \
+                             repeated, or later than the checkpoint"
+                        )));
+                    }
+                    self.alloc.set_loaded(unit as u32, META);
+                    self.page_chunks.insert(unit as u32, seq);
+                }
+                REC_PAGE_LOCS => {
+                    let (h, locs) = PageLocsRec::read_from_prefix(body).map_err(|_| bad("page locations"))?;
+                    let locs = <[PageLoc]>::ref_from_bytes(locs).map_err(|_| bad("page locations"))?;
+                    if locs.is_empty() || locs.len() > MAX_PAGE_LOCS {
+                        return Err(bad("page locations"));
+                    }
+                    let volume = h.volume.get();
+                    if !self.volumes.contains_key(&volume) {
+                        return Err(bad("page locations (unknown volume)"));
+                    }
+                    self.locs.extend(locs.iter().map(|l| (volume, l.clone())));
+                }
                 REC_END => {
                     let e = EndRec::read_from_bytes(body).map_err(|_| bad("end"))?;
                     self.end = Some(e.clone());
@@ -319,6 +367,98 @@ impl CheckpointLoad {
         }
         Ok(())
     }
+}
+
+impl CheckpointLoad {
+    /// Reads every page chunk the directory named (docs/on-disk-format.md 7.2),
+    /// checking each header and checksum, and installs each volume's pages from them: a
+    /// page named by several locations is one page with that many owners, and knows
+    /// where it is stored, so the next checkpoint keeps it there.
+    ///
+    /// Errors: [`crate::ErrorKind::Corrupt`] naming the chunk or the location;
+    /// [`crate::ErrorKind::Io`].
+    fn load_pages(&mut self, read: &mut ReadAt<'_>, geo: &Geometry) -> Result<()> {
+        let mut bodies: std::collections::HashMap<PageStored, Arc<MapPage>> = Default::default();
+        for (&unit, &seq) in &self.page_chunks {
+            let u = u64::from(unit);
+            let bytes =
+                read(geo.unit_offset(u), geo.unit_size as usize).map_err(|e| Error::io("read checkpoint", e))?;
+            let (h, rest) = ChunkHeader::read_from_prefix(&bytes).expect("unit holds a header");
+            let plen = h.payload_len.get() as usize;
+            let mut hz = h.clone();
+            hz.crc = 0.into();
+            let ok = h.magic.get() == PAGE_CHUNK_MAGIC
+                && plen <= rest.len()
+                && h.pool_uuid == geo.uuid
+                && h.checkpoint_seq.get() == seq
+                && h.next_unit.get() == NO_UNIT
+                && crc32c::crc32c_append(crc(hz.as_bytes()), &rest[..plen]) == h.crc.get();
+            if !ok {
+                return Err(Error::corrupt(format!(
+                    "page chunk at data unit {u} (byte offset {}, seq {seq}) fails its header or checksum",
+                    geo.unit_offset(u)
+                )));
+            }
+            let payload = &rest[..plen];
+            let bad = || Error::corrupt(format!("page chunk at data unit {u}: malformed page record"));
+            let mut offset = 0usize;
+            for (kind, body) in split_records(payload)? {
+                if kind != REC_PAGE_BODY {
+                    return Err(Error::corrupt(format!("page chunk at data unit {u}: record kind {kind}")));
+                }
+                let (h, entries) = PageBodyRec::read_from_prefix(body).map_err(|_| bad())?;
+                let n = h.entries.get() as usize;
+                let entries = <[PageEntry]>::ref_from_bytes(entries).map_err(|_| bad())?;
+                if entries.len() != n || n == 0 || n > PAGE_ENTRIES {
+                    return Err(bad());
+                }
+                let page = page_of(entries, geo).ok_or_else(bad)?;
+                let at = PageStored { unit, offset: offset as u32 };
+                page.set_stored(at);
+                bodies.insert(at, Arc::new(page));
+                offset += size_of::<RecordHeader>() + body.len();
+            }
+        }
+        let mut used: std::collections::HashSet<PageStored> = Default::default();
+        for (volume, l) in std::mem::take(&mut self.locs) {
+            let at = PageStored { unit: l.unit.get(), offset: l.offset.get() };
+            let page = bodies.get(&at).cloned().ok_or_else(|| {
+                Error::corrupt(format!(
+                    "checkpoint: page {} of volume {volume} is at unit {} offset {}, where no page chunk holds a page",
+                    l.page_index.get(),
+                    at.unit,
+                    at.offset
+                ))
+            })?;
+            if !used.insert(at) {
+                page.owners.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+            }
+            let vol = self.volumes.get_mut(&volume).expect("checked when read");
+            put_page(vol, u64::from(l.page_index.get()), page, geo.unit_size).map_err(|_| {
+                Error::corrupt(format!(
+                    "checkpoint: page {} of volume {volume} is past its end or given twice",
+                    l.page_index.get()
+                ))
+            })?;
+        }
+        Ok(())
+    }
+}
+
+/// A page of the `entries` of a page record, or `None` if an entry repeats an index,
+/// lies outside the page, or names a unit past the pool's end.
+fn page_of(entries: &[PageEntry], geo: &Geometry) -> Option<MapPage> {
+    let mut page = MapPage::new();
+    page.mapped = entries.len() as u32;
+    for e in entries {
+        let i = e.index.get() as usize;
+        let punit = u32::try_from(e.punit.get()).ok()?;
+        if i >= PAGE_ENTRIES || page.entries[i].is_mapped() || u64::from(punit) >= geo.unit_count {
+            return None;
+        }
+        page.entries[i] = Entry { punit, bitmap: e.bitmap.get() };
+    }
+    Some(page)
 }
 
 /// Gives every unit of a checkpoint that stores no refcounts

@@ -13,7 +13,7 @@ use zerocopy::IntoBytes;
 use super::records::{push_record, Record};
 use crate::error::{Error, Result};
 use crate::format::*;
-use crate::meta::{Allocator, Entry, MapPage, MapTable, MetaCounts, META};
+use crate::meta::{Allocator, Entry, MapPage, MapTable, MetaCounts, PageStored, META};
 use crate::props::Props;
 
 /// Metadata of one volume as a plain value.
@@ -165,17 +165,66 @@ impl State {
         Ok(())
     }
 
-    /// Serialises the state into checkpoint chunk payloads, each at most `chunk_payload`
-    /// bytes, handing each finished payload to `emit` in order with whether it is the
-    /// last, so that only one chunk is held in memory at a time. The caller adds chunk
-    /// headers and writes them. Returns the number of chunks; stops at the first error
-    /// `emit` returns.
-    pub fn encode_checkpoint(&self, chunk_payload: usize, emit: &mut ChunkSink<'_>) -> Result<u64> {
+    /// Decides what a checkpoint of this state writes, given the page chunks of the
+    /// current checkpoint (`chunks`) and the bytes a chunk holds at least when full
+    /// (`fill`, [`chunk_fill`]): every distinct page stored in one of `chunks` counts as
+    /// live there; a chunk holding less than `fill / 2` live bytes is cleaned (its live
+    /// pages are written again) or, holding none, dropped; the others are kept, with
+    /// the pages they hold. Pages stored nowhere (new or changed since) are written.
+    /// So every kept chunk is at least half live, and the bytes written are at most the
+    /// changed pages' plus as many again moved out of cleaned chunks, whose dead half
+    /// earlier changes made (docs/on-disk-format.md 5.4).
+    pub fn plan_checkpoint(&self, chunks: &PageChunks, fill: u64) -> CheckpointPlan {
+        let mut seen: std::collections::HashSet<*const MapPage> = Default::default();
+        let mut dirty = Vec::new();
+        let mut live: BTreeMap<u32, (u64, Vec<Arc<MapPage>>)> = BTreeMap::new();
+        for v in self.volumes.values() {
+            for (_, page) in v.map.pages() {
+                if !seen.insert(Arc::as_ptr(page)) {
+                    continue;
+                }
+                match page.stored().filter(|at| chunks.contains_key(&at.unit)) {
+                    Some(at) => {
+                        let l = live.entry(at.unit).or_default();
+                        l.0 += page_body_bytes(page.mapped);
+                        l.1.push(page.clone());
+                    }
+                    None => dirty.push(page.clone()),
+                }
+            }
+        }
+        let mut kept = PageChunks::new();
+        let mut dropped = Vec::new();
+        for (&unit, &seq) in chunks {
+            match live.remove(&unit) {
+                Some((bytes, _)) if 2 * bytes >= fill => {
+                    kept.insert(unit, seq);
+                }
+                Some((_, pages)) => {
+                    dirty.extend(pages);
+                    dropped.push(unit);
+                }
+                None => dropped.push(unit),
+            }
+        }
+        CheckpointPlan { dirty, kept, dropped }
+    }
+
+    /// Serialises the checkpoint's directory (docs/on-disk-format.md 5.2) into chunk
+    /// payloads of at most `chunk_payload` bytes, handing each to `emit` in order with
+    /// whether it is the last: the pool record, the page chunks `chunks` (unit and
+    /// seq), and each volume with its properties and where its pages are, which every
+    /// page must know by now ([`MapPage::stored`], set by [`encode_page_bodies`]).
+    /// Returns the number of chunks; stops at the first error `emit` returns.
+    pub fn encode_directory(&self, chunks: &PageChunks, chunk_payload: usize, emit: &mut ChunkSink<'_>) -> Result<u64> {
         let mut w = ChunkWriter { chunk: Vec::with_capacity(chunk_payload), emitted: 0, limit: chunk_payload, emit };
         let rec = PoolRec { next_volume: self.next_volume.into(), volumes: (self.volumes.len() as u64).into() };
         w.push(REC_POOL, &[rec.as_bytes()])?;
-        let mut page_ids: std::collections::HashMap<*const MapPage, u64> = Default::default();
-        let mut pages = 0u64;
+        for (&unit, &seq) in chunks {
+            let r = PageChunkRec { unit: u64::from(unit).into(), seq: seq.into() };
+            w.push(REC_PAGE_CHUNK, &[r.as_bytes()])?;
+        }
+        let mut locs = 0u64;
         for (&id, v) in &self.volumes {
             let r = VolumeRec {
                 volume: id.into(),
@@ -190,35 +239,25 @@ impl State {
             if !v.props.is_empty() {
                 w.push(REC_PROPS, &[&v.props.encode(id)])?;
             }
+            let mut body: Vec<u8> = Vec::with_capacity(MAX_PAGE_LOCS * size_of::<PageLoc>());
+            let head = PageLocsRec { volume: id.into() };
             for (index, page) in v.map.pages() {
-                let key = Arc::as_ptr(page);
-                if let Some(&pid) = page_ids.get(&key) {
-                    let r = PageRefRec { volume: id.into(), page_index: (index as u64).into(), page_id: pid.into() };
-                    w.push(REC_PAGE_REF, &[r.as_bytes()])?;
-                    continue;
-                }
-                let pid = pages;
-                pages += 1;
-                page_ids.insert(key, pid);
-                let mut body = Vec::with_capacity(page.mapped as usize * 16);
-                for (i, e) in page.entries.iter().enumerate() {
-                    if e.is_mapped() {
-                        let pe = PageEntry {
-                            index: (i as u32).into(),
-                            bitmap: e.bitmap.into(),
-                            punit: u64::from(e.punit).into(),
-                        };
-                        body.extend_from_slice(pe.as_bytes());
-                    }
-                }
-                let head = PageRec {
-                    volume: id.into(),
-                    page_index: (index as u64).into(),
-                    page_id: pid.into(),
-                    entries: page.mapped.into(),
-                    pad: 0.into(),
+                let Some(at) = page.stored().filter(|at| chunks.contains_key(&at.unit)) else {
+                    return Err(Error::new(
+                        crate::ErrorKind::Io,
+                        format!("checkpoint: page {index} of volume {id} is in no page chunk (an engine bug)"),
+                    ));
                 };
-                w.push(REC_PAGE, &[head.as_bytes(), &body])?;
+                let l = PageLoc { page_index: (index as u32).into(), unit: at.unit.into(), offset: at.offset.into() };
+                body.extend_from_slice(l.as_bytes());
+                locs += 1;
+                if body.len() == MAX_PAGE_LOCS * size_of::<PageLoc>() {
+                    w.push(REC_PAGE_LOCS, &[head.as_bytes(), &body])?;
+                    body.clear();
+                }
+            }
+            if !body.is_empty() {
+                w.push(REC_PAGE_LOCS, &[head.as_bytes(), &body])?;
             }
         }
         // No refcount records: the open derives refcounts from the mappings
@@ -228,7 +267,7 @@ impl State {
         let chunks = w.emitted + 1;
         let end = EndRec {
             volumes: (self.volumes.len() as u64).into(),
-            pages: pages.into(),
+            pages: locs.into(),
             refcounts: 0.into(),
             chunks: chunks.into(),
         };
@@ -238,33 +277,137 @@ impl State {
     }
 }
 
-/// The largest checkpoint record: a full mapping page (a property record is no larger).
+/// The page chunks of a checkpoint: data unit → `checkpoint_seq` of the checkpoint that
+/// wrote it.
+pub(crate) type PageChunks = BTreeMap<u32, u64>;
+
+/// What a checkpoint writes ([`State::plan_checkpoint`]).
+pub(crate) struct CheckpointPlan {
+    /// The distinct pages to write into new page chunks: those stored nowhere, and the
+    /// live ones of cleaned chunks.
+    pub dirty: Vec<Arc<MapPage>>,
+    /// The page chunks kept, with the pages stored in them.
+    pub kept: PageChunks,
+    /// The page chunks of the current checkpoint the next one drops: their units go
+    /// back to the spare once it is durable.
+    pub dropped: Vec<u32>,
+}
+
+impl CheckpointPlan {
+    /// Bytes of page records the plan writes.
+    pub fn page_bytes(&self) -> u64 {
+        self.dirty.iter().map(|p| page_body_bytes(p.mapped)).sum()
+    }
+}
+
+/// Bytes of a [`REC_PAGE_BODY`] record of a page with `mapped` entries, framing included.
+pub(crate) const fn page_body_bytes(mapped: u32) -> u64 {
+    (size_of::<RecordHeader>() + size_of::<PageBodyRec>()) as u64 + mapped as u64 * size_of::<PageEntry>() as u64
+}
+
+/// Packs `pages` as [`REC_PAGE_BODY`] records into page chunk payloads of at most
+/// `chunk_payload` bytes, handing each finished payload to `emit`, which writes it and
+/// returns the data unit it went to; then notes in each page where it now is
+/// ([`MapPage::set_stored`]). Returns the units, in order; stops at the first error
+/// `emit` returns.
+pub(crate) fn encode_page_bodies(
+    pages: &[Arc<MapPage>],
+    chunk_payload: usize,
+    emit: &mut dyn FnMut(&[u8]) -> Result<u32>,
+) -> Result<Vec<u32>> {
+    let mut units = Vec::new();
+    let mut chunk: Vec<u8> = Vec::with_capacity(chunk_payload);
+    let mut held: Vec<(&Arc<MapPage>, u32)> = Vec::new();
+    let mut flush = |chunk: &mut Vec<u8>, held: &mut Vec<(&Arc<MapPage>, u32)>| -> Result<()> {
+        let unit = emit(chunk)?;
+        for (page, offset) in held.drain(..) {
+            page.set_stored(PageStored { unit, offset });
+        }
+        units.push(unit);
+        chunk.clear();
+        Ok(())
+    };
+    for page in pages {
+        let len = page_body_bytes(page.mapped) as usize;
+        if chunk.len() + len > chunk_payload {
+            flush(&mut chunk, &mut held)?;
+        }
+        held.push((page, chunk.len() as u32));
+        let head = PageBodyRec { entries: page.mapped.into(), pad: 0.into() };
+        push_record(&mut chunk, REC_PAGE_BODY, &[head.as_bytes(), &page_entries(page)]);
+    }
+    if !chunk.is_empty() {
+        flush(&mut chunk, &mut held)?;
+    }
+    Ok(units)
+}
+
+/// The mapped entries of `page` as [`PageEntry`]s, in ascending index.
+fn page_entries(page: &MapPage) -> Vec<u8> {
+    let mut body = Vec::with_capacity(page.mapped as usize * size_of::<PageEntry>());
+    for (i, e) in page.entries.iter().enumerate() {
+        if e.is_mapped() {
+            let pe = PageEntry { index: (i as u32).into(), bitmap: e.bitmap.into(), punit: u64::from(e.punit).into() };
+            body.extend_from_slice(pe.as_bytes());
+        }
+    }
+    body
+}
+
+/// The largest checkpoint record: a full mapping page of the older format, larger than
+/// a page body, a run of page locations or a property record.
 const LARGEST_RECORD: u64 =
     (size_of::<RecordHeader>() + size_of::<PageRec>() + PAGE_ENTRIES * size_of::<PageEntry>()) as u64;
 const _: () = assert!(crate::props::MAX_PROPS_BYTES <= LARGEST_RECORD);
+const _: () = assert!(page_body_bytes(PAGE_ENTRIES as u32) <= LARGEST_RECORD);
+const _: () = assert!(
+    (size_of::<RecordHeader>() + size_of::<PageLocsRec>() + MAX_PAGE_LOCS * size_of::<PageLoc>()) as u64
+        <= LARGEST_RECORD
+);
 
-/// Bytes of records a checkpoint of metadata counted as `c` takes at most
-/// ([`State::encode_checkpoint`]): one record per volume (and its property record,
-/// counted in `volume_bytes`) and per distinct page (16 bytes per entry), one page
-/// reference per further table holding a page, and the pool and end records. No
-/// refcounts: the open derives them.
-pub(crate) fn checkpoint_bytes_bound(c: &MetaCounts) -> u64 {
+/// Bytes every chunk of `unit_size` but the last of its kind holds at least: a chunk is
+/// handed on only when the next record does not fit in its payload.
+pub(crate) fn chunk_fill(unit_size: u64) -> u64 {
+    unit_size - size_of::<ChunkHeader>() as u64 - LARGEST_RECORD
+}
+
+/// Bytes of page records a checkpoint of metadata counted as `c` writes at most: every
+/// distinct page (16 bytes per entry and a 12-byte record head).
+pub(crate) fn page_bytes_bound(c: &MetaCounts) -> u64 {
+    c.pages * page_body_bytes(0) + c.entries * size_of::<PageEntry>() as u64
+}
+
+/// Bytes of a checkpoint's directory for metadata counted as `c` with `page_chunks`
+/// page chunks, at most: the pool and end records, a record per page chunk, per volume
+/// (and its property record, counted in `volume_bytes`) and per 512 page locations,
+/// and a location per table holding a page.
+pub(crate) fn directory_bytes_bound(c: &MetaCounts, page_chunks: u64) -> u64 {
     let hdr = size_of::<RecordHeader>() as u64;
+    let loc_records = c.page_refs / MAX_PAGE_LOCS as u64 + c.volumes;
     (hdr + size_of::<PoolRec>() as u64)
+        + page_chunks * (hdr + size_of::<PageChunkRec>() as u64)
         + c.volumes * (hdr + size_of::<VolumeRec>() as u64)
         + c.volume_bytes
-        + c.pages * (hdr + size_of::<PageRec>() as u64)
-        + c.entries * size_of::<PageEntry>() as u64
-        + c.page_refs.saturating_sub(c.pages) * (hdr + size_of::<PageRefRec>() as u64)
+        + c.page_refs * size_of::<PageLoc>() as u64
+        + loc_records * (hdr + size_of::<PageLocsRec>() as u64)
         + (hdr + size_of::<EndRec>() as u64)
 }
 
-/// Chunks (data units of `unit_size` bytes) a checkpoint of `bytes` bytes of records
-/// takes at most: every chunk but the last is handed on only when the next record does
-/// not fit, so it holds more than its payload less the largest record.
+/// Bytes of records a checkpoint of metadata counted as `c` writes at most, when it
+/// writes every page ([`State::plan_checkpoint`] keeping nothing): [`page_bytes_bound`]
+/// and the directory with at most twice the page chunks those fill, plus one (the
+/// chunks a checkpoint keeps are at least half live). No refcounts: the open derives
+/// them. `unit_size` gives the chunks' fill.
+pub(crate) fn checkpoint_bytes_bound(c: &MetaCounts, unit_size: u64) -> u64 {
+    let pages = page_bytes_bound(c);
+    pages + directory_bytes_bound(c, 2 * pages.div_ceil(chunk_fill(unit_size)) + 1)
+}
+
+/// Chunks (data units of `unit_size` bytes) a checkpoint writes at most for `bytes`
+/// bytes of records: page chunks and directory chunks, each kind with one chunk that
+/// may be less than full ([`chunk_fill`]).
 pub(crate) fn checkpoint_units_bound(bytes: u64, unit_size: u64) -> u64 {
-    let fill = unit_size - size_of::<ChunkHeader>() as u64 - LARGEST_RECORD;
-    bytes.div_ceil(fill) + 1
+    bytes.div_ceil(chunk_fill(unit_size)) + 3
 }
 
 /// Receives checkpoint chunk payloads in order: `(payload, last)`.

@@ -74,19 +74,92 @@ fn a_checkpoint_never_takes_more_chunks_than_its_bound() {
             MetaCounts::of(st.volumes.values().map(|v| (&v.map, v.own_bytes()))),
             "counts kept by the table changes"
         );
-        let payload = unit_size as usize - size_of::<ChunkHeader>();
-        let (mut chunks, mut bytes) = (0u64, 0u64);
-        st.encode_checkpoint(payload, &mut |body, _| {
-            chunks += 1;
+        // A first checkpoint writes every page; a second, after changes, keeps the page
+        // chunks that stay at least half live. Each takes at most the bound's units and
+        // leaves a checkpoint of at most twice the bound (the rule of room.rs).
+        let mut chunks = PageChunks::new();
+        let mut next_unit = 0u32;
+        for pass in 0..2 {
+            if pass == 1 {
+                change_some_pages(&mut st, &mut rng);
+            }
+            let bound_bytes = checkpoint_bytes_bound(&st.alloc.counts, unit_size);
+            let bound = checkpoint_units_bound(bound_bytes, unit_size);
+            let (written, units_after) = checkpoint_into(&st, &mut chunks, &mut next_unit, unit_size);
+            assert!(
+                written.1 <= bound_bytes,
+                "round {round} pass {pass}: {} bytes of records, bound {bound_bytes}",
+                written.1
+            );
+            assert!(
+                written.0 <= bound,
+                "round {round} pass {pass}: {} chunks of {unit_size} bytes, bound {bound}",
+                written.0
+            );
+            assert!(
+                units_after <= 2 * bound,
+                "round {round} pass {pass}: the checkpoint holds {units_after} units, twice the bound is {}",
+                2 * bound
+            );
+        }
+    }
+}
+
+/// Changes entries of some pages of the last table (copying those it shares), and
+/// unmaps some whole pages of the first.
+fn change_some_pages(st: &mut State, rng: &mut crate::testing::Rng) {
+    let ids: Vec<u64> = st.volumes.keys().copied().collect();
+    let last = *ids.last().unwrap();
+    let mut v = st.volumes.remove(&last).unwrap();
+    for lunit in (0..40 * PAGE_ENTRIES as u64).step_by(1 + rng.below(3000) as usize) {
+        if let Some(p) = st.alloc.alloc() {
+            let old = v.map.set(lunit, Entry { punit: p, bitmap: 3 }, &mut st.alloc);
+            if old.is_mapped() {
+                st.alloc.decref(old.punit);
+            }
+        }
+    }
+    st.volumes.insert(last, v);
+    let first = ids[0];
+    let mut v = st.volumes.remove(&first).unwrap();
+    for page in 0..40u64 {
+        if rng.chance(30) {
+            for lunit in page * PAGE_ENTRIES as u64..(page + 1) * PAGE_ENTRIES as u64 {
+                let old = v.map.set(lunit, Entry::EMPTY, &mut st.alloc);
+                if old.is_mapped() {
+                    st.alloc.decref(old.punit);
+                }
+            }
+        }
+    }
+    st.volumes.insert(first, v);
+}
+
+/// A checkpoint of `st` whose current page chunks are `chunks` (updated to the new
+/// checkpoint's), with page chunks numbered from `next_unit` on: returns the chunks
+/// and bytes of records it wrote, and the units the new checkpoint holds in all.
+fn checkpoint_into(st: &State, chunks: &mut PageChunks, next_unit: &mut u32, unit_size: u64) -> ((u64, u64), u64) {
+    let payload = unit_size as usize - size_of::<ChunkHeader>();
+    let plan = st.plan_checkpoint(chunks, chunk_fill(unit_size));
+    let (mut written, mut bytes) = (0u64, 0u64);
+    let new = encode_page_bodies(&plan.dirty, payload, &mut |body| {
+        written += 1;
+        bytes += body.len() as u64;
+        *next_unit += 1;
+        Ok(*next_unit - 1)
+    })
+    .unwrap();
+    let mut all = plan.kept.clone();
+    all.extend(new.iter().map(|&u| (u, 1)));
+    let dir = st
+        .encode_directory(&all, payload, &mut |body, _| {
+            written += 1;
             bytes += body.len() as u64;
             Ok(())
         })
         .unwrap();
-        let bound_bytes = checkpoint_bytes_bound(&st.alloc.counts);
-        let bound = checkpoint_units_bound(bound_bytes, unit_size);
-        assert!(bytes <= bound_bytes, "round {round}: {bytes} bytes of records, bound {bound_bytes}");
-        assert!(chunks <= bound, "round {round}: {chunks} chunks of {unit_size} bytes, bound {bound}");
-    }
+    *chunks = all;
+    ((written, bytes), chunks.len() as u64 + dir)
 }
 
 /// Properties of a volume: none, a few, or as many as fit in the largest record.

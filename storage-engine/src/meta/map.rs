@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use super::sync::{AtomicU32, Ordering};
+use super::sync::{AtomicU32, AtomicU64, Ordering};
 use super::{Allocator, RefcountTable, StripedCounts};
 use crate::format::PAGE_ENTRIES;
 
@@ -55,19 +55,64 @@ pub struct MapPage {
     pub mapped: u32,
     /// Tables (volumes, snapshots) holding this page; more than one means shared.
     pub owners: AtomicU32,
+    /// Where the current checkpoint holds these entries ([`PageStored`]), or
+    /// [`NOT_STORED`]: set by the checkpoint that writes or loads the page, cleared by
+    /// any change ([`MapTable::set`]), so a later checkpoint keeps it where it is.
+    stored: AtomicU64,
+}
+
+/// "Not in any checkpoint" in [`MapPage`]'s stored place.
+const NOT_STORED: u64 = u64::MAX;
+
+/// Where a checkpoint holds a page's entries: a page chunk's data unit and the byte
+/// offset of the page's record in that chunk's payload (docs/on-disk-format.md 5.1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PageStored {
+    /// Data unit of the page chunk.
+    pub unit: u32,
+    /// Byte offset of the page's record in the chunk's payload.
+    pub offset: u32,
 }
 
 impl Clone for MapPage {
-    /// A private copy (one owner) with the same entries.
+    /// A private copy (one owner) with the same entries, stored nowhere yet.
     fn clone(&self) -> MapPage {
-        MapPage { entries: self.entries, mapped: self.mapped, owners: AtomicU32::new(1) }
+        MapPage {
+            entries: self.entries,
+            mapped: self.mapped,
+            owners: AtomicU32::new(1),
+            stored: AtomicU64::new(NOT_STORED),
+        }
     }
 }
 
 impl MapPage {
-    /// An empty page with one owner.
+    /// An empty page with one owner, stored nowhere.
     pub fn new() -> MapPage {
-        MapPage { entries: [Entry::EMPTY; PAGE_ENTRIES], mapped: 0, owners: AtomicU32::new(1) }
+        MapPage {
+            entries: [Entry::EMPTY; PAGE_ENTRIES],
+            mapped: 0,
+            owners: AtomicU32::new(1),
+            stored: AtomicU64::new(NOT_STORED),
+        }
+    }
+
+    /// Where the current checkpoint holds these entries, if it holds them as they are.
+    pub fn stored(&self) -> Option<PageStored> {
+        let v = self.stored.load(Ordering::Acquire);
+        (v != NOT_STORED).then_some(PageStored { unit: (v >> 32) as u32, offset: v as u32 })
+    }
+
+    /// Forgets where a checkpoint that failed wrote these entries.
+    pub fn clear_stored(&self) {
+        self.stored.store(NOT_STORED, Ordering::Release);
+    }
+
+    /// Notes where a checkpoint wrote (or an open read) these entries. Only the
+    /// checkpoint's writer and the loader call it, on pages no table changes meanwhile
+    /// (a change copies a page a checkpoint still holds, [`MapTable::set`]).
+    pub fn set_stored(&self, at: PageStored) {
+        self.stored.store((u64::from(at.unit) << 32) | u64::from(at.offset), Ordering::Release);
     }
 
     /// Whether more than one table holds the page.
@@ -201,6 +246,8 @@ impl MapTable {
         // Unique logically; a checkpoint in progress may still hold the Arc, in which
         // case make_mut copies it in memory only.
         let page = Arc::make_mut(slot.as_mut().expect("page present"));
+        // Its entries change: the checkpoint's copy of them no longer stands for it.
+        *page.stored.get_mut() = NOT_STORED;
         let old = std::mem::replace(&mut page.entries[i], e);
         match (old.is_mapped(), e.is_mapped()) {
             (false, true) => {

@@ -45,7 +45,7 @@ mod map;
 mod tests;
 
 pub use alloc::{Allocator, MetaCounts, PendingMark, RefcountTable, StripedCounts, META};
-pub use map::{writable_in_place, Entry, MapPage, MapTable, UNMAPPED};
+pub use map::{writable_in_place, Entry, MapPage, MapTable, PageStored, UNMAPPED};
 
 /// The atomics of the sharing state machine: std's, or shuttle's when the engine is
 /// built for the deterministic concurrency checks (feature `shuttle`), so that its
@@ -53,10 +53,10 @@ pub use map::{writable_in_place, Entry, MapPage, MapTable, UNMAPPED};
 /// settling counts.
 pub(crate) mod sync {
     #[cfg(feature = "shuttle")]
-    pub use shuttle::sync::atomic::{AtomicU32, AtomicU8};
+    pub use shuttle::sync::atomic::{AtomicU32, AtomicU64, AtomicU8};
     pub use std::sync::atomic::Ordering;
     #[cfg(not(feature = "shuttle"))]
-    pub use std::sync::atomic::{AtomicU32, AtomicU8};
+    pub use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8};
 
     /// `n` atomics of value 0. With std's, one zeroed allocation (`calloc`: pages the
     /// kernel hands out zeroed, resident only once touched).

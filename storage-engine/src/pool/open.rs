@@ -270,7 +270,8 @@ impl Pool {
         }
         let file = Arc::new(file);
         let ring = IoRing::new(file.clone(), 256, io).map_err(|e| Error::io("set up io_uring", e))?;
-        let journal::Loaded { sb, geo, state, log, checkpoint_units, batches, highest_seq, .. } = loaded;
+        let journal::Loaded { sb, geo, state, log, mut checkpoint_units, page_chunks, batches, highest_seq, .. } =
+            loaded;
         let upgrade = sb.version.get() < FORMAT_VERSION;
         let first = sb.checkpoint_unit.get() == NO_UNIT;
         let State { volumes, next_volume, mut alloc, .. } = state;
@@ -280,6 +281,8 @@ impl Pool {
             "metadata counts kept through replay"
         );
         alloc.checkpoint_units = checkpoint_units.len() as u64;
+        // The log state keeps the chain's units and the page chunks apart.
+        checkpoint_units.retain(|u| !page_chunks.contains_key(u));
         let vols = volumes
             .into_iter()
             .map(|(id, v)| (v.name.clone(), Arc::new(VolState::new(id, v))))
@@ -297,7 +300,7 @@ impl Pool {
             next_volume,
             alloc,
             recovery: Recovery { batches_replayed: batches, bytes_read },
-            log: LogState { cursor: log, sb, checkpoint_units },
+            log: LogState { cursor: log, sb, checkpoint_units, page_chunks },
         });
         // The spare first: a checkpoint takes its units from it (room.rs).
         store.prepare_at_open().map_err(|e| e.op("open pool"))?;

@@ -1,6 +1,7 @@
-//! Checkpoints (docs/on-disk-format.md 6.3): the metadata written whole into units of
-//! the spare, then the superblock switched to it; and the block writes checkpoints, the
-//! log and pool creation use. Not here: when to checkpoint (commit.rs), the room for
+//! Checkpoints (docs/on-disk-format.md 6.3): the pages that changed written into new
+//! page chunks and the directory into a chain of chunks, all in units of the spare, then
+//! the superblock switched to it; and the block writes checkpoints, the log and pool
+//! creation use. Not here: when to checkpoint (commit.rs), the room for
 //! one (room.rs).
 
 use std::collections::VecDeque;
@@ -14,18 +15,18 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::format::*;
 use crate::io::{self, AlignedBuf, Dir, IoRing, Segment};
 use crate::journal::{self, State, VolumeMeta};
-use crate::meta::{Allocator, PendingMark};
+use crate::meta::{Allocator, MetaCounts, PendingMark};
 
 /// What K1 of a checkpoint took ([`Store::snapshot_for_checkpoint`]).
 struct Snapshot {
     /// The metadata to write.
     state: State,
+    /// Its counts, for the bound on what the checkpoint writes.
+    counts: MetaCounts,
     /// How far the pending frees and settles reached.
     pending: PendingMark,
     /// Records logged so far: durable once the checkpoint is.
     upto: u64,
-    /// Units of the spare the checkpoint may take (its bound).
-    reserved: VecDeque<u32>,
 }
 
 impl Store {
@@ -60,7 +61,7 @@ impl Store {
     pub(super) fn checkpoint_locked(&self, log: &mut LogState, seq_jump: u64) -> Result<()> {
         let began = std::time::Instant::now();
         // K1: a consistent snapshot of all volume maps, the allocator and the journal.
-        let Snapshot { state, pending, upto, mut reserved } = self.snapshot_for_checkpoint();
+        let Snapshot { state, counts, pending, upto } = self.snapshot_for_checkpoint();
         let hold = began.elapsed();
         self.writes_since_sync.store(0, Ordering::SeqCst);
         // At least one past the last batch: the log that follows this checkpoint never
@@ -69,48 +70,77 @@ impl Store {
         // taken, instead of going on into batches written after it without the records
         // it absorbed (on-disk-format.md 4.3).
         let seq = log.cursor.seq + seq_jump.max(1);
-        // K2: the chunks, written and synced with the data they refer to.
-        let (result, units) = self.write_chunks(state, seq, &mut reserved);
+        // K2: what to write (the pages stored nowhere and those of the page chunks it
+        // cleans), and the units that takes at most, from the spare (room.rs): they are
+        // backed, and the rule that sizes the spare guarantees them.
+        let fill = journal::chunk_fill(self.geo.unit_size);
+        let plan = state.plan_checkpoint(&log.page_chunks, fill);
+        let page_bytes = plan.page_bytes();
+        let page_units = if page_bytes == 0 { 0 } else { page_bytes.div_ceil(fill) + 1 };
+        let dir_bytes = journal::directory_bytes_bound(&counts, plan.kept.len() as u64 + page_units);
+        let bound = page_units + dir_bytes.div_ceil(fill) + 1;
+        let mut reserved: VecDeque<u32> = {
+            let mut a = self.alloc.lock();
+            let r: VecDeque<u32> = (0..bound).map_while(|_| a.alloc_meta()).collect();
+            if (r.len() as u64) < bound {
+                tracing::error!(bound, spare = r.len(), "the spare holds fewer units than a checkpoint may take");
+            }
+            // What the checkpoint holds once durable, at most (room.rs).
+            a.checkpoint_units = plan.kept.len() as u64 + bound;
+            r
+        };
+        // The chunks, written and synced with the data they refer to.
+        let mut w = ChunkWrites::new(self, seq, &mut reserved);
+        let written = w.write_all(&state, &plan);
+        let (units, page_units_new, bytes) = (std::mem::take(&mut w.dirs), std::mem::take(&mut w.pages), w.bytes);
+        drop(w);
+        drop(state);
+        let result = written.and_then(|()| self.sync_data_blocking());
         {
             // What the bound held beyond what the checkpoint took goes back to the spare.
             let mut a = self.alloc.lock();
             for u in reserved.drain(..) {
                 a.retire_meta(u);
             }
-            a.checkpoint_units = units.len() as u64;
+            a.checkpoint_units = (plan.kept.len() + page_units_new.len() + units.len()) as u64;
             if result.is_err() {
-                for &u in &units {
+                for &u in units.iter().chain(&page_units_new) {
                     a.retire_meta(u);
                 }
-                a.checkpoint_units = log.checkpoint_units.len() as u64;
+                a.checkpoint_units = (log.checkpoint_units.len() + log.page_chunks.len()) as u64;
+                // The pages noted as in those chunks are in none.
+                plan.dirty.iter().for_each(|p| p.clear_stored());
             }
         }
         result?;
         // K3: the sync above made the data and the chunks durable; switch superblocks.
         let mut sb = log.sb.clone();
         sb.version = FORMAT_VERSION.into();
-        // The checkpoint stores no refcounts: a build that would read them must refuse it.
-        sb.incompat_features = (sb.incompat_features.get() | INCOMPAT_DERIVED_REFCOUNTS).into();
+        // No refcounts, and pages in page chunks: a build that does not know either must
+        // refuse the pool.
+        sb.incompat_features = (sb.incompat_features.get() | INCOMPAT_DERIVED_REFCOUNTS | INCOMPAT_PAGE_CHUNKS).into();
         sb.checkpoint_unit = u64::from(units[0]).into();
         sb.checkpoint_chunks = (units.len() as u64).into();
         sb.checkpoint_seq = seq.into();
         sb.log_head = log.cursor.pos.into();
         self.switch_superblock(log, sb)?;
-        // K4: the old checkpoint's units go to the spare, the snapshot's frees are free.
-        // Still under the log lock: pending marks stay valid only while takes and
-        // releases of them are serialised.
+        // K4: the old checkpoint's chain and the page chunks it dropped go to the spare,
+        // the snapshot's frees are free. Still under the log lock: pending marks stay
+        // valid only while takes and releases of them are serialised.
         let old = std::mem::replace(&mut log.checkpoint_units, units);
+        let mut chunks = plan.kept;
+        chunks.extend(page_units_new.iter().map(|&u| (u, seq)));
+        log.page_chunks = chunks;
         log.cursor.head = log.cursor.pos;
         log.cursor.seq = seq;
         let mut a = self.alloc.lock();
-        for u in old {
+        for u in old.into_iter().chain(plan.dropped) {
             a.retire_meta(u);
         }
         self.trim_spare(&mut a);
         drop(a);
         self.release_pending(pending);
         self.records_durable.fetch_max(upto, Ordering::SeqCst);
-        let bytes = log.checkpoint_units.len() as u64 * self.geo.unit_size;
         self.costs.checkpoint(began.elapsed(), hold, bytes);
         Ok(())
     }
@@ -118,23 +148,14 @@ impl Store {
     /// K1 (on-disk-format.md 6.3), under the registry, every volume's map lock, the
     /// allocator and the journal: the metadata as a plain [`State`] (pages shared with
     /// the live maps; refcounts of checkpoint units and copy-on-write targets not yet
-    /// mapped as free), the journal cleared (its records are in the snapshot), how far
-    /// the pending lists reach, how many records it covers, and the units it may take
-    /// from the spare.
+    /// mapped as free) and its counts, the journal cleared (its records are in the
+    /// snapshot), how far the pending lists reach, and how many records it covers.
     fn snapshot_for_checkpoint(&self) -> Snapshot {
         let vols = self.volumes.read();
         let maps: Vec<_> = vols.values().map(|v| (v.clone(), v.map.read())).collect();
         // Read under the map locks, which their changes hold (`VolState::props`).
         let props: Vec<_> = maps.iter().map(|(v, _)| v.props()).collect();
-        let mut alloc = self.alloc.lock();
-        // The units this checkpoint takes at most, from the spare (room.rs): they
-        // are backed, and the rule that sizes the spare guarantees them.
-        let bound = journal::checkpoint_units_bound(journal::checkpoint_bytes_bound(&alloc.counts), self.geo.unit_size);
-        let reserved: VecDeque<u32> = (0..bound).map_while(|_| alloc.alloc_meta()).collect();
-        if (reserved.len() as u64) < bound {
-            tracing::error!(bound, spare = reserved.len(), "the spare holds fewer units than a checkpoint may take");
-        }
-        alloc.checkpoint_units = bound;
+        let alloc = self.alloc.lock();
         let mut j = self.journal.lock();
         j.bytes.clear(); // captured by the snapshot itself
         j.glued.clear();
@@ -164,77 +185,114 @@ impl Store {
             State { volumes, next_volume: self.next_volume(), alloc: Allocator::new(0), unit_size: self.geo.unit_size };
         Snapshot {
             state: st,
+            counts: alloc.counts,
             pending: alloc.pending_mark(),
             upto: self.records_logged.load(Ordering::SeqCst),
-            reserved,
         }
     }
+}
 
-    /// K2: encodes `state` one chunk payload at a time and writes each chunk, with
-    /// `checkpoint_seq = seq`, into the next of `reserved` (the unit of the next chunk is
-    /// taken before a chunk is written, since its header names it), with at most
-    /// CHUNKS_IN_FLIGHT writes outstanding, so that memory holds a few chunks whatever
-    /// the checkpoint's size; then `fdatasync`s. Returns the outcome and the units the
-    /// chunks took, in order.
-    fn write_chunks(&self, state: State, seq: u64, reserved: &mut VecDeque<u32>) -> (Result<()>, Vec<u32>) {
-        const CHUNKS_IN_FLIGHT: usize = 8;
-        let payload = self.geo.unit_size as usize - size_of::<ChunkHeader>();
-        let mut alloc_meta = || match reserved.pop_front() {
+/// K2's writes: the page chunks of a plan, then the chain of directory chunks, each
+/// into the next of the units reserved for it (the unit of the next directory chunk
+/// is taken before a chunk is written, since its header names it), with at most
+/// [`Self::IN_FLIGHT`] writes outstanding, so that memory holds a few chunks whatever
+/// the checkpoint's size.
+struct ChunkWrites<'a> {
+    store: &'a Store,
+    seq: u64,
+    reserved: &'a mut VecDeque<u32>,
+    inflight: VecDeque<oneshot::Receiver<io::RwResult>>,
+    /// Units of the page chunks written, in order.
+    pages: Vec<u32>,
+    /// Units of the directory's chain, in order (the last one taken, not yet written).
+    dirs: Vec<u32>,
+    /// Bytes written (whole blocks).
+    bytes: u64,
+}
+
+impl<'a> ChunkWrites<'a> {
+    const IN_FLIGHT: usize = 8;
+
+    fn new(store: &'a Store, seq: u64, reserved: &'a mut VecDeque<u32>) -> Self {
+        ChunkWrites { store, seq, reserved, inflight: VecDeque::new(), pages: Vec::new(), dirs: Vec::new(), bytes: 0 }
+    }
+
+    /// The page chunks, then the directory: all written (not yet synced) or an error.
+    fn write_all(&mut self, state: &State, plan: &journal::CheckpointPlan) -> Result<()> {
+        let payload = self.store.geo.unit_size as usize - size_of::<ChunkHeader>();
+        let written = journal::encode_page_bodies(&plan.dirty, payload, &mut |body| {
+            let unit = self.take()?;
+            let index = self.pages.len() as u64;
+            self.pages.push(unit);
+            self.write(PAGE_CHUNK_MAGIC, unit, index, NO_UNIT, body)?;
+            Ok(unit)
+        });
+        written?;
+        let mut chunks = plan.kept.clone();
+        chunks.extend(self.pages.iter().map(|&u| (u, self.seq)));
+        let encoded = state.encode_directory(&chunks, payload, &mut |body, last| {
+            if self.dirs.is_empty() {
+                let u = self.take()?;
+                self.dirs.push(u);
+            }
+            let next = if last { NO_UNIT } else { u64::from(self.take()?) };
+            let index = self.dirs.len() as u64 - 1;
+            let unit = self.dirs[index as usize];
+            if next != NO_UNIT {
+                self.dirs.push(next as u32);
+            }
+            self.write(CHECKPOINT_MAGIC, unit, index, next, body)
+        });
+        let result = encoded.map(|_| ());
+        std::mem::take(&mut self.inflight).into_iter().fold(result, |r, rx| r.and(wait(rx)))
+    }
+
+    /// The next reserved unit.
+    fn take(&mut self) -> Result<u32> {
+        match self.reserved.pop_front() {
             Some(u) => Ok(u),
             None => {
                 // Past the bound: an engine bug, which the tests are to catch.
                 debug_assert!(false, "a checkpoint took more units than its bound");
-                let mut a = self.alloc.lock();
+                let mut a = self.store.alloc.lock();
                 a.alloc_meta()
                     .or_else(|| a.alloc_meta_from_free())
                     .ok_or_else(|| Error::new(ErrorKind::NoSpace, "no free unit for the checkpoint").op("checkpoint"))
             }
+        }
+    }
+
+    /// Writes one chunk, its header then `body`, into `unit`.
+    fn write(&mut self, magic: u32, unit: u32, index: u64, next: u64, body: &[u8]) -> Result<()> {
+        let h = ChunkHeader {
+            magic: magic.into(),
+            crc: 0.into(),
+            checkpoint_seq: self.seq.into(),
+            index: index.into(),
+            next_unit: next.into(),
+            payload_len: (body.len() as u32).into(),
+            pad: 0.into(),
+            pool_uuid: self.store.geo.uuid,
+            reserved: 0.into(),
         };
-        let mut units: Vec<u32> = Vec::new();
-        let mut inflight = std::collections::VecDeque::new();
-        let wait = |rx: oneshot::Receiver<io::RwResult>| match rx.blocking_recv() {
-            Ok((_, Ok(()))) => Ok(()),
-            Ok((_, Err(e))) => Err(Error::io("write checkpoint", e)),
-            Err(_) => Err(worker_gone()),
-        };
-        let mut emit = |body: &[u8], last: bool| -> Result<()> {
-            if units.is_empty() {
-                units.push(alloc_meta()?);
-            }
-            let next = if last { NO_UNIT } else { u64::from(alloc_meta()?) };
-            let index = units.len() as u64 - 1;
-            let h = ChunkHeader {
-                magic: CHECKPOINT_MAGIC.into(),
-                crc: 0.into(),
-                checkpoint_seq: seq.into(),
-                index: index.into(),
-                next_unit: next.into(),
-                payload_len: (body.len() as u32).into(),
-                pad: 0.into(),
-                pool_uuid: self.geo.uuid,
-                reserved: 0.into(),
-            };
-            let crc = crc32c::crc32c_append(crc(h.as_bytes()), body);
-            let h = ChunkHeader { crc: crc.into(), ..h };
-            let unit = units[index as usize];
-            if next != NO_UNIT {
-                units.push(next as u32);
-            }
-            if inflight.len() == CHUNKS_IN_FLIGHT {
-                wait(inflight.pop_front().expect("a write in flight"))?;
-            }
-            inflight.push_back(write_blocks_async(
-                &self.ring,
-                self.geo.unit_offset(u64::from(unit)),
-                &[h.as_bytes(), body],
-                false,
-            ));
-            Ok(())
-        };
-        let encoded = state.encode_checkpoint(payload, &mut emit);
-        drop(state);
-        let result = inflight.into_iter().fold(encoded.map(|_| ()), |r, rx| r.and(wait(rx)));
-        (result.and_then(|()| self.sync_data_blocking()), units)
+        let crc = crc32c::crc32c_append(crc(h.as_bytes()), body);
+        let h = ChunkHeader { crc: crc.into(), ..h };
+        if self.inflight.len() == Self::IN_FLIGHT {
+            wait(self.inflight.pop_front().expect("a write in flight"))?;
+        }
+        self.bytes += (size_of::<ChunkHeader>() + body.len()).div_ceil(io::ALIGN) as u64 * io::ALIGN as u64;
+        let offset = self.store.geo.unit_offset(u64::from(unit));
+        self.inflight.push_back(write_blocks_async(&self.store.ring, offset, &[h.as_bytes(), body], false));
+        Ok(())
+    }
+}
+
+/// Waits for one chunk write.
+fn wait(rx: oneshot::Receiver<io::RwResult>) -> Result<()> {
+    match rx.blocking_recv() {
+        Ok((_, Ok(()))) => Ok(()),
+        Ok((_, Err(e))) => Err(Error::io("write checkpoint", e)),
+        Err(_) => Err(worker_gone()),
     }
 }
 

@@ -152,7 +152,10 @@ pub(crate) struct Journal {
 pub(crate) struct LogState {
     pub(crate) cursor: LogCursor,
     pub(crate) sb: Superblock,
+    /// Units of the current checkpoint's chain of chunks (its directory).
     pub(crate) checkpoint_units: Vec<u32>,
+    /// The current checkpoint's page chunks.
+    pub(crate) page_chunks: crate::journal::PageChunks,
 }
 
 /// Counters behind [`crate::CommitStats`]: durations in nanoseconds.

@@ -137,14 +137,14 @@ pub(crate) enum Remedy {
 impl Store {
     /// `N`: units a checkpoint of the metadata takes at most, with `extra` more bytes.
     pub(crate) fn checkpoint_need(&self, a: &Allocator, extra: u64) -> u64 {
-        let bytes = checkpoint_bytes_bound(&a.counts) + a.pending_growth + extra;
+        let bytes = checkpoint_bytes_bound(&a.counts, self.geo.unit_size) + a.pending_growth + extra;
         checkpoint_units_bound(bytes, self.geo.unit_size)
     }
 
     /// Units the spare must hold for the rule (module docs) with `extra` more bytes.
     pub(crate) fn spare_needed(&self, a: &Allocator, extra: u64) -> u64 {
         let n = self.checkpoint_need(a, extra);
-        (a.checkpoint_units.max(n) + n + SLACK_UNITS).saturating_sub(a.meta)
+        (a.checkpoint_units.max(2 * n) + n + SLACK_UNITS).saturating_sub(a.meta)
     }
 
     /// Whether a change adding `extra` checkpoint bytes keeps the rule.
@@ -186,7 +186,7 @@ impl Store {
     }
 
     fn headroom(&self, a: &Allocator) -> u64 {
-        (2 * self.checkpoint_need(a, 0)).max(16)
+        (3 * self.checkpoint_need(a, 0)).max(16)
     }
 
     /// After a change that added metadata: asks the committer to grow the spare when
@@ -212,7 +212,7 @@ impl Store {
     /// Whether a checkpoint now would lower what the rule needs: the current checkpoint
     /// is larger than the next one would be (deletes since made the metadata smaller).
     pub(crate) fn checkpoint_lowers_need(&self, a: &Allocator) -> bool {
-        a.checkpoint_units > self.checkpoint_need(a, 0)
+        a.checkpoint_units > 2 * self.checkpoint_need(a, 0)
     }
 
     fn remedy(&self, a: &Allocator, need: NeedRoom, tried: &[Remedy]) -> Option<Remedy> {

@@ -1,0 +1,178 @@
+//! Checkpoints write what changed (docs/on-disk-format.md 5.4): pages stored by an
+//! earlier checkpoint stay in their page chunks, a checkpoint writes the pages changed
+//! since and a directory, chunks left less than half live are cleaned, and the pool
+//! opens from such a checkpoint with every byte.
+
+mod common;
+
+use common::*;
+use storage_engine::Pool;
+
+const UNIT: u64 = 64 * 1024;
+/// Mapping pages the volume fills: 512 units each.
+const PAGES: u64 = 32;
+
+fn checkpoint_bytes(pool: &Pool) -> u64 {
+    pool.commit_stats().checkpoint_bytes
+}
+
+/// The byte written into unit `u` at round `r`.
+fn tag(u: u64, r: u64) -> u8 {
+    (u * 7 + r * 13 + 1) as u8
+}
+
+#[test]
+fn a_checkpoint_writes_the_pages_that_changed_and_cleans_what_they_left() {
+    let dir = tempfile::tempdir().unwrap();
+    let rt = rt();
+    let pool = create_with_unit(dir.path(), 2 << 30, UNIT as u32);
+    let units = PAGES * 512;
+    rt.block_on(pool.create_volume("v", units * UNIT)).unwrap();
+    let v = pool.volume("v").unwrap();
+    // One block in every unit: every page full.
+    let mut want = vec![0u8; units as usize];
+    for u in 0..units {
+        want[u as usize] = tag(u, 0);
+        rt.block_on(write(&v, u * UNIT, &[tag(u, 0); 4096], false)).unwrap();
+    }
+    rt.block_on(v.flush()).unwrap();
+    let before = checkpoint_bytes(&pool);
+    rt.block_on(pool.checkpoint()).unwrap();
+    let whole = checkpoint_bytes(&pool) - before;
+    let meta_units = pool.status().metadata / UNIT;
+    // Every page: 512 entries of 16 bytes.
+    assert!(whole >= PAGES * 512 * 16, "the first checkpoint wrote {whole} bytes for {PAGES} full pages");
+
+    // Nothing changed: the directory alone, one block.
+    let before = checkpoint_bytes(&pool);
+    rt.block_on(pool.checkpoint()).unwrap();
+    let idle = checkpoint_bytes(&pool) - before;
+    assert!(idle <= 4096, "a checkpoint with nothing changed wrote {idle} bytes");
+
+    // One unit of one page changed (a block written for the first time: its mapping
+    // changes): that page (8 KiB and its headers) and the directory.
+    let before = checkpoint_bytes(&pool);
+    let mut more = std::collections::BTreeMap::new();
+    more.insert((5 * 512 + 3, 1), 0xfe);
+    rt.block_on(write(&v, (5 * 512 + 3) * UNIT + 4096, &[0xfe; 4096], false)).unwrap();
+    rt.block_on(v.flush()).unwrap();
+    rt.block_on(pool.checkpoint()).unwrap();
+    let one = checkpoint_bytes(&pool) - before;
+    assert!(one > 8 * 1024, "a checkpoint after one page changed wrote {one} bytes: not the page");
+    assert!(one <= 16 * 1024, "a checkpoint after one page changed wrote {one} bytes (a whole one {whole})");
+
+    // Rounds of a few pages changed each: what the checkpoints write stays within
+    // twice the changed pages plus, per checkpoint, a directory and half a chunk of
+    // pages moved out of a cleaned one; what the checkpoint holds stays within twice
+    // its compact size (plus the chunk of each kind that may be part full).
+    let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let (rounds, per_round) = (30u64, 3u64);
+    let before = checkpoint_bytes(&pool);
+    for r in 1..=rounds {
+        for _ in 0..per_round {
+            // A block of the unit not written before, so that its mapping changes.
+            let u = (next() % PAGES) * 512 + next() % 512;
+            let b = 1 + next() % 15;
+            more.insert((u, b), tag(u, r));
+            rt.block_on(write(&v, u * UNIT + b * 4096, &[tag(u, r); 4096], false)).unwrap();
+        }
+        rt.block_on(v.flush()).unwrap();
+        rt.block_on(pool.checkpoint()).unwrap();
+        let held = pool.status().metadata / UNIT;
+        assert!(held <= 2 * meta_units + 2, "round {r}: the checkpoint holds {held} units, compact {meta_units}");
+    }
+    let churn = checkpoint_bytes(&pool) - before;
+    let page = 8 * 1024 + 4096;
+    let allowed = 2 * rounds * per_round * page + rounds * (28 * 1024 + 4096);
+    assert!(
+        churn <= allowed,
+        "{rounds} checkpoints of {per_round} changed pages wrote {churn} bytes (at most {allowed})"
+    );
+    assert!(churn < rounds * whole / 4, "{churn} bytes, against {whole} per whole checkpoint");
+
+    // The pool opens from it (nothing in the log) with every unit as written.
+    drop(v);
+    pool.close().unwrap();
+    let r = storage_engine::check(&pool_path(dir.path())).unwrap();
+    assert!(r.problems.is_empty(), "{r:?}");
+    let pool = Pool::open(&pool_path(dir.path())).unwrap();
+    let v = pool.volume("v").unwrap();
+    for u in 0..units {
+        let got = rt.block_on(read(&v, u * UNIT, 4096));
+        assert!(
+            got.iter().all(|&b| b == want[u as usize]),
+            "unit {u} reads {:#x}, wrote {:#x}",
+            got[0],
+            want[u as usize]
+        );
+    }
+    for (&(u, b), &byte) in &more {
+        let got = rt.block_on(read(&v, u * UNIT + b * 4096, 4096));
+        assert!(got.iter().all(|&x| x == byte), "unit {u} block {b} reads {:#x}, wrote {byte:#x}", got[0]);
+    }
+    // And its pages stay where they are: a checkpoint right after the open writes only
+    // the directory.
+    let before = checkpoint_bytes(&pool);
+    rt.block_on(pool.checkpoint()).unwrap();
+    let reopened = checkpoint_bytes(&pool) - before;
+    assert!(reopened <= 4096, "the first checkpoint after an open wrote {reopened} bytes");
+    drop(v);
+    pool.close().unwrap();
+    assert_clean(dir.path());
+}
+
+/// Snapshots share the stored pages: a snapshot's checkpoint writes its page
+/// locations, not its pages; pages its volume changes afterwards are written once
+/// each, and deleting the snapshot frees the page chunks no one needs.
+#[test]
+fn a_snapshot_adds_page_locations_to_a_checkpoint_not_pages() {
+    let dir = tempfile::tempdir().unwrap();
+    let rt = rt();
+    let pool = create_with_unit(dir.path(), 2 << 30, UNIT as u32);
+    let units = PAGES * 512;
+    rt.block_on(pool.create_volume("v", units * UNIT)).unwrap();
+    let v = pool.volume("v").unwrap();
+    for u in 0..units {
+        rt.block_on(write(&v, u * UNIT, &[tag(u, 0); 4096], false)).unwrap();
+    }
+    rt.block_on(pool.checkpoint()).unwrap();
+    let before = checkpoint_bytes(&pool);
+    for s in 0..10 {
+        rt.block_on(pool.create_snapshot("v", &format!("s{s}"))).unwrap();
+        // One unit changed between snapshots: one page copied.
+        rt.block_on(write(&v, (s * 512 + 7) * UNIT, &[0xa0 + s as u8; 4096], false)).unwrap();
+    }
+    rt.block_on(pool.checkpoint()).unwrap();
+    let ten = checkpoint_bytes(&pool) - before;
+    // Ten copied pages and ten more tables' locations (32 each, 12 bytes), nothing else.
+    assert!(ten <= 10 * (8 * 1024 + 4096) + 3 * 4096 + 28 * 1024, "ten snapshots' checkpoint wrote {ten} bytes");
+    drop(v);
+    pool.close().unwrap();
+    let pool = Pool::open(&pool_path(dir.path())).unwrap();
+    for s in 0..10u64 {
+        let snap = pool.volume(&format!("v@s{s}")).unwrap();
+        // Unit s*512+7 as it was when s was taken: changed by snapshots before it only.
+        let u = s * 512 + 7;
+        assert_eq!(rt.block_on(read(&snap, u * UNIT, 4096)), vec![tag(u, 0); 4096], "v@s{s}");
+        if s > 0 {
+            let u = (s - 1) * 512 + 7;
+            assert_eq!(rt.block_on(read(&snap, u * UNIT, 4096)), vec![0xa0 + s as u8 - 1; 4096], "v@s{s}");
+        }
+    }
+    let held = pool.status().metadata;
+    for s in 0..10 {
+        rt.block_on(pool.delete_snapshot("v", &format!("s{s}"))).unwrap();
+    }
+    rt.block_on(pool.checkpoint()).unwrap();
+    assert!(pool.status().metadata <= held, "deleting the snapshots grew the checkpoint");
+    pool.close().unwrap();
+    let r = storage_engine::check(&pool_path(dir.path())).unwrap();
+    assert!(r.problems.is_empty(), "{r:?}");
+    assert_clean(dir.path());
+}
