@@ -154,7 +154,11 @@ impl Metrics {
             "the longest checkpoint since the pool opened",
             m.checkpoint_max_seconds.clone(),
         );
-        r.register("pool_checkpoint_bytes", "bytes of checkpoint chunks written", m.checkpoint_bytes.clone());
+        r.register(
+            "pool_checkpoint_bytes",
+            "bytes checkpoints wrote (the blocks of their page and directory chunks)",
+            m.checkpoint_bytes.clone(),
+        );
         r.register(
             "pool_checkpoint_hold_max_seconds",
             "the longest a checkpoint's first step held the volumes' maps and the allocator (writes that map or \

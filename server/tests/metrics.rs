@@ -38,12 +38,12 @@ fn metrics_count_volume_io_and_pool_usage() {
     assert!(reserved.is_some_and(|r| r > 0.0 && Some(r) < free), "reserved gauge:\n{text}");
 
     // Commits and checkpoints: the volume creates and the flush committed; the open
-    // wrote a checkpoint, of at least one data unit; the maxima bound nothing below them.
+    // wrote a checkpoint, of at least one block; the maxima bound nothing below them.
     assert!(sample(&text, "ferrovol_pool_commits_total").is_some_and(|n| n >= 1.0), "commits:\n{text}");
     assert!(sample(&text, "ferrovol_pool_commit_seconds_total").is_some_and(|t| t > 0.0), "commit time:\n{text}");
     assert!(sample(&text, "ferrovol_pool_checkpoints_total").is_some_and(|n| n >= 1.0), "checkpoints:\n{text}");
     assert!(
-        sample(&text, "ferrovol_pool_checkpoint_bytes_total").is_some_and(|b| b >= 65536.0),
+        sample(&text, "ferrovol_pool_checkpoint_bytes_total").is_some_and(|b| b >= 4096.0),
         "checkpoint bytes:\n{text}"
     );
     let (longest, hold) = (

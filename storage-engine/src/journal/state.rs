@@ -170,8 +170,10 @@ impl State {
     /// (`fill`, [`chunk_fill`]): every distinct page stored in one of `chunks` counts as
     /// live there; a chunk holding less than `fill / 2` live bytes is cleaned (its live
     /// pages are written again) or, holding none, dropped; the others are kept, with
-    /// the pages they hold. Pages stored nowhere (new or changed since) are written.
-    /// So every kept chunk is at least half live, and the bytes written are at most the
+    /// the pages they hold. Pages stored nowhere (new or changed since) are written;
+    /// when there are none, nothing is cleaned (only chunks left empty are dropped), so
+    /// a checkpoint with nothing changed writes its directory alone.
+    /// So every chunk kept by a checkpoint that writes pages is at least half live, and the bytes written are at most the
     /// changed pages' plus as many again moved out of cleaned chunks, whose dead half
     /// earlier changes made (docs/on-disk-format.md 5.4).
     pub fn plan_checkpoint(&self, chunks: &PageChunks, fill: u64) -> CheckpointPlan {
@@ -193,11 +195,14 @@ impl State {
                 }
             }
         }
+        // With no page to write, cleaning would only move pages from one part-full chunk
+        // to another: such a checkpoint (an idle one) keeps every chunk a page lives in.
+        let idle = dirty.is_empty();
         let mut kept = PageChunks::new();
         let mut dropped = Vec::new();
         for (&unit, &seq) in chunks {
             match live.remove(&unit) {
-                Some((bytes, _)) if 2 * bytes >= fill => {
+                Some((bytes, _)) if 2 * bytes >= fill || idle => {
                     kept.insert(unit, seq);
                 }
                 Some((_, pages)) => {

@@ -27,6 +27,9 @@ struct Snapshot {
     pending: PendingMark,
     /// Records logged so far: durable once the checkpoint is.
     upto: u64,
+    /// Units of the spare the checkpoint may take: as many as a checkpoint writing
+    /// every page takes at most.
+    reserved: VecDeque<u32>,
 }
 
 impl Store {
@@ -61,7 +64,7 @@ impl Store {
     pub(super) fn checkpoint_locked(&self, log: &mut LogState, seq_jump: u64) -> Result<()> {
         let began = std::time::Instant::now();
         // K1: a consistent snapshot of all volume maps, the allocator and the journal.
-        let Snapshot { state, counts, pending, upto } = self.snapshot_for_checkpoint();
+        let Snapshot { state, counts, pending, upto, mut reserved } = self.snapshot_for_checkpoint();
         let hold = began.elapsed();
         self.writes_since_sync.store(0, Ordering::SeqCst);
         // At least one past the last batch: the log that follows this checkpoint never
@@ -71,24 +74,22 @@ impl Store {
         // it absorbed (on-disk-format.md 4.3).
         let seq = log.cursor.seq + seq_jump.max(1);
         // K2: what to write (the pages stored nowhere and those of the page chunks it
-        // cleans), and the units that takes at most, from the spare (room.rs): they are
-        // backed, and the rule that sizes the spare guarantees them.
+        // cleans), and the units that takes at most, of those K1 took; the rest goes
+        // back to the spare.
         let fill = journal::chunk_fill(self.geo.unit_size);
         let plan = state.plan_checkpoint(&log.page_chunks, fill);
         let page_bytes = plan.page_bytes();
         let page_units = if page_bytes == 0 { 0 } else { page_bytes.div_ceil(fill) + 1 };
         let dir_bytes = journal::directory_bytes_bound(&counts, plan.kept.len() as u64 + page_units);
         let bound = page_units + dir_bytes.div_ceil(fill) + 1;
-        let mut reserved: VecDeque<u32> = {
+        {
             let mut a = self.alloc.lock();
-            let r: VecDeque<u32> = (0..bound).map_while(|_| a.alloc_meta()).collect();
-            if (r.len() as u64) < bound {
-                tracing::error!(bound, spare = r.len(), "the spare holds fewer units than a checkpoint may take");
+            while reserved.len() as u64 > bound {
+                a.retire_meta(reserved.pop_back().expect("more than the bound"));
             }
             // What the checkpoint holds once durable, at most (room.rs).
             a.checkpoint_units = plan.kept.len() as u64 + bound;
-            r
-        };
+        }
         // The chunks, written and synced with the data they refer to.
         let mut w = ChunkWrites::new(self, seq, &mut reserved);
         let written = w.write_all(&state, &plan);
@@ -149,13 +150,27 @@ impl Store {
     /// allocator and the journal: the metadata as a plain [`State`] (pages shared with
     /// the live maps; refcounts of checkpoint units and copy-on-write targets not yet
     /// mapped as free) and its counts, the journal cleared (its records are in the
-    /// snapshot), how far the pending lists reach, and how many records it covers.
+    /// snapshot), how far the pending lists reach, how many records it covers, and
+    /// the units of the spare a checkpoint writing every page takes at most (taken
+    /// here, under the allocator lock, so that no change, a delete trimming the spare
+    /// say, can take them before the plan says how many it needs).
     fn snapshot_for_checkpoint(&self) -> Snapshot {
         let vols = self.volumes.read();
         let maps: Vec<_> = vols.values().map(|v| (v.clone(), v.map.read())).collect();
         // Read under the map locks, which their changes hold (`VolState::props`).
         let props: Vec<_> = maps.iter().map(|(v, _)| v.props()).collect();
-        let alloc = self.alloc.lock();
+        let mut alloc = self.alloc.lock();
+        // Backed, and guaranteed by the rule that sizes the spare (room.rs).
+        let bound = journal::checkpoint_units_bound(
+            journal::checkpoint_bytes_bound(&alloc.counts, self.geo.unit_size),
+            self.geo.unit_size,
+        );
+        let reserved: VecDeque<u32> = (0..bound).map_while(|_| alloc.alloc_meta()).collect();
+        if (reserved.len() as u64) < bound {
+            tracing::error!(bound, spare = reserved.len(), "the spare holds fewer units than a checkpoint may take");
+        }
+        // What the checkpoint holds once durable, at most: twice the bound (room.rs).
+        alloc.checkpoint_units = 2 * bound;
         let mut j = self.journal.lock();
         j.bytes.clear(); // captured by the snapshot itself
         j.glued.clear();
@@ -188,6 +203,7 @@ impl Store {
             counts: alloc.counts,
             pending: alloc.pending_mark(),
             upto: self.records_logged.load(Ordering::SeqCst),
+            reserved,
         }
     }
 }
@@ -227,7 +243,14 @@ impl<'a> ChunkWrites<'a> {
             self.write(PAGE_CHUNK_MAGIC, unit, index, NO_UNIT, body)?;
             Ok(unit)
         });
-        written?;
+        let result = written.and_then(|_| self.write_directory(state, plan));
+        // Every write waited for, also after an error: the caller gives the units back.
+        std::mem::take(&mut self.inflight).into_iter().fold(result, |r, rx| r.and(wait(rx)))
+    }
+
+    /// The directory, naming the kept page chunks and those just written.
+    fn write_directory(&mut self, state: &State, plan: &journal::CheckpointPlan) -> Result<()> {
+        let payload = self.store.geo.unit_size as usize - size_of::<ChunkHeader>();
         let mut chunks = plan.kept.clone();
         chunks.extend(self.pages.iter().map(|&u| (u, self.seq)));
         let encoded = state.encode_directory(&chunks, payload, &mut |body, last| {
@@ -243,8 +266,7 @@ impl<'a> ChunkWrites<'a> {
             }
             self.write(CHECKPOINT_MAGIC, unit, index, next, body)
         });
-        let result = encoded.map(|_| ());
-        std::mem::take(&mut self.inflight).into_iter().fold(result, |r, rx| r.and(wait(rx)))
+        encoded.map(|_| ())
     }
 
     /// The next reserved unit.

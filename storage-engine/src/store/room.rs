@@ -11,30 +11,35 @@
 //! (`journal::checkpoint_bytes_bound`), the counts it is computed from (`meta`).
 //!
 //! # The rule
-//! Let `N` be the units a checkpoint of the current metadata takes at most (from
-//! [`MetaCounts`](crate::meta::MetaCounts) and the refcount entries:
-//! `journal::checkpoint_units_bound`), `M` the units of the checkpoint that is current
-//! (or will be, once the one being written is durable: `Allocator::checkpoint_units`),
-//! and `T` the units metadata holds: checkpoint units (`Allocator::meta`) plus the
-//! spare. Every change that adds metadata (a data unit allocated, a mapping page
-//! copied, a volume, snapshot or clone created) is made only if, after it,
+//! Let `N` be the units a checkpoint of the current metadata writes at most, when it
+//! writes every page (from [`MetaCounts`](crate::meta::MetaCounts):
+//! `journal::checkpoint_units_bound`), `M` the units of the checkpoint that is current,
+//! its directory and page chunks (or, while one is being written, what it will hold at
+//! most: `Allocator::checkpoint_units`), and `T` the units metadata holds: checkpoint
+//! units (`Allocator::meta`) plus the spare. Every change that adds metadata (a data
+//! unit allocated, a mapping page copied, a volume, snapshot or clone created) is made
+//! only if, after it,
 //!
 //! ```text
-//! T >= max(M, N) + N + SLACK_UNITS
+//! T >= max(M, 2N) + N + SLACK_UNITS
 //! ```
 //!
-//! A checkpoint takes `N` units from the spare when it starts, hands back those it did
-//! not use, and once its superblock is durable gives the old checkpoint's `M` units to
-//! the spare: `T` is unchanged, and since the new `M` is at most the `N` it was written
-//! with, the rule still holds after it if it held before. So every checkpoint finds
-//! its units in the spare (a checkpoint never fails for want of room, nor does the
-//! checkpoint at open), and as the spare's units are backed, the host file system being
-//! full cannot stop one either. Data allocates only from the free set; the spare grows
-//! from it (in the background, ahead of need) and gives back what it holds beyond its
-//! target; data takes only the free units beyond what the spare lacks of its target
-//! ([`Store::data_room`]), so that headroom is kept even when the background growth is
-//! late. When the free set cannot give it enough, the change is refused with
-//! `NoSpace`: the pool is full, whichever of the pool or the host ran out first.
+//! A checkpoint takes `N` units from the spare when it starts, hands back those its
+//! plan does not need and those it did not use, and once its superblock is durable
+//! gives the old directory and the page chunks it dropped to the spare: `T` is
+//! unchanged, and since the new `M` is at most `2N` (the page chunks it keeps are at
+//! least half live; docs/on-disk-format.md 9), the rule still holds after it if it
+//! held before. So every checkpoint finds its units in the spare (a checkpoint never
+//! fails for want of room, nor does the checkpoint at open), and as the spare's units
+//! are backed, the host file system being full cannot stop one either. Data allocates
+//! only from the free set; the spare grows from it (in the background, ahead of need)
+//! and gives back what it holds beyond its target; data takes only the free units
+//! beyond what the spare lacks of its target ([`Store::data_room`]), so that headroom
+//! is kept even when the background growth is late. When the free set cannot give it
+//! enough, the change is refused with `NoSpace`: the pool is full, whichever of the
+//! pool or the host ran out first. The checkpoint bytes a change adds are counted
+//! with the older form's record sizes (a page record of 36 bytes and 16 per entry, a
+//! 28-byte page reference), which exceed what page bodies and page locations take.
 
 use std::future::Future;
 use std::sync::atomic::Ordering;
@@ -129,8 +134,8 @@ pub(crate) enum Remedy {
     Unpunch,
     /// The spare can grow from the free set.
     GrowSpare,
-    /// The current checkpoint is larger than the next would be (deletes): a checkpoint
-    /// lowers `max(M, N)`.
+    /// The current checkpoint holds more than twice the next one's bound (deletes): a
+    /// checkpoint lowers `max(M, 2N)`.
     Checkpoint,
 }
 
@@ -152,12 +157,13 @@ impl Store {
         a.spare.len() as u64 >= self.spare_needed(a, extra)
     }
 
-    /// What the spare grows to in the background: the rule's need and twice what a
-    /// checkpoint takes (at least 16 units), so that changes rarely wait for it and a
+    /// What the spare grows to in the background: the rule's need and three times what
+    /// a checkpoint takes (at least 16 units), so that changes rarely wait for it and a
     /// full pool still has room for its metadata to change: it can grow to about twice
     /// its size (a snapshot of every volume and a change in every mapping page) before
-    /// such changes get `NoSpace`. At steady state metadata then holds about four
-    /// checkpoints' worth of units: the current one, the next, and this headroom.
+    /// such changes get `NoSpace` (the rule's `2N + N` grows by three units per unit of
+    /// `N`). At steady state metadata then holds about six checkpoints' worth of units:
+    /// the current one at up to twice its compact size, the next, and this headroom.
     fn spare_target(&self, a: &Allocator) -> u64 {
         self.spare_needed(a, 0) + self.headroom(a)
     }
@@ -210,7 +216,8 @@ impl Store {
     }
 
     /// Whether a checkpoint now would lower what the rule needs: the current checkpoint
-    /// is larger than the next one would be (deletes since made the metadata smaller).
+    /// holds more than twice the next one's bound (deletes since made the metadata
+    /// smaller, and a checkpoint drops or cleans the page chunks they emptied).
     pub(crate) fn checkpoint_lowers_need(&self, a: &Allocator) -> bool {
         a.checkpoint_units > 2 * self.checkpoint_need(a, 0)
     }
