@@ -171,8 +171,9 @@ impl State {
     /// live there; a chunk holding less than `fill / 2` live bytes is cleaned (its live
     /// pages are written again) or, holding none, dropped; the others are kept, with
     /// the pages they hold. Pages stored nowhere (new or changed since) are written;
-    /// when there are none, nothing is cleaned (only chunks left empty are dropped), so
-    /// a checkpoint with nothing changed writes its directory alone.
+    /// when there are none and the chunks holding live pages are no more than the
+    /// half-live rule allows for them, nothing is cleaned (only chunks left empty are
+    /// dropped), so a checkpoint with nothing changed writes its directory alone.
     /// So every chunk kept by a checkpoint that writes pages is at least half live, and the bytes written are at most the
     /// changed pages' plus as many again moved out of cleaned chunks, whose dead half
     /// earlier changes made (docs/on-disk-format.md 5.4).
@@ -196,8 +197,11 @@ impl State {
             }
         }
         // With no page to write, cleaning would only move pages from one part-full chunk
-        // to another: such a checkpoint (an idle one) keeps every chunk a page lives in.
-        let idle = dirty.is_empty();
+        // to another: such a checkpoint (an idle one) keeps every chunk a page lives in,
+        // as long as those are no more than the half-live rule allows for the live bytes
+        // (after deletes they may be more: then it cleans as usual, and gives them back).
+        let live_bytes: u64 = live.values().map(|(b, _)| b).sum();
+        let idle = dirty.is_empty() && live.len() as u64 <= 2 * live_bytes.div_ceil(fill) + 1;
         let mut kept = PageChunks::new();
         let mut dropped = Vec::new();
         for (&unit, &seq) in chunks {

@@ -64,7 +64,8 @@ impl Store {
     pub(super) fn checkpoint_locked(&self, log: &mut LogState, seq_jump: u64) -> Result<()> {
         let began = std::time::Instant::now();
         // K1: a consistent snapshot of all volume maps, the allocator and the journal.
-        let Snapshot { state, counts, pending, upto, mut reserved } = self.snapshot_for_checkpoint();
+        let Snapshot { state, counts, pending, upto, mut reserved } =
+            self.snapshot_for_checkpoint(log.page_chunks.len() as u64);
         let hold = began.elapsed();
         self.writes_since_sync.store(0, Ordering::SeqCst);
         // At least one past the last batch: the log that follows this checkpoint never
@@ -154,7 +155,8 @@ impl Store {
     /// the units of the spare a checkpoint writing every page takes at most (taken
     /// here, under the allocator lock, so that no change, a delete trimming the spare
     /// say, can take them before the plan says how many it needs).
-    fn snapshot_for_checkpoint(&self) -> Snapshot {
+    /// `page_chunks`: the current checkpoint's, all of which the plan may keep.
+    fn snapshot_for_checkpoint(&self, page_chunks: u64) -> Snapshot {
         let vols = self.volumes.read();
         let maps: Vec<_> = vols.values().map(|v| (v.clone(), v.map.read())).collect();
         // Read under the map locks, which their changes hold (`VolState::props`).
@@ -169,8 +171,9 @@ impl Store {
         if (reserved.len() as u64) < bound {
             tracing::error!(bound, spare = reserved.len(), "the spare holds fewer units than a checkpoint may take");
         }
-        // What the checkpoint holds once durable, at most: twice the bound (room.rs).
-        alloc.checkpoint_units = 2 * bound;
+        // What the checkpoint holds once durable, at most: twice the bound (room.rs), or
+        // every current page chunk and the bound, whichever is more.
+        alloc.checkpoint_units = (2 * bound).max(page_chunks + bound);
         let mut j = self.journal.lock();
         j.bytes.clear(); // captured by the snapshot itself
         j.glued.clear();
