@@ -21,21 +21,27 @@ fn tag(u: u64, r: u64) -> u8 {
     (u * 7 + r * 13 + 1) as u8
 }
 
+/// A pool in `dir` with volume `v` of [`PAGES`] full mapping pages: block 0 of every
+/// unit `u` written with `tag(u, 0)`, and flushed.
+fn full_pages(dir: &std::path::Path, rt: &tokio::runtime::Runtime) -> (Pool, storage_engine::Volume) {
+    let pool = create_with_unit(dir, 2 << 30, UNIT as u32);
+    let units = PAGES * 512;
+    rt.block_on(pool.create_volume("v", units * UNIT)).unwrap();
+    let v = pool.volume("v").unwrap();
+    for u in 0..units {
+        rt.block_on(write(&v, u * UNIT, &[tag(u, 0); 4096], false)).unwrap();
+    }
+    rt.block_on(v.flush()).unwrap();
+    (pool, v)
+}
+
 #[test]
 fn a_checkpoint_writes_the_pages_that_changed_and_cleans_what_they_left() {
     let dir = tempfile::tempdir().unwrap();
     let rt = rt();
-    let pool = create_with_unit(dir.path(), 2 << 30, UNIT as u32);
+    let (pool, v) = full_pages(dir.path(), &rt);
     let units = PAGES * 512;
-    rt.block_on(pool.create_volume("v", units * UNIT)).unwrap();
-    let v = pool.volume("v").unwrap();
-    // One block in every unit: every page full.
-    let mut want = vec![0u8; units as usize];
-    for u in 0..units {
-        want[u as usize] = tag(u, 0);
-        rt.block_on(write(&v, u * UNIT, &[tag(u, 0); 4096], false)).unwrap();
-    }
-    rt.block_on(v.flush()).unwrap();
+    let want: Vec<u8> = (0..units).map(|u| tag(u, 0)).collect();
     let before = checkpoint_bytes(&pool);
     rt.block_on(pool.checkpoint()).unwrap();
     let whole = checkpoint_bytes(&pool) - before;
@@ -137,13 +143,7 @@ fn a_snapshot_adds_page_locations_to_a_checkpoint_not_pages() {
     let page_of = |s: u64| if s < 5 { s } else { s + 2 };
     let dir = tempfile::tempdir().unwrap();
     let rt = rt();
-    let pool = create_with_unit(dir.path(), 2 << 30, UNIT as u32);
-    let units = PAGES * 512;
-    rt.block_on(pool.create_volume("v", units * UNIT)).unwrap();
-    let v = pool.volume("v").unwrap();
-    for u in 0..units {
-        rt.block_on(write(&v, u * UNIT, &[tag(u, 0); 4096], false)).unwrap();
-    }
+    let (pool, v) = full_pages(dir.path(), &rt);
     rt.block_on(pool.checkpoint()).unwrap();
     let before = checkpoint_bytes(&pool);
     for s in 0..10 {

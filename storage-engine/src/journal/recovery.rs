@@ -207,25 +207,14 @@ fn load_checkpoint(read: &mut ReadAt<'_>, sb: &Superblock, geo: &Geometry) -> Re
                 }
             }
             checkpoint_units.push(unit as u32);
-            let bytes =
-                read(geo.unit_offset(unit), geo.unit_size as usize).map_err(|e| Error::io("read checkpoint", e))?;
-            let (h, rest) = ChunkHeader::read_from_prefix(&bytes).expect("unit holds a header");
-            let plen = h.payload_len.get() as usize;
-            let mut hz = h.clone();
-            hz.crc = 0.into();
-            let ok = h.magic.get() == CHECKPOINT_MAGIC
-                && plen <= rest.len()
-                && h.pool_uuid == geo.uuid
-                && h.checkpoint_seq.get() == sb.checkpoint_seq.get()
-                && h.index.get() == index
-                && crc32c::crc32c_append(crc(hz.as_bytes()), &rest[..plen]) == h.crc.get();
-            if !ok {
+            let chunk = read_chunk(read, geo, unit, CHECKPOINT_MAGIC, sb.checkpoint_seq.get())?;
+            let Some((h, payload)) = chunk.filter(|(h, _)| h.index.get() == index) else {
                 return Err(Error::corrupt(format!(
                     "checkpoint chunk {index} at data unit {unit} (byte offset {}) fails its header or checksum",
                     geo.unit_offset(unit)
                 )));
-            }
-            c.apply_chunk(index, &rest[..plen], geo)?;
+            };
+            c.apply_chunk(index, &payload, geo)?;
             unit = h.next_unit.get();
             index += 1;
         }
@@ -381,28 +370,16 @@ impl CheckpointLoad {
         let mut bodies: std::collections::HashMap<PageStored, Arc<MapPage>> = Default::default();
         for (&unit, &seq) in &self.page_chunks {
             let u = u64::from(unit);
-            let bytes =
-                read(geo.unit_offset(u), geo.unit_size as usize).map_err(|e| Error::io("read checkpoint", e))?;
-            let (h, rest) = ChunkHeader::read_from_prefix(&bytes).expect("unit holds a header");
-            let plen = h.payload_len.get() as usize;
-            let mut hz = h.clone();
-            hz.crc = 0.into();
-            let ok = h.magic.get() == PAGE_CHUNK_MAGIC
-                && plen <= rest.len()
-                && h.pool_uuid == geo.uuid
-                && h.checkpoint_seq.get() == seq
-                && h.next_unit.get() == NO_UNIT
-                && crc32c::crc32c_append(crc(hz.as_bytes()), &rest[..plen]) == h.crc.get();
-            if !ok {
+            let chunk = read_chunk(read, geo, u, PAGE_CHUNK_MAGIC, seq)?;
+            let Some((_, payload)) = chunk.filter(|(h, _)| h.next_unit.get() == NO_UNIT) else {
                 return Err(Error::corrupt(format!(
                     "page chunk at data unit {u} (byte offset {}, seq {seq}) fails its header or checksum",
                     geo.unit_offset(u)
                 )));
-            }
-            let payload = &rest[..plen];
+            };
             let bad = || Error::corrupt(format!("page chunk at data unit {u}: malformed page record"));
             let mut offset = 0usize;
-            for (kind, body) in split_records(payload)? {
+            for (kind, body) in split_records(&payload)? {
                 if kind != REC_PAGE_BODY {
                     return Err(Error::corrupt(format!("page chunk at data unit {u}: record kind {kind}")));
                 }
@@ -443,6 +420,31 @@ impl CheckpointLoad {
         }
         Ok(())
     }
+}
+
+/// Reads the chunk in data unit `unit` whole: its header and payload, if the header has
+/// `magic`, the pool's UUID, `checkpoint_seq` equal to `seq`, a payload that fits the
+/// unit and a matching CRC; `None` otherwise (the caller names the chunk).
+///
+/// Errors: [`crate::ErrorKind::Io`].
+fn read_chunk(
+    read: &mut ReadAt<'_>,
+    geo: &Geometry,
+    unit: u64,
+    magic: u32,
+    seq: u64,
+) -> Result<Option<(ChunkHeader, Vec<u8>)>> {
+    let bytes = read(geo.unit_offset(unit), geo.unit_size as usize).map_err(|e| Error::io("read checkpoint", e))?;
+    let (h, rest) = ChunkHeader::read_from_prefix(&bytes).expect("unit holds a header");
+    let plen = h.payload_len.get() as usize;
+    let mut hz = h.clone();
+    hz.crc = 0.into();
+    let ok = h.magic.get() == magic
+        && plen <= rest.len()
+        && h.pool_uuid == geo.uuid
+        && h.checkpoint_seq.get() == seq
+        && crc32c::crc32c_append(crc(hz.as_bytes()), &rest[..plen]) == h.crc.get();
+    Ok(ok.then(|| (h, rest[..plen].to_vec())))
 }
 
 /// A page of the `entries` of a page record, or `None` if an entry repeats an index,
