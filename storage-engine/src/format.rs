@@ -36,8 +36,15 @@ pub const INCOMPAT_DERIVED_REFCOUNTS: u64 = 1 << 0;
 /// [`REC_PAGE_LOCS`]) naming them (docs/on-disk-format.md 5). Set by every checkpoint
 /// this build writes; a build that does not know it would find no pages.
 pub const INCOMPAT_PAGE_CHUNKS: u64 = 1 << 1;
+/// Incompatible feature (with [`INCOMPAT_PAGE_CHUNKS`]): the page chunks also hold
+/// *leaves* ([`REC_LEAF_BODY`]: where up to 512 consecutive pages of a volume are),
+/// which volumes, snapshots and clones share, and the directory names each volume's
+/// leaves ([`REC_LEAF_LOCS`]) instead of its pages (docs/on-disk-format.md 5). Set by
+/// every checkpoint this build writes; a build that does not know it would find no
+/// pages.
+pub const INCOMPAT_SHARED_LEAVES: u64 = 1 << 2;
 /// Incompatible features this build knows.
-pub const INCOMPAT_FEATURES_KNOWN: u64 = INCOMPAT_DERIVED_REFCOUNTS | INCOMPAT_PAGE_CHUNKS;
+pub const INCOMPAT_FEATURES_KNOWN: u64 = INCOMPAT_DERIVED_REFCOUNTS | INCOMPAT_PAGE_CHUNKS | INCOMPAT_SHARED_LEAVES;
 /// Read-only-compatible features this build knows: none.
 pub const RO_COMPAT_FEATURES_KNOWN: u64 = 0;
 /// Compatible features this build knows: none (unknown ones are kept, never refused).
@@ -65,7 +72,8 @@ pub const LOG_MAGIC: u32 = u32::from_le_bytes(*b"FVLG");
 /// Magic of a checkpoint chunk header ("FVCP").
 pub const CHECKPOINT_MAGIC: u32 = u32::from_le_bytes(*b"FVCP");
 /// Magic of a page chunk's header ("FVPG"): a [`ChunkHeader`] whose payload holds
-/// [`REC_PAGE_BODY`] records, kept from one checkpoint to the next while its pages are.
+/// [`REC_PAGE_BODY`] records or [`REC_LEAF_BODY`] records (a chunk holds one kind),
+/// kept from one checkpoint to the next while what it holds is.
 pub const PAGE_CHUNK_MAGIC: u32 = u32::from_le_bytes(*b"FVPG");
 /// "No unit" in on-disk unit fields.
 pub const NO_UNIT: u64 = u64::MAX;
@@ -253,6 +261,14 @@ pub const REC_PAGE_CHUNK: u8 = 22;
 pub const REC_PAGE_LOCS: u8 = 23;
 /// Most [`PageLoc`]s in one [`REC_PAGE_LOCS`] record (6,156 bytes with its framing).
 pub const MAX_PAGE_LOCS: usize = 512;
+/// Page chunk: one leaf, where its pages are ([`LeafBodyRec`] then up to 512
+/// [`PageLoc`]s whose `page_index` is the page's index in the leaf, 0 … 511,
+/// ascending), found by its page chunk's unit and its byte offset in the chunk's
+/// payload ([`INCOMPAT_SHARED_LEAVES`]).
+pub const REC_LEAF_BODY: u8 = 24;
+/// Checkpoint: where a volume's leaves are ([`LeafLocsRec`] then up to
+/// [`MAX_PAGE_LOCS`] [`LeafLoc`]s; [`INCOMPAT_SHARED_LEAVES`]).
+pub const REC_LEAF_LOCS: u8 = 25;
 
 /// Body of [`REC_MAP`]. 32 bytes.
 #[derive(Debug, Clone, FromBytes, IntoBytes, KnownLayout, Immutable)]
@@ -531,3 +547,37 @@ pub struct PageLoc {
     pub offset: U32,
 }
 const _: () = assert!(size_of::<PageLoc>() == 12);
+
+/// Head of a [`REC_LEAF_BODY`] body (8 bytes), followed by [`PageLoc`]s.
+#[derive(Debug, Clone, FromBytes, IntoBytes, KnownLayout, Immutable)]
+#[repr(C)]
+pub struct LeafBodyRec {
+    /// Number of [`PageLoc`]s that follow, 1 … 512.
+    pub pages: U32,
+    /// Zero.
+    pub pad: U32,
+}
+const _: () = assert!(size_of::<LeafBodyRec>() == 8);
+
+/// Head of a [`REC_LEAF_LOCS`] body (8 bytes), followed by [`LeafLoc`]s.
+#[derive(Debug, Clone, FromBytes, IntoBytes, KnownLayout, Immutable)]
+#[repr(C)]
+pub struct LeafLocsRec {
+    /// Volume id (its [`REC_VOLUME`] comes earlier in the checkpoint).
+    pub volume: U64,
+}
+const _: () = assert!(size_of::<LeafLocsRec>() == 8);
+
+/// Where one leaf of a volume is. 12 bytes. Several volumes' locations may name the
+/// same leaf: the leaf, and every page it holds, is shared.
+#[derive(Debug, Clone, FromBytes, IntoBytes, KnownLayout, Immutable)]
+#[repr(C)]
+pub struct LeafLoc {
+    /// Leaf index in the volume (`first page index / 512`).
+    pub leaf_index: U32,
+    /// Data unit of the page chunk (one of the checkpoint's [`REC_PAGE_CHUNK`]s).
+    pub unit: U32,
+    /// Byte offset of the [`REC_LEAF_BODY`] record (its framing) in that chunk's payload.
+    pub offset: U32,
+}
+const _: () = assert!(size_of::<LeafLoc>() == 12);

@@ -17,7 +17,8 @@ use std::path::Path;
 
 use common::*;
 use storage_engine::format::{
-    Superblock, FORMAT_VERSION, INCOMPAT_DERIVED_REFCOUNTS, INCOMPAT_PAGE_CHUNKS, SUPERBLOCK_OFFSETS,
+    Superblock, FORMAT_VERSION, INCOMPAT_DERIVED_REFCOUNTS, INCOMPAT_PAGE_CHUNKS, INCOMPAT_SHARED_LEAVES,
+    SUPERBLOCK_OFFSETS,
 };
 use storage_engine::{Labels, Pool, PoolOptions};
 
@@ -162,13 +163,9 @@ fn a_version_4_pool_from_an_older_build_opens_and_is_upgraded() {
     pool.close().unwrap();
     for at in SUPERBLOCK_OFFSETS {
         assert_eq!(slot_version(&path, at), FORMAT_VERSION, "slot at byte {at} after the upgrading open");
-        // Its checkpoints now store no refcounts and keep pages in page chunks: a build
-        // that would read them refuses it.
-        assert_eq!(
-            slot_incompat(&path, at),
-            INCOMPAT_DERIVED_REFCOUNTS | INCOMPAT_PAGE_CHUNKS,
-            "slot at byte {at} after the upgrading open"
-        );
+        // Its checkpoints now store no refcounts and keep pages and leaves in page
+        // chunks: a build that would read them refuses it.
+        assert_eq!(slot_incompat(&path, at), THIS_BUILDS_INCOMPAT, "slot at byte {at} after the upgrading open");
     }
     assert_clean(dir.path());
     let pool = Pool::open(&path).unwrap();
@@ -195,18 +192,20 @@ fn the_fixture_recipe_leaves_what_the_checks_expect() {
     pool.close().unwrap();
 }
 
-/// A version 5 pool whose checkpoint is written whole (every mapping page in one chain
-/// of chunks, refcounts derived), from the build before checkpoints kept their pages
-/// across checkpoints: it opens, `check` finds nothing wrong, it holds what the recipe
-/// left, and it opens again after a checkpoint of this build.
-#[test]
-fn a_version_5_pool_with_a_whole_checkpoint_opens() {
+/// Every incompatible feature a checkpoint of this build sets.
+const THIS_BUILDS_INCOMPAT: u64 = INCOMPAT_DERIVED_REFCOUNTS | INCOMPAT_PAGE_CHUNKS | INCOMPAT_SHARED_LEAVES;
+
+/// The version 5 fixture `name`, whose slots both have the incompatible features
+/// `incompat`: it opens, `check` finds nothing wrong, it holds what the recipe left,
+/// and it opens again after a checkpoint of this build, which sets this build's
+/// features.
+fn a_version_5_fixture_opens(name: &str, incompat: u64) {
     let dir = tempfile::tempdir().unwrap();
     let path = pool_path(dir.path());
-    std::fs::write(&path, fixture_image("pool-v5")).unwrap();
+    std::fs::write(&path, fixture_image(name)).unwrap();
     for at in SUPERBLOCK_OFFSETS {
         assert_eq!(slot_version(&path, at), 5, "the fixture's slot at byte {at}");
-        assert_eq!(slot_incompat(&path, at), INCOMPAT_DERIVED_REFCOUNTS, "the fixture's slot at byte {at}");
+        assert_eq!(slot_incompat(&path, at), incompat, "the fixture's slot at byte {at}");
     }
     let r = storage_engine::check(&path).unwrap();
     assert!(r.problems.is_empty(), "{r:?}");
@@ -218,11 +217,28 @@ fn a_version_5_pool_with_a_whole_checkpoint_opens() {
     let current = (0..2).max_by_key(|&i| slot(&path, SUPERBLOCK_OFFSETS[i]).generation.get()).unwrap();
     assert_eq!(
         slot_incompat(&path, SUPERBLOCK_OFFSETS[current]),
-        INCOMPAT_DERIVED_REFCOUNTS | INCOMPAT_PAGE_CHUNKS,
-        "this build's checkpoint keeps pages in page chunks"
+        THIS_BUILDS_INCOMPAT,
+        "this build's checkpoint keeps pages and shared leaves in page chunks"
     );
     assert_clean(dir.path());
     let pool = Pool::open(&path).unwrap();
     assert_recipe_content(&pool);
     pool.close().unwrap();
+}
+
+/// A version 5 pool whose checkpoint is written whole (every mapping page in one chain
+/// of chunks, refcounts derived), from the build before checkpoints kept their pages
+/// across checkpoints.
+#[test]
+fn a_version_5_pool_with_a_whole_checkpoint_opens() {
+    a_version_5_fixture_opens("pool-v5", INCOMPAT_DERIVED_REFCOUNTS);
+}
+
+/// A version 5 pool whose pages are in page chunks and whose directory names every
+/// volume's pages, from the build before volumes and snapshots shared leaves: each
+/// table gets leaves of its own at open, sharing the pages, and the first checkpoint
+/// writes them.
+#[test]
+fn a_version_5_pool_with_page_chunks_and_no_leaves_opens() {
+    a_version_5_fixture_opens("pool-v5-page-chunks", INCOMPAT_DERIVED_REFCOUNTS | INCOMPAT_PAGE_CHUNKS);
 }

@@ -56,7 +56,8 @@ fn a_checkpoint_writes_the_pages_that_changed_and_cleans_what_they_left() {
     assert!(idle <= 4096, "a checkpoint with nothing changed wrote {idle} bytes");
 
     // One unit of one page changed (a block written for the first time: its mapping
-    // changes): that page (8 KiB and its headers) and the directory.
+    // changes): that page (8 KiB and its headers), the leaf that says where the page
+    // now is (a block) and the directory.
     let before = checkpoint_bytes(&pool);
     let mut more = std::collections::BTreeMap::new();
     more.insert((5 * 512 + 3, 1), 0xfe);
@@ -65,11 +66,11 @@ fn a_checkpoint_writes_the_pages_that_changed_and_cleans_what_they_left() {
     rt.block_on(pool.checkpoint()).unwrap();
     let one = checkpoint_bytes(&pool) - before;
     assert!(one > 8 * 1024, "a checkpoint after one page changed wrote {one} bytes: not the page");
-    assert!(one <= 16 * 1024, "a checkpoint after one page changed wrote {one} bytes (a whole one {whole})");
+    assert!(one <= 20 * 1024, "a checkpoint after one page changed wrote {one} bytes (a whole one {whole})");
 
     // Rounds of a few pages changed each: what the checkpoints write stays within
-    // twice the changed pages plus, per checkpoint, a directory and half a chunk of
-    // pages moved out of a cleaned one; what the checkpoint holds stays within twice
+    // twice the changed pages plus, per checkpoint, a directory, the leaf and half a
+    // chunk of pages moved out of a cleaned one; what the checkpoint holds stays within twice
     // its compact size (plus the chunk of each kind that may be part full).
     let mut rng = 0x9e37_79b9_7f4a_7c15u64;
     let mut next = || {
@@ -95,7 +96,7 @@ fn a_checkpoint_writes_the_pages_that_changed_and_cleans_what_they_left() {
     }
     let churn = checkpoint_bytes(&pool) - before;
     let page = 8 * 1024 + 4096;
-    let allowed = 2 * rounds * per_round * page + rounds * (28 * 1024 + 4096);
+    let allowed = 2 * rounds * per_round * page + rounds * (28 * 1024 + 2 * 4096);
     assert!(
         churn <= allowed,
         "{rounds} checkpoints of {per_round} changed pages wrote {churn} bytes (at most {allowed})"
@@ -133,8 +134,8 @@ fn a_checkpoint_writes_the_pages_that_changed_and_cleans_what_they_left() {
     assert_clean(dir.path());
 }
 
-/// Snapshots share the stored pages: a snapshot's checkpoint writes its page
-/// locations, not its pages; pages its volume changes afterwards are written once
+/// Snapshots share the stored pages: a snapshot's checkpoint writes a leaf for each
+/// page its volume changed after it, not its pages; pages its volume changes afterwards are written once
 /// each, and deleting the snapshot frees the page chunks no one needs.
 #[test]
 fn a_snapshot_adds_page_locations_to_a_checkpoint_not_pages() {
@@ -153,7 +154,8 @@ fn a_snapshot_adds_page_locations_to_a_checkpoint_not_pages() {
     }
     rt.block_on(pool.checkpoint()).unwrap();
     let ten = checkpoint_bytes(&pool) - before;
-    // Ten copied pages and ten more tables' locations (32 each, 12 bytes), nothing else.
+    // Ten copied pages, ten copied leaves (32 page locations each, 12 bytes) and ten
+    // more tables' leaf locations, nothing else.
     assert!(ten <= 10 * (8 * 1024 + 4096) + 3 * 4096 + 28 * 1024, "ten snapshots' checkpoint wrote {ten} bytes");
     drop(v);
     pool.close().unwrap();
@@ -186,5 +188,39 @@ fn a_snapshot_adds_page_locations_to_a_checkpoint_not_pages() {
     pool.close().unwrap();
     let r = storage_engine::check(&pool_path(dir.path())).unwrap();
     assert!(r.problems.is_empty(), "{r:?}");
+    assert_clean(dir.path());
+}
+
+/// Snapshots share their volume's leaves: a checkpoint after a hundred snapshots of an
+/// unchanged volume writes, for each, its volume record and one leaf location (the
+/// 32 pages of its one leaf are not named again, which took 384 bytes per snapshot
+/// before leaves were shared), and every snapshot opens with its volume's content.
+#[test]
+fn snapshots_of_an_unchanged_volume_add_a_leaf_location_each() {
+    let dir = tempfile::tempdir().unwrap();
+    let rt = rt();
+    let (pool, v) = full_pages(dir.path(), &rt);
+    rt.block_on(pool.checkpoint()).unwrap();
+    let held = pool.status().metadata;
+    let before = checkpoint_bytes(&pool);
+    let snapshots = 100u64;
+    for s in 0..snapshots {
+        rt.block_on(pool.create_snapshot("v", &format!("s{s}"))).unwrap();
+    }
+    rt.block_on(pool.checkpoint()).unwrap();
+    let wrote = checkpoint_bytes(&pool) - before;
+    // A volume record with its name (about 40 bytes) and a leaf location record (24).
+    assert!(wrote <= snapshots * 80 + 4096, "{snapshots} snapshots' checkpoint wrote {wrote} bytes");
+    assert!(pool.status().metadata <= held + UNIT, "the snapshots added pages to the checkpoint");
+    drop(v);
+    pool.close().unwrap();
+    let pool = Pool::open(&pool_path(dir.path())).unwrap();
+    for s in [0, snapshots / 2, snapshots - 1] {
+        let snap = pool.volume(&format!("v@s{s}")).unwrap();
+        for u in [0, 511, 512 * PAGES - 1] {
+            assert_eq!(rt.block_on(read(&snap, u * UNIT, 4096)), vec![tag(u, 0); 4096], "v@s{s} unit {u}");
+        }
+    }
+    pool.close().unwrap();
     assert_clean(dir.path());
 }

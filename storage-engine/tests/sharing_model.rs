@@ -15,7 +15,8 @@
 //!   is not durable yet (a crash would give the unit back to that table);
 //! - at the end, every live table reads its own last write at every mapped logical
 //!   unit (no table sees another's write), refcounts equal the number of distinct
-//!   pages mapping each unit, and each page's owner count the tables holding it.
+//!   pages mapping each unit, each page's owner count the leaves holding it, and each
+//!   leaf's the tables holding it.
 //!
 //! The first five tests are the interleavings that lost data before the sharing
 //! signals were ordered (on-disk-format.md 6.1 rule 12); each failed on that code.
@@ -148,11 +149,14 @@ impl Model {
     }
 
     /// At the end: every live table reads what it last wrote, refcounts count the
-    /// distinct pages that map each unit, and owners the tables that hold each page.
+    /// distinct pages that map each unit, a page's owners the distinct leaves that hold
+    /// it, and a leaf's owners the tables that hold it.
     fn check(&self) {
         let g = self.ghost.lock().unwrap();
         let a = self.alloc.lock().unwrap();
         let mut refs: HashMap<u32, u32> = HashMap::new();
+        // Held by how many, and the owner count it says, by leaf and by page.
+        let mut leaves: HashMap<*const storage_engine::meta::Leaf, (u32, u32)> = HashMap::new();
         let mut owners: HashMap<*const storage_engine::meta::MapPage, (u32, u32)> = HashMap::new();
         for (t, table) in self.tables.iter().enumerate() {
             if self.deleted[t].load(std::sync::atomic::Ordering::SeqCst) {
@@ -167,20 +171,32 @@ impl Model {
                     e.punit
                 );
             }
-            for (_, page) in map.pages() {
-                let seen = owners
-                    .entry(std::sync::Arc::as_ptr(page))
-                    .or_insert((0, page.owners.load(std::sync::atomic::Ordering::SeqCst)));
+            for (_, leaf) in map.leaves() {
+                let seen = leaves
+                    .entry(std::sync::Arc::as_ptr(leaf))
+                    .or_insert((0, leaf.owners.load(std::sync::atomic::Ordering::SeqCst)));
                 seen.0 += 1;
-                if seen.0 == 1 {
-                    for u in page.units() {
-                        *refs.entry(u).or_default() += 1;
+                if seen.0 > 1 {
+                    continue;
+                }
+                for (_, page) in leaf.pages() {
+                    let seen = owners
+                        .entry(std::sync::Arc::as_ptr(page))
+                        .or_insert((0, page.owners.load(std::sync::atomic::Ordering::SeqCst)));
+                    seen.0 += 1;
+                    if seen.0 == 1 {
+                        for u in page.units() {
+                            *refs.entry(u).or_default() += 1;
+                        }
                     }
                 }
             }
         }
+        for (l, (held, owners)) in leaves {
+            assert_eq!(held, owners, "leaf {l:?} is held by {held} tables but counts {owners} owners");
+        }
         for (p, (held, owners)) in owners {
-            assert_eq!(held, owners, "page {p:?} is held by {held} tables but counts {owners} owners");
+            assert_eq!(held, owners, "page {p:?} is held by {held} leaves but counts {owners} owners");
         }
         for u in 0..a.unit_count() as u32 {
             let want = refs.get(&u).copied().unwrap_or(0);
@@ -190,12 +206,17 @@ impl Model {
 }
 
 /// A pool of 64 units where table 0 maps logical units `0..mapped` (data units 0..,
-/// holding 100 + lunit) and tables 1.. share its page: clones or snapshots of it.
+/// holding 100 + lunit) and tables 1.. share its leaf: clones or snapshots of it.
 fn model(tables: usize, mapped: u64) -> Arc<Model> {
+    model_at(tables, &(0..mapped).collect::<Vec<_>>())
+}
+
+/// [`model`] with table 0 mapping the logical units `lunits`.
+fn model_at(tables: usize, lunits: &[u64]) -> Arc<Model> {
     let mut a = Allocator::new(64);
     let mut t0 = MapTable::new();
     let mut ghost = Ghost::default();
-    for l in 0..mapped {
+    for &l in lunits {
         let p = a.alloc().unwrap();
         t0.set(l, Entry { punit: p, bitmap: 1 }, &mut a);
         ghost.content.insert(p, 100 + l);
@@ -203,11 +224,11 @@ fn model(tables: usize, mapped: u64) -> Arc<Model> {
     let mut all = vec![];
     for t in 1..tables {
         all.push(t0.share(&mut a));
-        for l in 0..mapped {
+        for &l in lunits {
             ghost.logical.insert((t, l), 100 + l);
         }
     }
-    for l in 0..mapped {
+    for &l in lunits {
         ghost.logical.insert((0, l), 100 + l);
     }
     all.insert(0, t0);
@@ -287,6 +308,27 @@ fn a_unit_left_by_a_copy_on_write_is_not_written_in_place_before_the_copy_is_dur
     explore(|| {
         let m = model(2, 1);
         run(vec![Box::new(|m| m.write(1, 0, 2)), Box::new(|m| m.write(0, 0, 1)), Box::new(|m| m.commit())], m)
+    });
+}
+
+#[test]
+fn a_page_left_to_one_leaf_by_a_delete_is_not_written_in_place_before_the_delete_is_durable() {
+    // Two pages in one leaf, shared by tables 0 and 1. Table 0's first write copies the
+    // leaf (both pages then held by two leaves) and page 0; its second writes page 1,
+    // which table 1's delete may meanwhile leave to table 0's leaf alone.
+    explore(|| {
+        let m = model_at(2, &[0, 512]);
+        run(
+            vec![
+                Box::new(|m| {
+                    m.write(0, 0, 1);
+                    m.write(0, 512, 2);
+                }),
+                Box::new(|m| m.delete(1)),
+                Box::new(|m| m.commit()),
+            ],
+            m,
+        )
     });
 }
 

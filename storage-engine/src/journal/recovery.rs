@@ -3,7 +3,7 @@
 //! ([`Loaded`]). Reads only. Not here: what the pool does with it (open), the records'
 //! codec (records.rs).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
 use zerocopy::{FromBytes, IntoBytes};
@@ -13,7 +13,7 @@ use super::state::{derive_refcounts, PageChunks, State, VolumeMeta};
 use super::superblock::{read_superblock, Geometry, ReadAt};
 use crate::error::{Error, Result};
 use crate::format::*;
-use crate::meta::{Allocator, Entry, MapPage, MapTable, MetaCounts, PageStored, META};
+use crate::meta::{Allocator, Entry, Leaf, MapPage, MapTable, MetaCounts, PageStored, LEAF_PAGES, META};
 use crate::props::Props;
 
 /// The log's position after loading: where the next batch goes.
@@ -154,8 +154,12 @@ struct CheckpointLoad {
     paged: bool,
     /// Its page chunks, by unit, with their seq.
     page_chunks: PageChunks,
+    /// Its directory names leaves, not pages ([`INCOMPAT_SHARED_LEAVES`]).
+    leaved: bool,
     /// Where each volume's pages are: `(volume, location)`, in order.
     locs: Vec<(u64, PageLoc)>,
+    /// Where each volume's leaves are: `(volume, location)`, in order.
+    leaf_locs: Vec<(u64, LeafLoc)>,
     /// The checkpoint's `checkpoint_seq`.
     seq: u64,
     /// Refcount entries read.
@@ -181,7 +185,9 @@ fn load_checkpoint(read: &mut ReadAt<'_>, sb: &Superblock, geo: &Geometry) -> Re
         pages: Vec::new(),
         paged: sb.incompat_features.get() & INCOMPAT_PAGE_CHUNKS != 0,
         page_chunks: PageChunks::new(),
+        leaved: sb.incompat_features.get() & INCOMPAT_SHARED_LEAVES != 0,
         locs: Vec::new(),
+        leaf_locs: Vec::new(),
         seq: sb.checkpoint_seq.get(),
         refcounts: 0,
         end: None,
@@ -221,7 +227,11 @@ fn load_checkpoint(read: &mut ReadAt<'_>, sb: &Superblock, geo: &Geometry) -> Re
         let Some(end) = &c.end else {
             return Err(Error::corrupt("checkpoint has no end record (incomplete)"));
         };
-        let pages = if c.paged { c.locs.len() } else { c.pages.len() };
+        let pages = match (c.paged, c.leaved) {
+            (_, true) => c.leaf_locs.len(),
+            (true, false) => c.locs.len(),
+            (false, false) => c.pages.len(),
+        };
         if end.chunks.get() != index
             || sb.checkpoint_chunks.get() != index
             || end.volumes.get() != c.volumes.len() as u64
@@ -257,14 +267,22 @@ impl CheckpointLoad {
         for (kind, body) in split_records(payload)? {
             let bad = |what: &str| Error::corrupt(format!("checkpoint chunk {index}: malformed {what} record"));
             // Each format's own records only: pages in the chain, or page chunks and
-            // page locations (INCOMPAT_PAGE_CHUNKS).
-            let paged_kind = matches!(kind, REC_PAGE_CHUNK | REC_PAGE_LOCS);
+            // page locations (INCOMPAT_PAGE_CHUNKS), or page chunks and leaf locations
+            // (INCOMPAT_SHARED_LEAVES as well).
+            let paged_kind = matches!(kind, REC_PAGE_CHUNK | REC_PAGE_LOCS | REC_LEAF_LOCS);
             let whole_kind = matches!(kind, REC_PAGE | REC_PAGE_REF | REC_REFCOUNTS);
             if (self.paged && whole_kind) || (!self.paged && paged_kind) {
                 return Err(Error::corrupt(format!(
                     "checkpoint chunk {index}: record kind {kind} does not belong to a checkpoint whose superblock {} \
                      page chunks",
                     if self.paged { "names" } else { "names no" }
+                )));
+            }
+            if (self.leaved && kind == REC_PAGE_LOCS) || (!self.leaved && kind == REC_LEAF_LOCS) {
+                return Err(Error::corrupt(format!(
+                    "checkpoint chunk {index}: record kind {kind} does not belong to a checkpoint whose superblock {} \
+                     shared leaves",
+                    if self.leaved { "names" } else { "names no" }
                 )));
             }
             match kind {
@@ -347,6 +365,18 @@ impl CheckpointLoad {
                     }
                     self.locs.extend(locs.iter().map(|l| (volume, l.clone())));
                 }
+                REC_LEAF_LOCS => {
+                    let (h, locs) = LeafLocsRec::read_from_prefix(body).map_err(|_| bad("leaf locations"))?;
+                    let locs = <[LeafLoc]>::ref_from_bytes(locs).map_err(|_| bad("leaf locations"))?;
+                    if locs.is_empty() || locs.len() > MAX_PAGE_LOCS {
+                        return Err(bad("leaf locations"));
+                    }
+                    let volume = h.volume.get();
+                    if !self.volumes.contains_key(&volume) {
+                        return Err(bad("leaf locations (unknown volume)"));
+                    }
+                    self.leaf_locs.extend(locs.iter().map(|l| (volume, l.clone())));
+                }
                 REC_END => {
                     let e = EndRec::read_from_bytes(body).map_err(|_| bad("end"))?;
                     self.end = Some(e.clone());
@@ -360,14 +390,18 @@ impl CheckpointLoad {
 
 impl CheckpointLoad {
     /// Reads every page chunk the directory named (docs/on-disk-format.md 7.2),
-    /// checking each header and checksum, and installs each volume's pages from them: a
-    /// page named by several locations is one page with that many owners, and knows
-    /// where it is stored, so the next checkpoint keeps it there.
+    /// checking each header and checksum, and installs each volume's pages from them,
+    /// through the leaves the directory names ([`INCOMPAT_SHARED_LEAVES`]) or directly
+    /// (a checkpoint without it). A leaf named by several locations is one leaf with
+    /// that many owners, a page named by several leaves (or, without leaves, by several
+    /// locations) one page with that many owners, and each knows where it is stored,
+    /// so the next checkpoint keeps it there.
     ///
     /// Errors: [`crate::ErrorKind::Corrupt`] naming the chunk or the location;
     /// [`crate::ErrorKind::Io`].
     fn load_pages(&mut self, read: &mut ReadAt<'_>, geo: &Geometry) -> Result<()> {
-        let mut bodies: std::collections::HashMap<PageStored, Arc<MapPage>> = Default::default();
+        let mut bodies: HashMap<PageStored, Arc<MapPage>> = Default::default();
+        let mut leaf_bodies: HashMap<PageStored, Vec<PageLoc>> = Default::default();
         for (&unit, &seq) in &self.page_chunks {
             let u = u64::from(unit);
             let chunk = read_chunk(read, geo, u, PAGE_CHUNK_MAGIC, seq)?;
@@ -377,32 +411,51 @@ impl CheckpointLoad {
                     geo.unit_offset(u)
                 )));
             };
-            let bad = || Error::corrupt(format!("page chunk at data unit {u}: malformed page record"));
+            let bad = |what: &str| Error::corrupt(format!("page chunk at data unit {u}: malformed {what} record"));
             let mut offset = 0usize;
+            let mut kinds = (false, false);
             for (kind, body) in split_records(&payload)? {
-                if kind != REC_PAGE_BODY {
-                    return Err(Error::corrupt(format!("page chunk at data unit {u}: record kind {kind}")));
-                }
-                let (h, entries) = PageBodyRec::read_from_prefix(body).map_err(|_| bad())?;
-                let n = h.entries.get() as usize;
-                let entries = <[PageEntry]>::ref_from_bytes(entries).map_err(|_| bad())?;
-                if entries.len() != n || n == 0 || n > PAGE_ENTRIES {
-                    return Err(bad());
-                }
-                let page = page_of(entries, geo).ok_or_else(bad)?;
                 let at = PageStored { unit, offset: offset as u32 };
-                page.set_stored(at);
-                bodies.insert(at, Arc::new(page));
+                match kind {
+                    REC_PAGE_BODY => {
+                        let (h, entries) = PageBodyRec::read_from_prefix(body).map_err(|_| bad("page"))?;
+                        let n = h.entries.get() as usize;
+                        let entries = <[PageEntry]>::ref_from_bytes(entries).map_err(|_| bad("page"))?;
+                        if entries.len() != n || n == 0 || n > PAGE_ENTRIES || h.pad.get() != 0 {
+                            return Err(bad("page"));
+                        }
+                        let page = page_of(entries, geo).ok_or_else(|| bad("page"))?;
+                        page.set_stored(at);
+                        bodies.insert(at, Arc::new(page));
+                        kinds.0 = true;
+                    }
+                    REC_LEAF_BODY if self.leaved => {
+                        let (h, locs) = LeafBodyRec::read_from_prefix(body).map_err(|_| bad("leaf"))?;
+                        let n = h.pages.get() as usize;
+                        let locs = <[PageLoc]>::ref_from_bytes(locs).map_err(|_| bad("leaf"))?;
+                        let ascending = locs.windows(2).all(|w| w[0].page_index.get() < w[1].page_index.get());
+                        let in_leaf = locs.last().is_some_and(|l| (l.page_index.get() as usize) < LEAF_PAGES);
+                        if locs.len() != n || n == 0 || !ascending || !in_leaf || h.pad.get() != 0 {
+                            return Err(bad("leaf"));
+                        }
+                        leaf_bodies.insert(at, locs.to_vec());
+                        kinds.1 = true;
+                    }
+                    _ => return Err(Error::corrupt(format!("page chunk at data unit {u}: record kind {kind}"))),
+                }
                 offset += size_of::<RecordHeader>() + body.len();
             }
+            if kinds == (true, true) {
+                return Err(Error::corrupt(format!("page chunk at data unit {u} holds both pages and leaves")));
+            }
         }
-        let mut used: std::collections::HashSet<PageStored> = Default::default();
-        for (volume, l) in std::mem::take(&mut self.locs) {
-            let at = PageStored { unit: l.unit.get(), offset: l.offset.get() };
+        let mut used: HashSet<PageStored> = Default::default();
+        // One more holder of the page at `at`: its first takes the owner it was made with.
+        let mut take = |at: PageStored, what: &dyn Fn() -> String| -> Result<Arc<MapPage>> {
             let page = bodies.get(&at).cloned().ok_or_else(|| {
                 Error::corrupt(format!(
-                    "checkpoint: page {} of volume {volume} is at unit {} offset {}, where no page chunk holds a page",
-                    l.page_index.get(),
+                    "checkpoint: {} is at unit {} offset {}, where no page chunk holds a page",
+                    what(),
                     at.unit,
                     at.offset
                 ))
@@ -410,12 +463,49 @@ impl CheckpointLoad {
             if !used.insert(at) {
                 page.owners.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
             }
+            Ok(page)
+        };
+        for (volume, l) in std::mem::take(&mut self.locs) {
+            let at = PageStored { unit: l.unit.get(), offset: l.offset.get() };
+            let index = l.page_index.get();
+            let page = take(at, &|| format!("page {index} of volume {volume}"))?;
             let vol = self.volumes.get_mut(&volume).expect("checked when read");
-            put_page(vol, u64::from(l.page_index.get()), page, geo.unit_size).map_err(|_| {
-                Error::corrupt(format!(
-                    "checkpoint: page {} of volume {volume} is past its end or given twice",
-                    l.page_index.get()
-                ))
+            put_page(vol, u64::from(index), page, geo.unit_size).map_err(|_| {
+                Error::corrupt(format!("checkpoint: page {index} of volume {volume} is past its end or given twice"))
+            })?;
+        }
+        let mut leaves: HashMap<PageStored, Arc<Leaf>> = Default::default();
+        for (volume, l) in std::mem::take(&mut self.leaf_locs) {
+            let at = PageStored { unit: l.unit.get(), offset: l.offset.get() };
+            let index = l.leaf_index.get();
+            let leaf = match leaves.get(&at) {
+                Some(leaf) => {
+                    leaf.owners.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+                    leaf.clone()
+                }
+                None => {
+                    let locs = leaf_bodies.get(&at).ok_or_else(|| {
+                        Error::corrupt(format!(
+                            "checkpoint: leaf {index} of volume {volume} is at unit {} offset {}, where no page \
+                             chunk holds a leaf",
+                            at.unit, at.offset
+                        ))
+                    })?;
+                    let mut leaf = Leaf::new();
+                    for p in locs {
+                        let i = p.page_index.get();
+                        let pat = PageStored { unit: p.unit.get(), offset: p.offset.get() };
+                        leaf.put(i as usize, take(pat, &|| format!("page {i} of the leaf at {at:?}"))?);
+                    }
+                    leaf.set_stored(at);
+                    let leaf = Arc::new(leaf);
+                    leaves.insert(at, leaf.clone());
+                    leaf
+                }
+            };
+            let vol = self.volumes.get_mut(&volume).expect("checked when read");
+            put_leaf(vol, u64::from(index), leaf, geo.unit_size).map_err(|_| {
+                Error::corrupt(format!("checkpoint: leaf {index} of volume {volume} is past its end or given twice"))
             })?;
         }
         Ok(())
@@ -677,6 +767,19 @@ fn beyond(last: u64, torn: bool, replayed: u64) -> u64 {
         true => last.max(replayed + 1),
         false => last,
     }
+}
+
+/// Installs `leaf` at leaf index `index` of `vol`; an error if a page of it lies past
+/// the volume's end or the volume has that leaf already.
+fn put_leaf(vol: &mut VolumeMeta, index: u64, leaf: Arc<Leaf>, unit_size: u64) -> std::result::Result<(), ()> {
+    let pages = vol.size.div_ceil(unit_size).div_ceil(PAGE_ENTRIES as u64);
+    let last = leaf.pages().last().map_or(0, |(i, _)| i as u64);
+    if index.checked_mul(LEAF_PAGES as u64).map(|first| first + last).is_none_or(|p| p >= pages)
+        || !vol.map.put_leaf(index as usize, leaf)
+    {
+        return Err(());
+    }
+    Ok(())
 }
 
 fn put_page(vol: &mut VolumeMeta, index: u64, page: Arc<MapPage>, unit_size: u64) -> std::result::Result<(), ()> {

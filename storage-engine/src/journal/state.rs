@@ -5,7 +5,7 @@
 //! [`derive_refcounts`]. Not here: writing chunks (the store's checkpoint), loading them
 //! (recovery.rs).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 
 use zerocopy::IntoBytes;
@@ -13,7 +13,7 @@ use zerocopy::IntoBytes;
 use super::records::{push_record, Record};
 use crate::error::{Error, Result};
 use crate::format::*;
-use crate::meta::{Allocator, Entry, MapPage, MapTable, MetaCounts, PageStored, META};
+use crate::meta::{Allocator, Entry, Leaf, MapPage, MapTable, MetaCounts, PageStored, LEAF_PAGES, META};
 use crate::props::Props;
 
 /// Metadata of one volume as a plain value.
@@ -167,63 +167,98 @@ impl State {
 
     /// Decides what a checkpoint of this state writes, given the page chunks of the
     /// current checkpoint (`chunks`) and the bytes a chunk holds at least when full
-    /// (`fill`, [`chunk_fill`]): every distinct page stored in one of `chunks` counts as
-    /// live there; a chunk holding less than `fill / 2` live bytes is cleaned (its live
-    /// pages are written again) or, holding none, dropped; the others are kept, with
-    /// the pages they hold. Pages stored nowhere (new or changed since) are written;
-    /// when there are none and the chunks holding live pages are no more than the
-    /// half-live rule allows for them, nothing is cleaned (only chunks left empty are
-    /// dropped), so a checkpoint with nothing changed writes its directory alone.
-    /// So every chunk kept by a checkpoint that writes pages is at least half live, and the bytes written are at most the
-    /// changed pages' plus as many again moved out of cleaned chunks, whose dead half
-    /// earlier changes made (docs/on-disk-format.md 5.4).
+    /// (`fill`, [`chunk_fill`]). A page chunk holds pages or leaves, never both. Every
+    /// distinct page stored in one of `chunks` counts as live there; a chunk holding
+    /// less than `fill / 2` live bytes is cleaned (its live pages are written again)
+    /// or, holding none, dropped; the others are kept, with the pages they hold. Pages
+    /// stored nowhere (new or changed since) are written. Then the same for leaves,
+    /// where a leaf counts as live only if it is stored and none of its pages is
+    /// written again (a page that moves changes the leaf that names it). When there is
+    /// nothing of a kind to write and the chunks holding live ones of that kind are no
+    /// more than the half-live rule allows for them, nothing of that kind is cleaned
+    /// (only chunks left empty are dropped), so a checkpoint with nothing changed
+    /// writes its directory alone. So every chunk kept by a checkpoint that writes
+    /// records of its kind is at least half live, and the bytes written are at most
+    /// the changed pages and leaves plus as many again moved out of cleaned chunks,
+    /// whose dead half earlier changes made (docs/on-disk-format.md 5.4).
     pub fn plan_checkpoint(&self, chunks: &PageChunks, fill: u64) -> CheckpointPlan {
-        let mut seen: std::collections::HashSet<*const MapPage> = Default::default();
+        let mut seen_leaves: HashSet<*const Leaf> = Default::default();
+        let mut seen: HashSet<*const MapPage> = Default::default();
+        let mut leaves: Vec<Arc<Leaf>> = Vec::new();
         let mut dirty = Vec::new();
         let mut live: BTreeMap<u32, (u64, Vec<Arc<MapPage>>)> = BTreeMap::new();
         for v in self.volumes.values() {
-            for (_, page) in v.map.pages() {
-                if !seen.insert(Arc::as_ptr(page)) {
+            for (_, leaf) in v.map.leaves() {
+                if !seen_leaves.insert(Arc::as_ptr(leaf)) {
                     continue;
                 }
-                match page.stored().filter(|at| chunks.contains_key(&at.unit)) {
-                    Some(at) => {
-                        let l = live.entry(at.unit).or_default();
-                        l.0 += page_body_bytes(page.mapped);
-                        l.1.push(page.clone());
+                leaves.push(leaf.clone());
+                for (_, page) in leaf.pages() {
+                    if !seen.insert(Arc::as_ptr(page)) {
+                        continue;
                     }
-                    None => dirty.push(page.clone()),
+                    match page.stored().filter(|at| chunks.contains_key(&at.unit)) {
+                        Some(at) => {
+                            let l = live.entry(at.unit).or_default();
+                            l.0 += page_body_bytes(page.mapped);
+                            l.1.push(page.clone());
+                        }
+                        None => dirty.push(page.clone()),
+                    }
                 }
             }
         }
-        // With no page to write, cleaning would only move pages from one part-full chunk
-        // to another: such a checkpoint (an idle one) keeps every chunk a page lives in,
-        // as long as those are no more than the half-live rule allows for the live bytes
-        // (after deletes they may be more: then it cleans as usual, and gives them back).
-        let live_bytes: u64 = live.values().map(|(b, _)| b).sum();
-        let idle = dirty.is_empty() && live.len() as u64 <= 2 * live_bytes.div_ceil(fill) + 1;
         let mut kept = PageChunks::new();
         let mut dropped = Vec::new();
-        for (&unit, &seq) in chunks {
-            match live.remove(&unit) {
-                Some((bytes, _)) if 2 * bytes >= fill || idle => {
-                    kept.insert(unit, seq);
-                }
-                Some((_, pages)) => {
-                    dirty.extend(pages);
-                    dropped.push(unit);
-                }
-                None => dropped.push(unit),
+        let mut cleaned = HashSet::new();
+        let idle = is_idle(dirty.is_empty(), &live, fill);
+        for (unit, (bytes, pages)) in live {
+            if 2 * bytes >= fill || idle {
+                kept.insert(unit, chunks[&unit]);
+            } else {
+                dirty.extend(pages);
+                cleaned.insert(unit);
             }
         }
-        CheckpointPlan { dirty, kept, dropped }
+        // Leaves: written again when stored nowhere, or when a page they name is.
+        let moved: HashSet<*const MapPage> = dirty.iter().map(Arc::as_ptr).collect();
+        let mut dirty_leaves = Vec::new();
+        let mut live: BTreeMap<u32, (u64, Vec<Arc<Leaf>>)> = BTreeMap::new();
+        for leaf in leaves {
+            // In a chunk of the current checkpoint that holds no live page.
+            let stored = leaf.stored().filter(|at| {
+                chunks.contains_key(&at.unit) && !kept.contains_key(&at.unit) && !cleaned.contains(&at.unit)
+            });
+            match stored {
+                Some(at) if !leaf.pages().any(|(_, p)| moved.contains(&Arc::as_ptr(p))) => {
+                    let l = live.entry(at.unit).or_default();
+                    l.0 += leaf_body_bytes(leaf.present());
+                    l.1.push(leaf);
+                }
+                _ => dirty_leaves.push(leaf),
+            }
+        }
+        let idle = is_idle(dirty_leaves.is_empty(), &live, fill);
+        for (unit, (bytes, held)) in live {
+            if 2 * bytes >= fill || idle {
+                kept.insert(unit, chunks[&unit]);
+            } else {
+                dirty_leaves.extend(held);
+            }
+        }
+        for &unit in chunks.keys() {
+            if !kept.contains_key(&unit) {
+                dropped.push(unit);
+            }
+        }
+        CheckpointPlan { dirty, dirty_leaves, kept, dropped }
     }
 
     /// Serialises the checkpoint's directory (docs/on-disk-format.md 5.2) into chunk
     /// payloads of at most `chunk_payload` bytes, handing each to `emit` in order with
     /// whether it is the last: the pool record, the page chunks `chunks` (unit and
-    /// seq), and each volume with its properties and where its pages are, which every
-    /// page must know by now ([`MapPage::stored`], set by [`encode_page_bodies`]).
+    /// seq), and each volume with its properties and where its leaves are, which every
+    /// leaf must know by now ([`Leaf::stored`], set by [`encode_bodies`]).
     /// Returns the number of chunks; stops at the first error `emit` returns.
     pub fn encode_directory(&self, chunks: &PageChunks, chunk_payload: usize, emit: &mut ChunkSink<'_>) -> Result<u64> {
         let mut w = ChunkWriter { chunk: Vec::with_capacity(chunk_payload), emitted: 0, limit: chunk_payload, emit };
@@ -248,25 +283,25 @@ impl State {
             if !v.props.is_empty() {
                 w.push(REC_PROPS, &[&v.props.encode(id)])?;
             }
-            let mut body: Vec<u8> = Vec::with_capacity(MAX_PAGE_LOCS * size_of::<PageLoc>());
-            let head = PageLocsRec { volume: id.into() };
-            for (index, page) in v.map.pages() {
-                let Some(at) = page.stored().filter(|at| chunks.contains_key(&at.unit)) else {
+            let mut body: Vec<u8> = Vec::with_capacity(MAX_PAGE_LOCS * size_of::<LeafLoc>());
+            let head = LeafLocsRec { volume: id.into() };
+            for (index, leaf) in v.map.leaves() {
+                let Some(at) = leaf.stored().filter(|at| chunks.contains_key(&at.unit)) else {
                     return Err(Error::new(
                         crate::ErrorKind::Io,
-                        format!("checkpoint: page {index} of volume {id} is in no page chunk (an engine bug)"),
+                        format!("checkpoint: leaf {index} of volume {id} is in no page chunk (an engine bug)"),
                     ));
                 };
-                let l = PageLoc { page_index: (index as u32).into(), unit: at.unit.into(), offset: at.offset.into() };
+                let l = LeafLoc { leaf_index: (index as u32).into(), unit: at.unit.into(), offset: at.offset.into() };
                 body.extend_from_slice(l.as_bytes());
                 locs += 1;
-                if body.len() == MAX_PAGE_LOCS * size_of::<PageLoc>() {
-                    w.push(REC_PAGE_LOCS, &[head.as_bytes(), &body])?;
+                if body.len() == MAX_PAGE_LOCS * size_of::<LeafLoc>() {
+                    w.push(REC_LEAF_LOCS, &[head.as_bytes(), &body])?;
                     body.clear();
                 }
             }
             if !body.is_empty() {
-                w.push(REC_PAGE_LOCS, &[head.as_bytes(), &body])?;
+                w.push(REC_LEAF_LOCS, &[head.as_bytes(), &body])?;
             }
         }
         // No refcount records: the open derives refcounts from the mappings
@@ -295,7 +330,10 @@ pub(crate) struct CheckpointPlan {
     /// The distinct pages to write into new page chunks: those stored nowhere, and the
     /// live ones of cleaned chunks.
     pub dirty: Vec<Arc<MapPage>>,
-    /// The page chunks kept, with the pages stored in them.
+    /// The distinct leaves to write into new page chunks, after the pages: those stored
+    /// nowhere, those naming a page written again, and the live ones of cleaned chunks.
+    pub dirty_leaves: Vec<Arc<Leaf>>,
+    /// The page chunks kept, with the pages and leaves stored in them.
     pub kept: PageChunks,
     /// The page chunks of the current checkpoint the next one drops: their units go
     /// back to the spare once it is durable.
@@ -307,6 +345,32 @@ impl CheckpointPlan {
     pub fn page_bytes(&self) -> u64 {
         self.dirty.iter().map(|p| page_body_bytes(p.mapped)).sum()
     }
+
+    /// Bytes of leaf records the plan writes.
+    pub fn leaf_bytes(&self) -> u64 {
+        self.dirty_leaves.iter().map(|l| leaf_body_bytes(l.present())).sum()
+    }
+
+    /// Forgets where the plan's pages and leaves were noted as written: its checkpoint
+    /// failed.
+    pub fn forget_stored(&self) {
+        self.dirty.iter().for_each(|p| p.clear_stored());
+        self.dirty_leaves.iter().for_each(|l| l.clear_stored());
+    }
+}
+
+/// Whether a checkpoint with nothing of a kind to write (`nothing_dirty`) keeps every
+/// chunk of that kind a live record is in: only while those chunks (`live`, with the
+/// bytes live in each) are no more than the half-live rule allows for the live bytes
+/// (after deletes they may be more: then it cleans as usual, and gives them back).
+fn is_idle<T>(nothing_dirty: bool, live: &BTreeMap<u32, (u64, T)>, fill: u64) -> bool {
+    let live_bytes: u64 = live.values().map(|(b, _)| b).sum();
+    nothing_dirty && live.len() as u64 <= 2 * live_bytes.div_ceil(fill) + 1
+}
+
+/// Bytes of a [`REC_LEAF_BODY`] record of a leaf with `present` pages, framing included.
+pub(crate) const fn leaf_body_bytes(present: u32) -> u64 {
+    (size_of::<RecordHeader>() + size_of::<LeafBodyRec>()) as u64 + present as u64 * size_of::<PageLoc>() as u64
 }
 
 /// Bytes of a [`REC_PAGE_BODY`] record of a page with `mapped` entries, framing included.
@@ -314,36 +378,88 @@ pub(crate) const fn page_body_bytes(mapped: u32) -> u64 {
     (size_of::<RecordHeader>() + size_of::<PageBodyRec>()) as u64 + mapped as u64 * size_of::<PageEntry>() as u64
 }
 
-/// Packs `pages` as [`REC_PAGE_BODY`] records into page chunk payloads of at most
-/// `chunk_payload` bytes, handing each finished payload to `emit`, which writes it and
-/// returns the data unit it went to; then notes in each page where it now is
-/// ([`MapPage::set_stored`]). Returns the units, in order; stops at the first error
-/// `emit` returns.
-pub(crate) fn encode_page_bodies(
-    pages: &[Arc<MapPage>],
+/// What a page chunk holds: pages ([`REC_PAGE_BODY`]) or leaves ([`REC_LEAF_BODY`]).
+pub(crate) trait ChunkBody {
+    /// Bytes of its record, framing included.
+    fn body_bytes(&self) -> usize;
+    /// Appends its record to `chunk`; an error if it cannot be encoded (a leaf naming
+    /// a page stored nowhere: an engine bug).
+    fn push_body(&self, chunk: &mut Vec<u8>) -> Result<()>;
+    /// Notes where it now is.
+    fn set_stored(&self, at: PageStored);
+}
+
+impl ChunkBody for Arc<MapPage> {
+    fn body_bytes(&self) -> usize {
+        page_body_bytes(self.mapped) as usize
+    }
+
+    fn push_body(&self, chunk: &mut Vec<u8>) -> Result<()> {
+        let head = PageBodyRec { entries: self.mapped.into(), pad: 0.into() };
+        push_record(chunk, REC_PAGE_BODY, &[head.as_bytes(), &page_entries(self)]);
+        Ok(())
+    }
+
+    fn set_stored(&self, at: PageStored) {
+        MapPage::set_stored(self, at)
+    }
+}
+
+impl ChunkBody for Arc<Leaf> {
+    fn body_bytes(&self) -> usize {
+        leaf_body_bytes(self.present()) as usize
+    }
+
+    fn push_body(&self, chunk: &mut Vec<u8>) -> Result<()> {
+        let mut body = Vec::with_capacity(self.present() as usize * size_of::<PageLoc>());
+        for (i, page) in self.pages() {
+            let at = page.stored().ok_or_else(|| {
+                Error::new(
+                    crate::ErrorKind::Io,
+                    format!("checkpoint: page {i} of a leaf is stored nowhere (an engine bug)"),
+                )
+            })?;
+            let l = PageLoc { page_index: (i as u32).into(), unit: at.unit.into(), offset: at.offset.into() };
+            body.extend_from_slice(l.as_bytes());
+        }
+        let head = LeafBodyRec { pages: self.present().into(), pad: 0.into() };
+        push_record(chunk, REC_LEAF_BODY, &[head.as_bytes(), &body]);
+        Ok(())
+    }
+
+    fn set_stored(&self, at: PageStored) {
+        Leaf::set_stored(self, at)
+    }
+}
+
+/// Packs `items` (pages, or leaves whose pages are all stored by now) as records into
+/// page chunk payloads of at most `chunk_payload` bytes, handing each finished payload
+/// to `emit`, which writes it and returns the data unit it went to; then notes in
+/// each item where it now is ([`MapPage::set_stored`], [`Leaf::set_stored`]). Returns
+/// the units, in order; stops at the first error.
+pub(crate) fn encode_bodies<T: ChunkBody>(
+    items: &[T],
     chunk_payload: usize,
     emit: &mut dyn FnMut(&[u8]) -> Result<u32>,
 ) -> Result<Vec<u32>> {
     let mut units = Vec::new();
     let mut chunk: Vec<u8> = Vec::with_capacity(chunk_payload);
-    let mut held: Vec<(&Arc<MapPage>, u32)> = Vec::new();
-    let mut flush = |chunk: &mut Vec<u8>, held: &mut Vec<(&Arc<MapPage>, u32)>| -> Result<()> {
+    let mut held: Vec<(&T, u32)> = Vec::new();
+    let mut flush = |chunk: &mut Vec<u8>, held: &mut Vec<(&T, u32)>| -> Result<()> {
         let unit = emit(chunk)?;
-        for (page, offset) in held.drain(..) {
-            page.set_stored(PageStored { unit, offset });
+        for (item, offset) in held.drain(..) {
+            item.set_stored(PageStored { unit, offset });
         }
         units.push(unit);
         chunk.clear();
         Ok(())
     };
-    for page in pages {
-        let len = page_body_bytes(page.mapped) as usize;
-        if chunk.len() + len > chunk_payload {
+    for item in items {
+        if chunk.len() + item.body_bytes() > chunk_payload {
             flush(&mut chunk, &mut held)?;
         }
-        held.push((page, chunk.len() as u32));
-        let head = PageBodyRec { entries: page.mapped.into(), pad: 0.into() };
-        push_record(&mut chunk, REC_PAGE_BODY, &[head.as_bytes(), &page_entries(page)]);
+        held.push((item, chunk.len() as u32));
+        item.push_body(&mut chunk)?;
     }
     if !chunk.is_empty() {
         flush(&mut chunk, &mut held)?;
@@ -369,6 +485,7 @@ const LARGEST_RECORD: u64 =
     (size_of::<RecordHeader>() + size_of::<PageRec>() + PAGE_ENTRIES * size_of::<PageEntry>()) as u64;
 const _: () = assert!(crate::props::MAX_PROPS_BYTES <= LARGEST_RECORD);
 const _: () = assert!(page_body_bytes(PAGE_ENTRIES as u32) <= LARGEST_RECORD);
+const _: () = assert!(leaf_body_bytes(LEAF_PAGES as u32) <= LARGEST_RECORD);
 const _: () = assert!(
     (size_of::<RecordHeader>() + size_of::<PageLocsRec>() + MAX_PAGE_LOCS * size_of::<PageLoc>()) as u64
         <= LARGEST_RECORD
@@ -380,43 +497,48 @@ pub(crate) fn chunk_fill(unit_size: u64) -> u64 {
     unit_size - size_of::<ChunkHeader>() as u64 - LARGEST_RECORD
 }
 
-/// Bytes of page records a checkpoint of metadata counted as `c` writes at most: every
-/// distinct page (16 bytes per entry and a 12-byte record head).
+/// Bytes of page and leaf records a checkpoint of metadata counted as `c` writes at
+/// most: every distinct page (16 bytes per entry and a 12-byte record head) and every
+/// distinct leaf (12 bytes per page it holds and a 12-byte record head).
 pub(crate) fn page_bytes_bound(c: &MetaCounts) -> u64 {
-    c.pages * page_body_bytes(0) + c.entries * size_of::<PageEntry>() as u64
+    c.pages * page_body_bytes(0)
+        + c.entries * size_of::<PageEntry>() as u64
+        + c.leaves * leaf_body_bytes(0)
+        + c.page_refs * size_of::<PageLoc>() as u64
 }
 
 /// Bytes of a checkpoint's directory for metadata counted as `c` with `page_chunks`
 /// page chunks, at most: the pool and end records, a record per page chunk, per volume
-/// (and its property record, counted in `volume_bytes`) and per 512 page locations,
-/// and a location per table holding a page.
+/// (and its property record, counted in `volume_bytes`) and per 512 leaf locations,
+/// and a location per table holding a leaf.
 pub(crate) fn directory_bytes_bound(c: &MetaCounts, page_chunks: u64) -> u64 {
     let hdr = size_of::<RecordHeader>() as u64;
-    let loc_records = c.page_refs / MAX_PAGE_LOCS as u64 + c.volumes;
+    let loc_records = c.leaf_refs / MAX_PAGE_LOCS as u64 + c.volumes;
     (hdr + size_of::<PoolRec>() as u64)
         + page_chunks * (hdr + size_of::<PageChunkRec>() as u64)
         + c.volumes * (hdr + size_of::<VolumeRec>() as u64)
         + c.volume_bytes
-        + c.page_refs * size_of::<PageLoc>() as u64
-        + loc_records * (hdr + size_of::<PageLocsRec>() as u64)
+        + c.leaf_refs * size_of::<LeafLoc>() as u64
+        + loc_records * (hdr + size_of::<LeafLocsRec>() as u64)
         + (hdr + size_of::<EndRec>() as u64)
 }
 
 /// Bytes of records a checkpoint of metadata counted as `c` writes at most, when it
-/// writes every page ([`State::plan_checkpoint`] keeping nothing): [`page_bytes_bound`]
-/// and the directory with at most twice the page chunks those fill, plus one (the
-/// chunks a checkpoint keeps are at least half live). No refcounts: the open derives
-/// them. `unit_size` gives the chunks' fill.
+/// writes every page and leaf ([`State::plan_checkpoint`] keeping nothing):
+/// [`page_bytes_bound`] and the directory with at most twice the page chunks those
+/// fill, plus two (the chunks a checkpoint keeps are at least half live, and each of
+/// the two kinds may end with one less full). No refcounts: the open derives them.
+/// `unit_size` gives the chunks' fill.
 pub(crate) fn checkpoint_bytes_bound(c: &MetaCounts, unit_size: u64) -> u64 {
     let pages = page_bytes_bound(c);
-    pages + directory_bytes_bound(c, 2 * pages.div_ceil(chunk_fill(unit_size)) + 1)
+    pages + directory_bytes_bound(c, 2 * pages.div_ceil(chunk_fill(unit_size)) + 2)
 }
 
 /// Chunks (data units of `unit_size` bytes) a checkpoint writes at most for `bytes`
-/// bytes of records: page chunks and directory chunks, each kind with one chunk that
-/// may be less than full ([`chunk_fill`]).
+/// bytes of records: page chunks, leaf chunks and directory chunks, each kind with one
+/// chunk that may be less than full ([`chunk_fill`]).
 pub(crate) fn checkpoint_units_bound(bytes: u64, unit_size: u64) -> u64 {
-    bytes.div_ceil(chunk_fill(unit_size)) + 3
+    bytes.div_ceil(chunk_fill(unit_size)) + 4
 }
 
 /// Receives checkpoint chunk payloads in order: `(payload, last)`.
@@ -457,11 +579,17 @@ impl ChunkWriter<'_, '_> {
 /// counted in an allocator of its own (a byte per unit, exact past that).
 pub(crate) fn derive_refcounts<'a>(maps: impl IntoIterator<Item = &'a MapTable>, units: usize) -> Allocator {
     let mut derived = Allocator::new(units);
-    let mut seen: std::collections::HashSet<*const MapPage> = Default::default();
+    let mut seen: HashSet<*const MapPage> = Default::default();
+    let mut seen_leaves: HashSet<*const Leaf> = Default::default();
     for map in maps {
-        for (_, p) in map.pages() {
-            if seen.insert(Arc::as_ptr(p)) {
-                p.units().for_each(|u| derived.incref(u));
+        for (_, leaf) in map.leaves() {
+            if !seen_leaves.insert(Arc::as_ptr(leaf)) {
+                continue;
+            }
+            for (_, p) in leaf.pages() {
+                if seen.insert(Arc::as_ptr(p)) {
+                    p.units().for_each(|u| derived.incref(u));
+                }
             }
         }
     }

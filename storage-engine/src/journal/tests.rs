@@ -142,13 +142,14 @@ fn checkpoint_into(st: &State, chunks: &mut PageChunks, next_unit: &mut u32, uni
     let payload = unit_size as usize - size_of::<ChunkHeader>();
     let plan = st.plan_checkpoint(chunks, chunk_fill(unit_size));
     let (mut written, mut bytes) = (0u64, 0u64);
-    let new = encode_page_bodies(&plan.dirty, payload, &mut |body| {
+    let mut emit = |body: &[u8]| {
         written += 1;
         bytes += body.len() as u64;
         *next_unit += 1;
         Ok(*next_unit - 1)
-    })
-    .unwrap();
+    };
+    let mut new = encode_bodies(&plan.dirty, payload, &mut emit).unwrap();
+    new.extend(encode_bodies(&plan.dirty_leaves, payload, &mut emit).unwrap());
     let mut all = plan.kept.clone();
     all.extend(new.iter().map(|&u| (u, 1)));
     let dir = st

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::sync::{self, AtomicU32, AtomicU8, Ordering};
-use super::{MapPage, MapTable};
+use super::{Leaf, MapPage, MapTable};
 
 /// Per-unit refcounts, one byte per data unit, readable without the allocator's lock
 /// (the allocator is the only writer).
@@ -248,10 +248,14 @@ pub struct MetaCounts {
     /// Bytes of their variable parts: their names and their property records (labels
     /// and attachments, `REC_PROPS`).
     pub volume_bytes: u64,
-    /// Distinct mapping pages (a page several tables hold counts once).
+    /// Distinct mapping pages (a page several leaves hold counts once).
     pub pages: u64,
-    /// Pages held, counted once per table holding each.
+    /// Pages held, counted once per distinct leaf holding each.
     pub page_refs: u64,
+    /// Distinct leaves (a leaf several tables hold counts once).
+    pub leaves: u64,
+    /// Leaves held, counted once per table holding each.
+    pub leaf_refs: u64,
     /// Mapped entries of the distinct pages.
     pub entries: u64,
 }
@@ -263,18 +267,26 @@ impl MetaCounts {
     }
 
     /// The counts of `tables` (each a volume's or snapshot's table, with the bytes of
-    /// its variable parts: name and property record): walks every page once.
+    /// its variable parts: name and property record): walks every leaf and page once.
     pub fn of<'a>(tables: impl IntoIterator<Item = (&'a MapTable, u64)>) -> MetaCounts {
         let mut c = MetaCounts::default();
         let mut seen: std::collections::HashSet<*const MapPage> = Default::default();
+        let mut seen_leaves: std::collections::HashSet<*const Leaf> = Default::default();
         for (map, own_bytes) in tables {
             c.volumes += 1;
             c.volume_bytes += own_bytes;
-            for (_, page) in map.pages() {
-                c.page_refs += 1;
-                if seen.insert(Arc::as_ptr(page)) {
-                    c.pages += 1;
-                    c.entries += u64::from(page.mapped);
+            for (_, leaf) in map.leaves() {
+                c.leaf_refs += 1;
+                if !seen_leaves.insert(Arc::as_ptr(leaf)) {
+                    continue;
+                }
+                c.leaves += 1;
+                for (_, page) in leaf.pages() {
+                    c.page_refs += 1;
+                    if seen.insert(Arc::as_ptr(page)) {
+                        c.pages += 1;
+                        c.entries += u64::from(page.mapped);
+                    }
                 }
             }
         }

@@ -1,5 +1,5 @@
-//! Mapping tables: [`MapTable`] of 512-entry [`MapPage`]s shared copy-on-write between
-//! a volume and its snapshots and clones, and [`writable_in_place`], the decision the
+//! Mapping tables: [`MapTable`] of [`Leaf`]s of 512-entry [`MapPage`]s, both shared
+//! copy-on-write between a volume and its snapshots and clones, and [`writable_in_place`], the decision the
 //! data path makes from them (the module docs of `meta` give the order of the signals).
 //! Not here: refcounts and free space (alloc.rs).
 
@@ -14,7 +14,8 @@ use crate::format::PAGE_ENTRIES;
 /// not become exclusive by a change that is not durable yet). Otherwise the write must
 /// copy the unit first. Call with `map` locked (shared is enough); needs no other lock.
 ///
-/// Reads the page's owners, then the refcount, then the settling count: the order that
+/// Reads the leaf's owners, the page's owners, then the refcount, then the settling
+/// count: the order that
 /// the transitions of the module docs ("The sharing signals and their order") are
 /// written against.
 pub fn writable_in_place(
@@ -47,13 +48,13 @@ impl Entry {
     }
 }
 
-/// 512 consecutive mapping entries (4 KiB), shared by `owners` tables.
+/// 512 consecutive mapping entries (4 KiB), shared by `owners` leaves.
 pub struct MapPage {
     /// The entries, by index in the page.
     pub entries: [Entry; PAGE_ENTRIES],
     /// Number of mapped entries.
     pub mapped: u32,
-    /// Tables (volumes, snapshots) holding this page; more than one means shared.
+    /// Leaves holding this page; more than one means shared.
     pub owners: AtomicU32,
     /// Where the current checkpoint holds these entries ([`PageStored`]), or
     /// [`NOT_STORED`]: set by the checkpoint that writes or loads the page, cleared by
@@ -99,8 +100,7 @@ impl MapPage {
 
     /// Where the current checkpoint holds these entries, if it holds them as they are.
     pub fn stored(&self) -> Option<PageStored> {
-        let v = self.stored.load(Ordering::Acquire);
-        (v != NOT_STORED).then_some(PageStored { unit: (v >> 32) as u32, offset: v as u32 })
+        load_stored(&self.stored)
     }
 
     /// Forgets where a checkpoint that failed wrote these entries.
@@ -112,10 +112,10 @@ impl MapPage {
     /// checkpoint's writer and the loader call it, on pages no table changes meanwhile
     /// (a change copies a page a checkpoint still holds, [`MapTable::set`]).
     pub fn set_stored(&self, at: PageStored) {
-        self.stored.store((u64::from(at.unit) << 32) | u64::from(at.offset), Ordering::Release);
+        store_stored(&self.stored, at);
     }
 
-    /// Whether more than one table holds the page.
+    /// Whether more than one leaf holds the page.
     pub fn is_shared(&self) -> bool {
         self.owners.load(Ordering::Acquire) > 1
     }
@@ -134,10 +134,109 @@ impl Default for MapPage {
 
 /// Mapping pages per leaf of a [`MapTable`]: a leaf (4 KiB of page pointers) covers
 /// 512 pages, 262,144 logical units.
-pub(super) const LEAF_PAGES: usize = 512;
+pub const LEAF_PAGES: usize = 512;
 
-/// One leaf of a [`MapTable`]: page pointers by `page index % LEAF_PAGES`.
-type Leaf = [Option<Arc<MapPage>>; LEAF_PAGES];
+/// One leaf of a [`MapTable`]: 512 page pointers, by `page index % LEAF_PAGES`, shared
+/// by `owners` tables as pages are shared by leaves (module docs of `meta`): a snapshot
+/// or clone shares a volume's leaves, and a table copies a leaf others hold before it
+/// changes one of its pointers.
+pub struct Leaf {
+    pages: [Option<Arc<MapPage>>; LEAF_PAGES],
+    /// Present pages.
+    present: u32,
+    /// Tables (volumes, snapshots) holding this leaf; more than one means shared.
+    pub owners: AtomicU32,
+    /// Where the current checkpoint holds this leaf's page locations ([`PageStored`]),
+    /// or [`NOT_STORED`]: cleared by any change of the leaf or of one of its pages.
+    stored: AtomicU64,
+}
+
+impl Clone for Leaf {
+    /// A private copy (one owner) holding the same pages, stored nowhere yet. The
+    /// pages' owners are the caller's to count.
+    fn clone(&self) -> Leaf {
+        Leaf {
+            pages: self.pages.clone(),
+            present: self.present,
+            owners: AtomicU32::new(1),
+            stored: AtomicU64::new(NOT_STORED),
+        }
+    }
+}
+
+impl Default for Leaf {
+    fn default() -> Self {
+        Leaf::new()
+    }
+}
+
+impl Leaf {
+    /// An empty leaf with one owner, stored nowhere.
+    pub fn new() -> Leaf {
+        Leaf {
+            pages: [const { None }; LEAF_PAGES],
+            present: 0,
+            owners: AtomicU32::new(1),
+            stored: AtomicU64::new(NOT_STORED),
+        }
+    }
+
+    /// The present pages with their index in the leaf (0 … 511), in order.
+    pub fn pages(&self) -> impl Iterator<Item = (usize, &Arc<MapPage>)> + '_ {
+        self.pages.iter().enumerate().filter_map(|(i, p)| p.as_ref().map(|p| (i, p)))
+    }
+
+    /// The page at index `i` of the leaf (`i < LEAF_PAGES`), if present.
+    pub fn page(&self, i: usize) -> Option<&Arc<MapPage>> {
+        self.pages[i].as_ref()
+    }
+
+    /// Number of present pages.
+    pub fn present(&self) -> u32 {
+        self.present
+    }
+
+    /// Installs `page` at index `i` (`i < LEAF_PAGES`) of a leaf being loaded; returns
+    /// `false`, changing nothing, if a page is there already.
+    pub fn put(&mut self, i: usize, page: Arc<MapPage>) -> bool {
+        if self.pages[i].is_some() {
+            return false;
+        }
+        self.pages[i] = Some(page);
+        self.present += 1;
+        true
+    }
+
+    /// Where the current checkpoint holds this leaf as it is, if it does.
+    pub fn stored(&self) -> Option<PageStored> {
+        load_stored(&self.stored)
+    }
+
+    /// Forgets where a checkpoint that failed wrote this leaf.
+    pub fn clear_stored(&self) {
+        self.stored.store(NOT_STORED, Ordering::Release);
+    }
+
+    /// Notes where a checkpoint wrote (or an open read) this leaf; as
+    /// [`MapPage::set_stored`].
+    pub fn set_stored(&self, at: PageStored) {
+        store_stored(&self.stored, at);
+    }
+
+    /// Whether more than one table holds the leaf.
+    pub fn is_shared(&self) -> bool {
+        self.owners.load(Ordering::Acquire) > 1
+    }
+}
+
+fn load_stored(a: &AtomicU64) -> Option<PageStored> {
+    let v = a.load(Ordering::Acquire);
+    (v != NOT_STORED).then_some(PageStored { unit: (v >> 32) as u32, offset: v as u32 })
+}
+
+fn store_stored(a: &AtomicU64, at: PageStored) {
+    a.store((u64::from(at.unit) << 32) | u64::from(at.offset), Ordering::Release);
+}
 
 /// A volume's mapping: pages indexed by `lunit / 512`; an absent page is all unmapped.
 ///
@@ -145,11 +244,12 @@ type Leaf = [Option<Arc<MapPage>>; LEAF_PAGES];
 /// a page is, under a vector of leaf pointers that reaches only as far as the last
 /// present leaf. A 1 TiB volume written in its first GiB holds one 4 KiB leaf; one
 /// written only at its last byte holds one leaf and 8 bytes per 16 GiB before it
-/// (with 64 KiB units), not 8 bytes per 32 MiB. The volume checks ranges against its
-/// size; the table takes any logical unit.
+/// (with 64 KiB units), not 8 bytes per 32 MiB. Leaves are shared between tables like
+/// pages, so sharing a table costs a pointer per leaf, not per page. The volume checks
+/// ranges against its size; the table takes any logical unit.
 #[derive(Clone, Default)]
 pub struct MapTable {
-    pub(super) leaves: Vec<Option<Box<Leaf>>>,
+    pub(super) leaves: Vec<Option<Arc<Leaf>>>,
 }
 
 impl MapTable {
@@ -161,7 +261,7 @@ impl MapTable {
     /// The page of index `p` (logical units `p * 512 ..`), if present.
     #[inline]
     pub fn page(&self, p: usize) -> Option<&Arc<MapPage>> {
-        self.leaves.get(p / LEAF_PAGES)?.as_ref()?[p % LEAF_PAGES].as_ref()
+        self.leaves.get(p / LEAF_PAGES)?.as_ref()?.pages[p % LEAF_PAGES].as_ref()
     }
 
     /// Entry of `lunit` (unmapped when out of the table).
@@ -174,67 +274,66 @@ impl MapTable {
         }
     }
 
-    /// Whether the page holding `lunit` is shared with another table.
+    /// Whether the page holding `lunit` is shared with another table: its leaf is, or
+    /// the page is (read in that order, module docs of `meta`).
     #[inline]
     pub fn page_shared(&self, lunit: u64) -> bool {
         let (p, _) = split(lunit);
-        self.page(p).is_some_and(|page| page.is_shared())
-    }
-
-    /// The slot of page `p`, creating its leaf when `create`; `None` if the leaf is
-    /// absent and not created.
-    fn slot_mut(&mut self, p: usize, create: bool) -> Option<&mut Option<Arc<MapPage>>> {
-        let l = p / LEAF_PAGES;
-        if l >= self.leaves.len() {
-            if !create {
-                return None;
-            }
-            self.leaves.resize_with(l + 1, || None);
-        }
-        let leaf = &mut self.leaves[l];
-        if leaf.is_none() {
-            if !create {
-                return None;
-            }
-            *leaf = Some(Box::new([const { None }; LEAF_PAGES]));
-        }
-        leaf.as_mut().map(|leaf| &mut leaf[p % LEAF_PAGES])
-    }
-
-    /// Drops page `p`'s slot content, and its leaf once empty, and trailing absent leaves.
-    fn clear_slot(&mut self, p: usize) {
-        let l = p / LEAF_PAGES;
-        if let Some(Some(leaf)) = self.leaves.get_mut(l) {
-            leaf[p % LEAF_PAGES] = None;
-            if leaf.iter().all(|s| s.is_none()) {
-                self.leaves[l] = None;
-            }
-        }
-        while let Some(None) = self.leaves.last() {
-            self.leaves.pop();
-        }
+        let Some(Some(leaf)) = self.leaves.get(p / LEAF_PAGES) else {
+            return false;
+        };
+        let shared_leaf = leaf.is_shared();
+        leaf.pages[p % LEAF_PAGES].as_ref().is_some_and(|page| shared_leaf || page.is_shared())
     }
 
     /// Sets the entry of `lunit`, with the allocator locked (`a`). If other tables hold
-    /// its page, this table first gets a copy of its own: every data unit the copy maps
-    /// gains a reference, and only then does the original page lose this table as an
-    /// owner (module docs). Returns the previous entry; the refcounts of the entry's own
-    /// units (the new one, the one replaced) are the caller's to change.
+    /// its leaf, this table first gets a copy of the leaf: every page of the copy gains
+    /// an owner, and only then does the original leaf lose this table as an owner. If
+    /// other leaves hold its page, the leaf then gets a copy of the page: every data
+    /// unit the copy maps gains a reference, and only then does the original page lose
+    /// an owner (module docs). Returns the previous entry; the refcounts of the entry's
+    /// own units (the new one, the one replaced) are the caller's to change.
     pub fn set(&mut self, lunit: u64, e: Entry, a: &mut Allocator) -> Entry {
         let (p, i) = split(lunit);
-        let Some(slot) = self.slot_mut(p, e.is_mapped()) else {
+        let (l, pi) = (p / LEAF_PAGES, p % LEAF_PAGES);
+        if !e.is_mapped() && self.page(p).is_none() {
             return Entry::EMPTY;
-        };
+        }
+        if l >= self.leaves.len() {
+            self.leaves.resize_with(l + 1, || None);
+        }
+        let lslot = &mut self.leaves[l];
+        if lslot.is_none() {
+            *lslot = Some(Arc::new(Leaf::new()));
+            a.counts.leaves += 1;
+            a.counts.leaf_refs += 1;
+        }
+        let held = lslot.as_ref().expect("leaf present");
+        // Under the allocator lock, no other table changes this leaf's owners meanwhile.
+        if held.is_shared() {
+            let copy = (**held).clone();
+            copy.pages().for_each(|(_, page)| {
+                page.owners.fetch_add(1, Ordering::AcqRel);
+            });
+            a.counts.leaves += 1;
+            a.counts.page_refs += u64::from(copy.present);
+            held.owners.fetch_sub(1, Ordering::AcqRel);
+            *lslot = Some(Arc::new(copy));
+        }
+        // Unique logically; a checkpoint in progress may still hold the Arc, in which
+        // case make_mut copies it in memory only.
+        let leaf = Arc::make_mut(lslot.as_mut().expect("leaf present"));
+        // A page pointer or a page's entries change: the checkpoint's copy of this
+        // leaf's page locations no longer stands for it.
+        *leaf.stored.get_mut() = NOT_STORED;
+        let slot = &mut leaf.pages[pi];
         if slot.is_none() {
-            if !e.is_mapped() {
-                return Entry::EMPTY;
-            }
             *slot = Some(Arc::new(MapPage::new()));
+            leaf.present += 1;
             a.counts.pages += 1;
             a.counts.page_refs += 1;
         }
         let held = slot.as_ref().expect("page present");
-        // Under the allocator lock, no other table changes this page's owners meanwhile.
         if held.is_shared() {
             let copy = (**held).clone();
             copy.units().for_each(|u| a.incref(u));
@@ -243,8 +342,6 @@ impl MapTable {
             held.owners.fetch_sub(1, Ordering::AcqRel);
             *slot = Some(Arc::new(copy));
         }
-        // Unique logically; a checkpoint in progress may still hold the Arc, in which
-        // case make_mut copies it in memory only.
         let page = Arc::make_mut(slot.as_mut().expect("page present"));
         // Its entries change: the checkpoint's copy of them no longer stands for it.
         *page.stored.get_mut() = NOT_STORED;
@@ -261,27 +358,60 @@ impl MapTable {
             _ => {}
         }
         if page.mapped == 0 {
-            self.clear_slot(p);
+            *slot = None;
+            leaf.present -= 1;
             a.counts.pages -= 1;
             a.counts.page_refs -= 1;
+            if leaf.present == 0 {
+                self.leaves[l] = None;
+                a.counts.leaves -= 1;
+                a.counts.leaf_refs -= 1;
+                while let Some(None) = self.leaves.last() {
+                    self.leaves.pop();
+                }
+            }
         }
         old
     }
 
-    /// The present pages with their indexes, in order: for checkpoints and walks.
-    pub fn pages(&self) -> impl Iterator<Item = (usize, &Arc<MapPage>)> + '_ {
-        self.leaves.iter().enumerate().filter_map(|(l, leaf)| leaf.as_ref().map(|leaf| (l, leaf))).flat_map(
-            |(l, leaf)| {
-                leaf.iter().enumerate().filter_map(move |(i, page)| page.as_ref().map(|pg| (l * LEAF_PAGES + i, pg)))
-            },
-        )
+    /// The leaf of index `l` (pages `l * 512 ..`), if present.
+    #[inline]
+    pub fn leaf(&self, l: usize) -> Option<&Arc<Leaf>> {
+        self.leaves.get(l)?.as_ref()
     }
 
-    /// Installs a page read from a checkpoint.
+    /// The present leaves with their indexes (first page / 512), in order.
+    pub fn leaves(&self) -> impl Iterator<Item = (usize, &Arc<Leaf>)> + '_ {
+        self.leaves.iter().enumerate().filter_map(|(l, leaf)| leaf.as_ref().map(|leaf| (l, leaf)))
+    }
+
+    /// The present pages with their indexes, in order: for checkpoints and walks.
+    pub fn pages(&self) -> impl Iterator<Item = (usize, &Arc<MapPage>)> + '_ {
+        self.leaves().flat_map(|(l, leaf)| leaf.pages().map(move |(i, page)| (l * LEAF_PAGES + i, page)))
+    }
+
+    /// Installs a page read from a checkpoint that names pages, not leaves, into a
+    /// leaf of this table's own.
     pub fn put_page(&mut self, index: usize, page: Arc<MapPage>) {
-        if let Some(slot) = self.slot_mut(index, true) {
-            *slot = Some(page);
+        let l = index / LEAF_PAGES;
+        if l >= self.leaves.len() {
+            self.leaves.resize_with(l + 1, || None);
         }
+        let leaf = self.leaves[l].get_or_insert_with(|| Arc::new(Leaf::new()));
+        Arc::make_mut(leaf).put(index % LEAF_PAGES, page);
+    }
+
+    /// Installs a leaf read from a checkpoint at leaf index `l`; returns `false`,
+    /// changing nothing, if one is there already.
+    pub fn put_leaf(&mut self, l: usize, leaf: Arc<Leaf>) -> bool {
+        if l >= self.leaves.len() {
+            self.leaves.resize_with(l + 1, || None);
+        }
+        if self.leaves[l].is_some() {
+            return false;
+        }
+        self.leaves[l] = Some(leaf);
+        true
     }
 
     /// Every mapped entry with its logical unit, in order.
@@ -295,56 +425,77 @@ impl MapTable {
         })
     }
 
-    /// Drops every page, with the allocator locked (`a`): a page this table held alone
-    /// takes its units' references with it ([`Allocator::decref`]); a page left to a
-    /// single other owner first marks its units settling (they may be exclusive to that
-    /// owner now, but not before this change is durable), then loses this owner.
+    /// Drops every leaf, with the allocator locked (`a`). A leaf this table held alone
+    /// drops its pages: a page no other leaf holds takes its units' references with it
+    /// ([`Allocator::decref`]); a page left to a single other leaf first marks its units
+    /// settling (they may be exclusive to that leaf's table now, but not before this
+    /// change is durable), then loses this owner. A leaf left to a single other table
+    /// first marks settling the units of the pages only it holds, for the same reason,
+    /// then loses this owner.
     pub fn release_all(&mut self, a: &mut Allocator) {
         for leaf in self.leaves.drain(..).flatten() {
-            for page in leaf.into_iter().flatten() {
-                a.counts.page_refs -= 1;
-                match page.owners.load(Ordering::Acquire) {
-                    1 => {
-                        page.owners.store(0, Ordering::Release);
-                        page.units().for_each(|u| a.decref(u));
-                        a.counts.pages -= 1;
-                        a.counts.entries -= u64::from(page.mapped);
+            a.counts.leaf_refs -= 1;
+            match leaf.owners.load(Ordering::Acquire) {
+                1 => {
+                    leaf.owners.store(0, Ordering::Release);
+                    a.counts.leaves -= 1;
+                    for (_, page) in leaf.pages() {
+                        a.counts.page_refs -= 1;
+                        release_page(page, a);
                     }
-                    n => {
-                        if n == 2 {
-                            page.units().for_each(|u| a.unsettle(u));
+                }
+                n => {
+                    if n == 2 {
+                        for (_, page) in leaf.pages() {
+                            if !page.is_shared() {
+                                page.units().for_each(|u| a.unsettle(u));
+                            }
                         }
-                        page.owners.fetch_sub(1, Ordering::AcqRel);
                     }
+                    leaf.owners.fetch_sub(1, Ordering::AcqRel);
                 }
             }
         }
     }
 
-    /// A new table sharing every page with this one (no data or entries copied), with
-    /// the allocator locked (`a`, as for every change of owners): the basis of snapshots
-    /// and clones. Costs the leaves (4 KiB per 512 pages). The caller holds back writes
-    /// to this table meanwhile (the volume's gate): a page becomes shared only while no
-    /// write may be going in place into it.
+    /// A new table sharing every leaf with this one (no pages, data or entries
+    /// copied), with the allocator locked (`a`, as for every change of owners): the
+    /// basis of snapshots and clones. Costs a pointer per leaf (8 bytes per 512 pages)
+    /// whatever is mapped. The caller holds back writes to this table meanwhile (the
+    /// volume's gate): a leaf becomes shared only while no write may be going in place
+    /// into one of its pages.
     pub fn share(&self, a: &mut Allocator) -> MapTable {
-        let mut held = 0;
         let leaves = self
             .leaves
             .iter()
             .map(|leaf| {
                 leaf.as_ref().map(|leaf| {
-                    Box::new(std::array::from_fn(|i| {
-                        leaf[i].as_ref().map(|page| {
-                            page.owners.fetch_add(1, Ordering::AcqRel);
-                            held += 1;
-                            page.clone()
-                        })
-                    }))
+                    leaf.owners.fetch_add(1, Ordering::AcqRel);
+                    a.counts.leaf_refs += 1;
+                    leaf.clone()
                 })
             })
             .collect();
-        a.counts.page_refs += held;
         MapTable { leaves }
+    }
+}
+
+/// One leaf's hold on `page` dropped, with the allocator locked (`a`), by a leaf that
+/// goes ([`MapTable::release_all`]).
+fn release_page(page: &MapPage, a: &mut Allocator) {
+    match page.owners.load(Ordering::Acquire) {
+        1 => {
+            page.owners.store(0, Ordering::Release);
+            page.units().for_each(|u| a.decref(u));
+            a.counts.pages -= 1;
+            a.counts.entries -= u64::from(page.mapped);
+        }
+        n => {
+            if n == 2 {
+                page.units().for_each(|u| a.unsettle(u));
+            }
+            page.owners.fetch_sub(1, Ordering::AcqRel);
+        }
     }
 }
 

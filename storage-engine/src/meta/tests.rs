@@ -1,6 +1,9 @@
 //! Unit tests of the mapping tables and the allocator.
 
-use super::map::{split, LEAF_PAGES};
+use std::sync::Arc;
+
+use super::map::split;
+use super::sync::Ordering;
 use super::*;
 
 #[test]
@@ -55,6 +58,39 @@ fn a_far_mapping_costs_one_leaf_and_a_pointer_per_leaf_before_it() {
     t.set(lunit, Entry::EMPTY, &mut a);
     assert!(t.leaves.is_empty(), "the last page gone takes its leaf and the pointers");
     assert_eq!(shared.get(lunit).punit, 3, "the sharer keeps its page");
+}
+
+#[test]
+fn sharing_a_table_shares_its_leaves_and_touches_no_page() {
+    let mut a = Allocator::new(64);
+    let mut t = MapTable::new();
+    // Pages 0 and 3 of leaf 0, page 0 of leaf 2.
+    for l in [0u64, 3 * 512, 2 * 512 * 512] {
+        let p = a.alloc().unwrap();
+        t.set(l, Entry { punit: p, bitmap: 1 }, &mut a);
+    }
+    let owners = |t: &MapTable, p: usize| t.page(p).unwrap().owners.load(Ordering::SeqCst);
+    let mut s = t.share(&mut a);
+    for (l, leaf) in t.leaves() {
+        assert!(Arc::ptr_eq(leaf, s.leaf(l).unwrap()), "leaf {l} is the same leaf in both tables");
+        assert_eq!(leaf.owners.load(Ordering::SeqCst), 2);
+    }
+    assert_eq!((owners(&t, 0), owners(&t, 3), owners(&t, 1024)), (1, 1, 1), "no page gained an owner");
+    assert!(t.page_shared(0) && s.page_shared(2 * 512 * 512), "a page of a shared leaf is shared");
+    // A change in leaf 0 copies that leaf alone: its two pages gain an owner, and the
+    // changed page is copied.
+    let old = s.set(3 * 512, Entry::EMPTY, &mut a);
+    a.decref(old.punit);
+    assert!(
+        !Arc::ptr_eq(t.leaf(0).unwrap(), s.leaf(0).unwrap()) && Arc::ptr_eq(t.leaf(2).unwrap(), s.leaf(2).unwrap())
+    );
+    assert_eq!((owners(&t, 0), owners(&t, 3)), (2, 1), "page 0 is held by both leaves now, page 3 by t's alone");
+    assert!(s.page(3).is_none() && t.get(3 * 512).is_mapped());
+    assert!(t.page_shared(0) && !t.page_shared(3 * 512) && t.page_shared(2 * 512 * 512));
+    assert_eq!(a.counts, MetaCounts::of([(&t, 0), (&s, 0)]).with_volumes(0, 0));
+    s.release_all(&mut a);
+    assert!(!t.page_shared(0) && !t.page_shared(2 * 512 * 512), "t holds everything alone again");
+    assert_eq!(a.counts, MetaCounts::of([(&t, 0)]).with_volumes(0, 0));
 }
 
 #[test]
@@ -114,18 +150,30 @@ fn counts_follow_pages_entries_and_shares() {
         let p = a.alloc().unwrap();
         t.set(l, Entry { punit: p, bitmap: 1 }, &mut a);
     }
-    let want = |pages, page_refs, entries| MetaCounts { volumes: 0, volume_bytes: 0, pages, page_refs, entries };
-    assert_eq!(a.counts, want(2, 2, 3));
+    let want = |pages, page_refs, entries, leaves, leaf_refs| MetaCounts {
+        volumes: 0,
+        volume_bytes: 0,
+        pages,
+        page_refs,
+        entries,
+        leaves,
+        leaf_refs,
+    };
+    assert_eq!(a.counts, want(2, 2, 3, 1, 1));
     let mut s = t.share(&mut a);
-    assert_eq!(a.counts, want(2, 4, 3), "a share adds references, not pages");
+    assert_eq!(a.counts, want(2, 2, 3, 1, 2), "a share adds a reference to the leaf, nothing else");
     let old = s.set(1, Entry::EMPTY, &mut a);
     a.decref(old.punit);
-    assert_eq!(a.counts, want(3, 4, 4), "the copy is a page of its own, with one entry fewer than the original");
+    assert_eq!(
+        a.counts,
+        want(3, 4, 4, 2, 2),
+        "the leaf copy holds both pages, and the page copy is a page of its own, with one entry fewer"
+    );
     assert_eq!(a.counts, MetaCounts::of([(&t, 0), (&s, 0)]).with_volumes(0, 0));
     s.release_all(&mut a);
-    assert_eq!(a.counts, want(2, 2, 3));
+    assert_eq!(a.counts, want(2, 2, 3, 1, 1));
     t.release_all(&mut a);
-    assert_eq!(a.counts, want(0, 0, 0));
+    assert_eq!(a.counts, want(0, 0, 0, 0, 0));
 }
 
 #[test]

@@ -316,14 +316,14 @@ impl Pool {
                 return Err(Error::new(ErrorKind::NotFound, format!("'{source}' was deleted")));
             }
             let maps: Vec<_> = srcs.iter().map(|s| s.map.read()).collect();
-            // Each new volume's record, and a reference to each page it shares.
+            // Each new volume's record, and a reference to each leaf it shares.
             let extra: u64 = pairs
                 .iter()
                 .zip(&maps)
                 .map(|((_, target), map)| {
                     room::volume_record_bytes(target.len())
                         + props.record_bytes()
-                        + room::PAGE_REF_BYTES * map.pages().count() as u64
+                        + room::PAGE_REF_BYTES * map.leaves().count() as u64
                 })
                 .sum();
             let mut alloc = self.store.alloc();

@@ -79,8 +79,9 @@ impl Store {
         // back to the spare.
         let fill = journal::chunk_fill(self.geo.unit_size);
         let plan = state.plan_checkpoint(&log.page_chunks, fill);
-        let page_bytes = plan.page_bytes();
-        let page_units = if page_bytes == 0 { 0 } else { page_bytes.div_ceil(fill) + 1 };
+        // Each kind of page chunk may end with one less full.
+        let kind_units = |bytes: u64| if bytes == 0 { 0 } else { bytes.div_ceil(fill) + 1 };
+        let page_units = kind_units(plan.page_bytes()) + kind_units(plan.leaf_bytes());
         let dir_bytes = journal::directory_bytes_bound(&counts, plan.kept.len() as u64 + page_units);
         let bound = page_units + dir_bytes.div_ceil(fill) + 1;
         {
@@ -110,17 +111,19 @@ impl Store {
                     a.retire_meta(u);
                 }
                 a.checkpoint_units = (log.checkpoint_units.len() + log.page_chunks.len()) as u64;
-                // The pages noted as in those chunks are in none.
-                plan.dirty.iter().for_each(|p| p.clear_stored());
+                // The pages and leaves noted as in those chunks are in none.
+                plan.forget_stored();
             }
         }
         result?;
         // K3: the sync above made the data and the chunks durable; switch superblocks.
         let mut sb = log.sb.clone();
         sb.version = FORMAT_VERSION.into();
-        // No refcounts, and pages in page chunks: a build that does not know either must
-        // refuse the pool.
-        sb.incompat_features = (sb.incompat_features.get() | INCOMPAT_DERIVED_REFCOUNTS | INCOMPAT_PAGE_CHUNKS).into();
+        // No refcounts, and pages and leaves in page chunks: a build that does not know
+        // these must refuse the pool.
+        sb.incompat_features =
+            (sb.incompat_features.get() | INCOMPAT_DERIVED_REFCOUNTS | INCOMPAT_PAGE_CHUNKS | INCOMPAT_SHARED_LEAVES)
+                .into();
         sb.checkpoint_unit = u64::from(units[0]).into();
         sb.checkpoint_chunks = (units.len() as u64).into();
         sb.checkpoint_seq = seq.into();
@@ -236,16 +239,20 @@ impl<'a> ChunkWrites<'a> {
         ChunkWrites { store, seq, reserved, inflight: VecDeque::new(), pages: Vec::new(), dirs: Vec::new(), bytes: 0 }
     }
 
-    /// The page chunks, then the directory: all written (not yet synced) or an error.
+    /// The page chunks of pages, then those of leaves (which name where the pages
+    /// are), then the directory (which names where the leaves are): all written (not
+    /// yet synced) or an error.
     fn write_all(&mut self, state: &State, plan: &journal::CheckpointPlan) -> Result<()> {
         let payload = self.store.geo.unit_size as usize - size_of::<ChunkHeader>();
-        let written = journal::encode_page_bodies(&plan.dirty, payload, &mut |body| {
+        let mut emit = |body: &[u8]| {
             let unit = self.take()?;
             let index = self.pages.len() as u64;
             self.pages.push(unit);
             self.write(PAGE_CHUNK_MAGIC, unit, index, NO_UNIT, body)?;
             Ok(unit)
-        });
+        };
+        let written = journal::encode_bodies(&plan.dirty, payload, &mut emit)
+            .and_then(|_| journal::encode_bodies(&plan.dirty_leaves, payload, &mut emit));
         let result = written.and_then(|_| self.write_directory(state, plan));
         // Every write waited for, also after an error: the caller gives the units back.
         std::mem::take(&mut self.inflight).into_iter().fold(result, |r, rx| r.and(wait(rx)))

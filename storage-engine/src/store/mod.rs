@@ -501,10 +501,12 @@ impl Store {
     pub fn info(&self, v: &VolState) -> VolumeInfo {
         let props = v.props();
         let (mut mapped, mut exclusive) = (0u64, 0u64);
-        for (_, page) in v.map.read().pages() {
-            mapped += u64::from(page.mapped);
-            if !page.is_shared() {
-                exclusive += page.units().filter(|&u| self.refcounts.is_exclusive(u)).count() as u64;
+        for (_, leaf) in v.map.read().leaves() {
+            for (_, page) in leaf.pages() {
+                mapped += u64::from(page.mapped);
+                if !leaf.is_shared() && !page.is_shared() {
+                    exclusive += page.units().filter(|&u| self.refcounts.is_exclusive(u)).count() as u64;
+                }
             }
         }
         VolumeInfo {

@@ -49,8 +49,8 @@ use super::Store;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{PageEntry, PageRec, PageRefRec, RecordHeader, VolumeRec, BLOCK_SIZE};
 use crate::io::{self, AlignedBuf};
-use crate::journal::{checkpoint_bytes_bound, checkpoint_units_bound};
-use crate::meta::{Allocator, MapTable};
+use crate::journal::{checkpoint_bytes_bound, checkpoint_units_bound, leaf_body_bytes};
+use crate::meta::{Allocator, MapTable, LEAF_PAGES};
 
 /// Units of the rule kept beyond the bound (module docs).
 pub(crate) const SLACK_UNITS: u64 = 4;
@@ -65,33 +65,46 @@ pub(crate) fn volume_record_bytes(name_len: usize) -> u64 {
     (size_of::<RecordHeader>() + size_of::<VolumeRec>() + name_len) as u64
 }
 
-/// Checkpoint bytes one more table holding a page adds.
+/// Checkpoint bytes one more table holding a leaf, or one more leaf holding a page, adds.
 pub(crate) const PAGE_REF_BYTES: u64 = (size_of::<RecordHeader>() + size_of::<PageRefRec>()) as u64;
 
 /// Checkpoint bytes a new mapped unit adds by itself: its page entry and its refcount.
 const UNIT_BYTES: u64 = 32;
 
 /// Checkpoint bytes a copy on write may add once it installs its unit, counted when it
-/// allocates the unit: the unit's refcount entry, and a copy of a full mapping page
-/// (if the page is shared by then).
-pub(crate) const COW_GROWTH: u64 = 16 + page_record_bytes(crate::format::PAGE_ENTRIES as u64);
+/// allocates the unit: the unit's refcount entry, and copies of a full leaf and a full
+/// mapping page (if they are shared by then).
+pub(crate) const COW_GROWTH: u64 =
+    16 + page_record_bytes(crate::format::PAGE_ENTRIES as u64) + leaf_body_bytes(LEAF_PAGES as u32);
 
 /// Checkpoint bytes that mapping the unmapped logical units `lunits` of `map` adds at
-/// most: each unit's entry and refcount, and for each page they fall in, a new page's
-/// record if it has none, or a copy of it if other tables hold it.
+/// most: each unit's entry and refcount; for each leaf they fall in, a new leaf's
+/// record and location if it has none, or a copy of it if other tables hold it; and
+/// for each page, a new page's record if it has none, or a copy of it if its leaf or
+/// the page is shared.
 pub(crate) fn allocation_growth(map: &MapTable, lunits: &[u64]) -> u64 {
     let per_page = crate::format::PAGE_ENTRIES as u64;
     let mut growth = lunits.len() as u64 * UNIT_BYTES;
-    let mut last_page = None;
+    let (mut last_page, mut last_leaf) = (None, None);
     for &l in lunits {
         let p = (l / per_page) as usize;
         if last_page == Some(p) {
             continue;
         }
         last_page = Some(p);
+        let leaf = map.leaf(p / LEAF_PAGES);
+        if last_leaf != Some(p / LEAF_PAGES) {
+            last_leaf = Some(p / LEAF_PAGES);
+            growth += match leaf {
+                None => leaf_body_bytes(0) + PAGE_REF_BYTES,
+                Some(leaf) if leaf.is_shared() => leaf_body_bytes(leaf.present()),
+                Some(_) => 0,
+            };
+        }
+        let leaf_shared = leaf.is_some_and(|leaf| leaf.is_shared());
         growth += match map.page(p) {
             None => page_record_bytes(0),
-            Some(page) if page.is_shared() => page_record_bytes(u64::from(page.mapped)),
+            Some(page) if leaf_shared || page.is_shared() => page_record_bytes(u64::from(page.mapped)),
             Some(_) => 0,
         };
     }
