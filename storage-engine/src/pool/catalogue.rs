@@ -12,7 +12,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::format::{BLOCK_SIZE, PAGE_ENTRIES};
 use crate::info::VolumeInfo;
 use crate::journal::{Record, VolumeMeta};
-use crate::meta::MapTable;
+use crate::meta::{MapTable, LEAF_PAGES};
 use crate::names::{check_no_orphan_snapshots, validate_name, validate_size};
 use crate::props::{validate_labels, Labels, Props};
 use crate::store::room::{self, NeedRoom, Room};
@@ -429,8 +429,15 @@ impl Pool {
     fn changed_blocks(&self, ma: &MapTable, mb: &MapTable) -> Vec<(u64, u64)> {
         let bpu = self.store.geo().blocks_per_unit();
         let us = self.store.geo().unit_size;
-        // Pages present on either side, in order.
-        let present: std::collections::BTreeSet<usize> = ma.pages().chain(mb.pages()).map(|(p, _)| p).collect();
+        // Pages present on either side, in order, but for the leaves both share (a
+        // snapshot and its volume share every leaf the volume did not change since).
+        let same_leaf = |l: usize| matches!((ma.leaf(l), mb.leaf(l)), (Some(x), Some(y)) if Arc::ptr_eq(x, y));
+        let present: std::collections::BTreeSet<usize> = ma
+            .leaves()
+            .chain(mb.leaves())
+            .filter(|&(l, _)| !same_leaf(l))
+            .flat_map(|(l, leaf)| leaf.pages().map(move |(i, _)| l * LEAF_PAGES + i))
+            .collect();
         let mut out: Vec<(u64, u64)> = Vec::new();
         let mut push = |off: u64, len: u64| match out.last_mut() {
             Some((o, l)) if *o + *l == off => *l += len,
