@@ -192,6 +192,9 @@ fn load_checkpoint(read: &mut ReadAt<'_>, sb: &Superblock, geo: &Geometry) -> Re
         refcounts: 0,
         end: None,
     };
+    if c.leaved && !c.paged {
+        return Err(Error::corrupt("superblock names shared leaves without page chunks"));
+    }
     let mut checkpoint_units = Vec::new();
     let mut unit = sb.checkpoint_unit.get();
     let mut index = 0u64;

@@ -583,11 +583,15 @@ impl Volume {
                 if map.page((u / page_units) as usize).is_none() {
                     return Ok(Room::Done(()));
                 }
-                // A page shared with a snapshot or clone is copied by the first change:
-                // the copy's record must have room in the next checkpoints (room.rs).
+                // A page shared with a snapshot or clone is copied by the first change,
+                // and its leaf first if that is shared: the copies' records must have
+                // room in the next checkpoints (room.rs).
                 if map.page_shared(u) && (u..page_end).any(|x| map.get(x).is_mapped()) {
                     let mapped = map.page((u / page_units) as usize).map_or(0, |p| u64::from(p.mapped));
-                    let extra = room::page_record_bytes(mapped);
+                    let leaf = map.leaf((u / page_units) as usize / crate::meta::LEAF_PAGES);
+                    let leaf_copy =
+                        leaf.filter(|l| l.is_shared()).map_or(0, |l| crate::journal::leaf_body_bytes(l.present()));
+                    let extra = room::page_record_bytes(mapped) + leaf_copy;
                     if !self.store.has_room(&self.store.alloc(), extra) {
                         return Ok(Room::Need(NeedRoom { units: 0, extra }));
                     }
