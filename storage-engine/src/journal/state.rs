@@ -210,16 +210,7 @@ impl State {
         }
         let mut kept = PageChunks::new();
         let mut dropped = Vec::new();
-        let mut cleaned = HashSet::new();
-        let idle = is_idle(dirty.is_empty(), &live, fill);
-        for (unit, (bytes, pages)) in live {
-            if 2 * bytes >= fill || idle {
-                kept.insert(unit, chunks[&unit]);
-            } else {
-                dirty.extend(pages);
-                cleaned.insert(unit);
-            }
-        }
+        let cleaned = keep_or_clean(live, &mut dirty, chunks, fill, &mut kept);
         // Leaves: written again when stored nowhere, or when a page they name is.
         let moved: HashSet<*const MapPage> = dirty.iter().map(Arc::as_ptr).collect();
         let mut dirty_leaves = Vec::new();
@@ -238,14 +229,7 @@ impl State {
                 _ => dirty_leaves.push(leaf),
             }
         }
-        let idle = is_idle(dirty_leaves.is_empty(), &live, fill);
-        for (unit, (bytes, held)) in live {
-            if 2 * bytes >= fill || idle {
-                kept.insert(unit, chunks[&unit]);
-            } else {
-                dirty_leaves.extend(held);
-            }
-        }
+        keep_or_clean(live, &mut dirty_leaves, chunks, fill, &mut kept);
         for &unit in chunks.keys() {
             if !kept.contains_key(&unit) {
                 dropped.push(unit);
@@ -359,13 +343,33 @@ impl CheckpointPlan {
     }
 }
 
-/// Whether a checkpoint with nothing of a kind to write (`nothing_dirty`) keeps every
-/// chunk of that kind a live record is in: only while those chunks (`live`, with the
-/// bytes live in each) are no more than the half-live rule allows for the live bytes
-/// (after deletes they may be more: then it cleans as usual, and gives them back).
-fn is_idle<T>(nothing_dirty: bool, live: &BTreeMap<u32, (u64, T)>, fill: u64) -> bool {
+/// Decides, for the chunks of one kind holding live records (`live`: unit → live bytes
+/// and the records), which of `chunks` are kept (into `kept`) and which are cleaned
+/// (their records go to `dirty`, the records of that kind to write); returns the
+/// cleaned units. A chunk at least half live (of `fill`) is kept. When `dirty` is
+/// empty, every chunk is kept as long as the chunks are no more than the half-live
+/// rule allows for the live bytes (after deletes they may be more: then it cleans as
+/// usual, and gives them back), so a checkpoint with nothing of the kind to write
+/// moves none of it.
+fn keep_or_clean<T>(
+    live: BTreeMap<u32, (u64, Vec<T>)>,
+    dirty: &mut Vec<T>,
+    chunks: &PageChunks,
+    fill: u64,
+    kept: &mut PageChunks,
+) -> HashSet<u32> {
     let live_bytes: u64 = live.values().map(|(b, _)| b).sum();
-    nothing_dirty && live.len() as u64 <= 2 * live_bytes.div_ceil(fill) + 1
+    let idle = dirty.is_empty() && live.len() as u64 <= 2 * live_bytes.div_ceil(fill) + 1;
+    let mut cleaned = HashSet::new();
+    for (unit, (bytes, held)) in live {
+        if 2 * bytes >= fill || idle {
+            kept.insert(unit, chunks[&unit]);
+        } else {
+            dirty.extend(held);
+            cleaned.insert(unit);
+        }
+    }
+    cleaned
 }
 
 /// Bytes of a [`REC_LEAF_BODY`] record of a leaf with `present` pages, framing included.
