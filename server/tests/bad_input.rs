@@ -449,15 +449,38 @@ fn slot_generation(pool: &Path, slot: u64) -> u64 {
     u64::from_le_bytes(b)
 }
 
-/// (older, newer) superblock slot offsets of `pool`.
-fn slots_by_age(pool: &Path) -> (u64, u64) {
-    let (g0, g1) = (slot_generation(pool, 0), slot_generation(pool, 4096));
-    assert_ne!(g0, g1, "both superblock slots have generation {g0}");
-    if g0 < g1 {
-        (0, 4096)
-    } else {
-        (4096, 0)
-    }
+/// Reads the superblock slot at byte `slot` of `pool` (4 KiB).
+fn read_slot(pool: &Path, slot: u64) -> Vec<u8> {
+    use std::os::unix::fs::FileExt;
+    let mut b = vec![0u8; 4096];
+    std::fs::File::open(pool).unwrap().read_exact_at(&mut b, slot).unwrap();
+    b
+}
+
+/// A pool whose newer checkpoint's superblock reached one slot only (the disk lost its
+/// write to the other, which still holds the older generation), the slot it reached
+/// then damaged, with commits made after the newer checkpoint in the log (two faults):
+/// returns the older slot's offset. `after` makes those commits, with the server
+/// running.
+fn lost_newer_slot(td: &TestDir, after: impl FnOnce(&mut Server)) -> u64 {
+    made_pool(td);
+    let pool = td.data().join("pool.img");
+    let older = read_slot(&pool, 0);
+    assert_eq!(older, read_slot(&pool, 4096), "a checkpoint writes both slots");
+    let gen = slot_generation(&pool, 0);
+    // The newer checkpoint, through the engine (a clean open writes none).
+    let p = storage_engine::Pool::open(&pool).unwrap();
+    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(p.checkpoint()).unwrap();
+    p.close().unwrap();
+    assert_eq!(slot_generation(&pool, 0), gen + 1);
+    let mut s = Server::start_with(&td.data(), "128MiB", &[]);
+    after(&mut s);
+    s.kill9();
+    // The new generation's slot is written first, then the other.
+    let (first, second) = if (gen + 1).is_multiple_of(2) { (0, 4096) } else { (4096, 0) };
+    overwrite(&pool, second, &older);
+    flip_bit(&pool, first + 40);
+    second
 }
 
 fn flip_bit(pool: &Path, offset: u64) {
@@ -468,56 +491,55 @@ fn flip_bit(pool: &Path, offset: u64) {
 }
 
 #[test]
-fn damaged_older_superblock_slot_is_tolerated_with_a_warning() {
-    // A flipped bit in the older slot (its generation field intact, one below the valid
-    // slot's): the pool opens with its data, `check` is clean but warns, and the next
-    // checkpoint rewrites the slot.
-    let td = TestDir::new();
-    made_pool(&td);
-    let pool = td.data().join("pool.img");
-    let (old, _) = slots_by_age(&pool);
-    flip_bit(&pool, old + 40); // in unit_size: the checksum fails
-    let out = cli_ok(&td.data(), &["check"]);
-    assert!(out.lines().any(|l| l.trim() == "clean"), "{out}");
-    let slot = if old == 0 { 0 } else { 1 };
-    assert!(
-        out.contains(&format!("warning: superblock slot {slot} is damaged (superblock checksum mismatch)")),
-        "check does not warn about the damaged slot:\n{out}"
-    );
-    let mut s = Server::start_with(&td.data(), "128MiB", &[]);
-    qemu_io_ok(&s.uri("vol"), &["read -P 0x33 0 4M", "read -P 0 4M 60M"]);
-    s.stop();
-    let out = cli_ok(&td.data(), &["check"]);
-    assert!(!out.contains("warning"), "the damaged slot was not rewritten:\n{out}");
-    check_clean(&td.data());
+fn a_damaged_superblock_slot_is_read_around_with_a_warning() {
+    // A flipped bit in either slot (every checkpoint writes both): the pool opens from
+    // the other with all its data, `check` is clean but warns and names the copy read,
+    // and the open writes both slots again.
+    for (slot, at) in [(0, 0u64), (1, 4096)] {
+        let td = TestDir::new();
+        made_pool(&td);
+        let pool = td.data().join("pool.img");
+        flip_bit(&pool, at + 40); // in unit_size: the checksum fails
+        let out = cli_ok(&td.data(), &["check"]);
+        assert!(out.lines().any(|l| l.trim() == "clean"), "{out}");
+        assert!(
+            out.contains(&format!("warning: superblock slot {slot} is damaged (superblock checksum mismatch)"))
+                && out.contains(&format!("its copy in slot {} ", 1 - slot)),
+            "check does not warn about the damaged slot:\n{out}"
+        );
+        let mut s = Server::start_with(&td.data(), "128MiB", &[]);
+        qemu_io_ok(&s.uri("vol"), &["read -P 0x33 0 4M", "read -P 0 4M 60M"]);
+        s.stop();
+        let out = cli_ok(&td.data(), &["check"]);
+        assert!(!out.contains("warning"), "the damaged slot was not rewritten:\n{out}");
+        check_clean(&td.data());
+    }
 }
 
 #[test]
-fn damaged_newer_superblock_slot_is_refused_unless_a_rollback_is_accepted() {
-    // One flipped bit in the newer slot: opening from the older slot could silently lose
-    // what was committed after it, so serve and check refuse, say why, name the way out,
-    // and change nothing; with --accept-superblock-rollback the pool opens.
+fn a_lost_newer_superblock_is_refused_unless_a_rollback_is_accepted() {
+    // Two faults: the newer checkpoint's superblock reached one slot only, and that
+    // slot is damaged, with a write committed after it in the log. Opening from the
+    // older slot would silently lose that write, so serve and check refuse, say why,
+    // name the way out, and change nothing; with --accept-superblock-rollback the pool
+    // opens with the older state.
     let td = TestDir::new();
-    made_pool(&td);
+    // A write into an unmapped unit: a mapping committed after the newer checkpoint.
+    lost_newer_slot(&td, |s| qemu_io_ok(&s.uri("vol"), &["write -P 0x44 8M 64k", "flush"]));
     let pool = td.data().join("pool.img");
-    let (_, new) = slots_by_age(&pool);
-    flip_bit(&pool, new + 40);
     let before = sha256(&pool);
     let msg = serve_fails(&td.data(), &[]);
-    let slot = if new == 0 { 0 } else { 1 };
-    assert!(msg.contains(&format!("superblock slot {slot} is damaged")), "serve: {msg}");
-    assert!(msg.contains("may hold a newer generation"), "serve: {msg}");
+    assert!(msg.contains("may have held a newer checkpoint"), "serve: {msg}");
     assert!(msg.contains("--accept-superblock-rollback"), "serve does not name the way out: {msg}");
     assert_eq!(sha256(&pool), before, "serve modified a pool it refused");
     let msg = cli_err(&td.data(), &["check"]);
-    assert!(msg.contains("PROBLEM") && msg.contains("may hold a newer generation"), "check: {msg}");
+    assert!(msg.contains("may have held a newer checkpoint"), "check: {msg}");
     assert_eq!(sha256(&pool), before, "check modified the pool");
     // Accepted: opens from the valid slot and serves what that state holds.
     let mut s = Server::start_with(&td.data(), "128MiB", &["--accept-superblock-rollback"]);
-    // The sockets accept before the pool is open; a management call is answered after.
-    s.cli_ok(&["pool", "status"]);
+    qemu_io_ok(&s.uri("vol"), &["read -P 0x33 0 4M", "read -P 0 4M 60M"]);
     let log = std::fs::read_to_string(&s.log).unwrap();
-    assert!(log.contains("WARN") && log.contains("opened from slot"), "no warning logged:\n{log}");
+    assert!(log.contains("WARN") && log.contains("was read"), "no warning logged:\n{log}");
     s.stop();
     check_clean(&td.data());
 }
@@ -570,53 +592,41 @@ fn a_damaged_log_batch_with_later_commits_is_refused_unless_the_loss_is_accepted
 
 #[test]
 fn a_rollback_whose_checkpoint_was_reused_says_the_pool_cannot_be_rolled_back() {
-    // The older slot's checkpoint units were written over once the newer checkpoint was
-    // durable (the engine gives them to later checkpoints last, but it may): even with
-    // the rollback accepted the pool cannot open, and the message says why instead of
-    // only naming a bad checkpoint chunk.
+    // The older slot's checkpoint units (both copies) were written over once the newer
+    // checkpoint was durable (the engine gives them to later checkpoints last, but it
+    // may): even with the rollback accepted the pool cannot open, and the message says
+    // why instead of only naming a bad checkpoint chunk.
     let td = TestDir::new();
-    let mut s = Server::start_with(&td.data(), "1GiB", &[]);
-    s.cli_ok(&["pool", "status"]); // the pool is created and open
-    s.kill9();
-    // A second checkpoint (an open after a crash writes none when nothing lies past the
-    // end of the log: one through the engine, with the server stopped) leaves the first
-    // one to the older slot.
-    let pool = storage_engine::Pool::open(&td.data().join("pool.img")).unwrap();
-    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(pool.checkpoint()).unwrap();
-    pool.close().unwrap();
-    s.restart();
-    s.create_volume("b", "64MiB");
-    qemu_io_ok(&s.uri("b"), &["write -P 0x5a 0 64M", "flush"]);
-    s.kill9();
+    let older = lost_newer_slot(&td, |s| {
+        s.create_volume("b", "32MiB");
+        qemu_io_ok(&s.uri("b"), &["write -P 0x5a 0 32M", "flush"]);
+    });
     let pool = td.data().join("pool.img");
-    let (old, new) = slots_by_age(&pool);
-    let field = |slot: u64, at: u64, len: usize| {
+    let field = |at: u64, len: usize| {
         use std::os::unix::fs::FileExt;
         let mut b = [0u8; 8];
-        std::fs::File::open(&pool).unwrap().read_exact_at(&mut b[..len], slot + at).unwrap();
+        std::fs::File::open(&pool).unwrap().read_exact_at(&mut b[..len], older + at).unwrap();
         u64::from_le_bytes(b)
     };
-    let (unit_size, data_offset, checkpoint_unit) = (field(old, 40, 4), field(old, 64, 8), field(old, 88, 8));
-    overwrite(&pool, data_offset + checkpoint_unit * unit_size, &[0x5a; 4096]);
-    flip_bit(&pool, new + 40);
+    let (unit_size, data_offset) = (field(40, 4), field(64, 8));
+    for unit in [field(88, 8), field(144, 8)] {
+        overwrite(&pool, data_offset + unit * unit_size, &[0x5a; 4096]);
+    }
     let msg = serve_fails(&td.data(), &["--accept-superblock-rollback"]);
-    assert!(msg.contains("fails its header or checksum"), "{msg}");
+    assert!(msg.contains("no copy is sound") && msg.contains("fails its header or checksum"), "{msg}");
     assert!(msg.contains("cannot be rolled back"), "the message does not say why: {msg}");
 }
 
 #[test]
-fn unrecognisable_superblock_slot_is_refused_unless_a_rollback_is_accepted() {
-    // The older slot overwritten with random bytes: nothing shows it was the older one,
-    // so the pool is refused as above; accepting the rollback opens it, here with every
-    // byte (the damaged slot was in fact the older one), and rewrites the slot.
+fn an_unrecognisable_superblock_slot_is_read_around() {
+    // One slot overwritten with random bytes: the other holds the same generation
+    // (every checkpoint writes both), so the pool opens with every byte and the open
+    // rewrites the slot.
     let td = TestDir::new();
     made_pool(&td);
     let pool = td.data().join("pool.img");
-    let (old, _) = slots_by_age(&pool);
-    overwrite(&pool, old, &random_bytes(4096));
-    let msg = serve_fails(&td.data(), &[]);
-    assert!(msg.contains("may hold a newer generation"), "serve: {msg}");
-    let mut s = Server::start_with(&td.data(), "128MiB", &["--accept-superblock-rollback"]);
+    overwrite(&pool, 0, &random_bytes(4096));
+    let mut s = Server::start_with(&td.data(), "128MiB", &[]);
     qemu_io_ok(&s.uri("vol"), &["read -P 0x33 0 4M", "read -P 0 4M 60M"]);
     s.stop();
     check_clean(&td.data());

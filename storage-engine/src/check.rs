@@ -24,6 +24,9 @@ pub struct CheckReport {
     pub warnings: Vec<String>,
     /// Volumes, units mapped, units free, units of metadata, log batches replayed.
     pub summary: String,
+    /// A copy of a checkpoint chunk or a superblock slot is damaged (named in
+    /// `warnings`): [`repair`] writes it again.
+    pub damaged_copies: bool,
 }
 
 /// Verifies a stopped pool without writing to it: superblock, checkpoint and log
@@ -37,10 +40,15 @@ pub fn check(path: &Path) -> Result<CheckReport> {
     lock(&file, false, path)?;
     let size = io::device_size(&file).map_err(|e| Error::io("size of pool", e))?;
     let mut read = read_at_file(&file);
-    let loaded = journal::load(&mut read, size, journal::Accept::default())?;
+    let accept = journal::Accept { both_copies: true, ..Default::default() };
+    let loaded = journal::load(&mut read, size, accept)?;
     let mut problems = Vec::new();
     let mut warnings: Vec<String> =
         loaded.superblock_warning.iter().chain(loaded.log_warning.iter()).cloned().collect();
+    // Read around, so no loss; a repair (or the next open, when it reads the copy)
+    // writes the chunk again.
+    warnings.extend(loaded.copy_warnings.iter().map(|w| format!("{w} (`ferrovol check --repair` does so now)")));
+    let damaged_copies = !loaded.copy_warnings.is_empty() || loaded.superblock_warning.is_some();
     let unknown = journal::unknown_ro_compat(&loaded.sb);
     if unknown != 0 {
         warnings.push(format!(
@@ -90,7 +98,7 @@ pub fn check(path: &Path) -> Result<CheckReport> {
         loaded.geo.unit_size / 1024,
         loaded.batches
     );
-    Ok(CheckReport { problems, warnings, summary })
+    Ok(CheckReport { problems, warnings, summary, damaged_copies })
 }
 
 /// What [`repair`] did.
@@ -108,9 +116,11 @@ pub struct RepairReport {
 /// reports as refcount mismatches, and open refuses): loads it as open does, rebuilds
 /// every refcount from the mappings (the number of distinct mapping pages that map
 /// each unit) and the free set from those, and writes a fresh checkpoint. Each change
-/// is in the report. The mappings are the source of truth and are not changed; a
-/// pool whose mappings or records are damaged is refused, and so is one `check`
-/// finds nothing wrong with (nothing is written then).
+/// is in the report. It also writes again a damaged copy of a superblock slot or of a
+/// checkpoint chunk that `check` read around (docs/on-disk-format.md 5.5). The
+/// mappings are the source of truth and are not changed; a pool whose mappings or
+/// records are damaged is refused, and so is one `check` finds nothing wrong with
+/// (nothing is written then).
 ///
 /// Errors: [`ErrorKind::Corrupt`] when the pool does not load or its mappings are
 /// damaged (the message says so: a repair cannot fix those); [`ErrorKind::InUse`] when
@@ -118,7 +128,7 @@ pub struct RepairReport {
 pub fn repair(path: &Path) -> Result<RepairReport> {
     let before = check(path)?;
     let mut changed = Vec::new();
-    if !before.problems.is_empty() {
+    if !before.problems.is_empty() || before.damaged_copies {
         let pool =
             Pool::open_inner(path, &IoOptions::default(), journal::Accept::default(), false, false, Some(&mut changed))
                 .map_err(|e| e.op("repair pool"))?;

@@ -43,8 +43,19 @@ pub const INCOMPAT_PAGE_CHUNKS: u64 = 1 << 1;
 /// every checkpoint this build writes; a build that does not know it would find no
 /// pages.
 pub const INCOMPAT_SHARED_LEAVES: u64 = 1 << 2;
+/// Incompatible feature (with [`INCOMPAT_PAGE_CHUNKS`]): every chunk of the checkpoint
+/// is stored twice, in two different data units (*ditto* copies, as ZFS stores its
+/// metadata): the superblock names both copies of the directory's first chunk
+/// ([`Superblock::checkpoint_copy_unit`]), each directory chunk both copies of the next
+/// ([`ChunkHeader::next_copy_unit`]), and the directory both copies of each page chunk
+/// ([`REC_PAGE_CHUNK_PAIR`]); and every superblock write goes into both slots. A chunk
+/// that fails its checksum is read from its copy, so one bad block loses nothing
+/// (docs/on-disk-format.md 5.5). Set by every checkpoint this build writes; a build
+/// that does not know it would read no page chunk.
+pub const INCOMPAT_DITTO: u64 = 1 << 3;
 /// Incompatible features this build knows.
-pub const INCOMPAT_FEATURES_KNOWN: u64 = INCOMPAT_DERIVED_REFCOUNTS | INCOMPAT_PAGE_CHUNKS | INCOMPAT_SHARED_LEAVES;
+pub const INCOMPAT_FEATURES_KNOWN: u64 =
+    INCOMPAT_DERIVED_REFCOUNTS | INCOMPAT_PAGE_CHUNKS | INCOMPAT_SHARED_LEAVES | INCOMPAT_DITTO;
 /// Read-only-compatible features this build knows: none.
 pub const RO_COMPAT_FEATURES_KNOWN: u64 = 0;
 /// Compatible features this build knows: none (unknown ones are kept, never refused).
@@ -140,8 +151,11 @@ pub struct Superblock {
     /// them may read the pool (`check`) but refuses to open it, since an open writes.
     /// None are defined yet ([`RO_COMPAT_FEATURES_KNOWN`]).
     pub ro_compat_features: U64,
+    /// Unit of the copy of the current checkpoint's first chunk ([`INCOMPAT_DITTO`]);
+    /// zero without that feature (reserved before it).
+    pub checkpoint_copy_unit: U64,
     /// Zero.
-    pub reserved: [u8; 104],
+    pub reserved: [u8; 96],
     /// CRC-32C of bytes 0..248.
     pub crc: U32,
     /// Zero.
@@ -203,8 +217,10 @@ pub struct ChunkHeader {
     pub pad: U32,
     /// The pool UUID.
     pub pool_uuid: [u8; 16],
-    /// Zero.
-    pub reserved: U64,
+    /// Unit of the copy of the next chunk ([`INCOMPAT_DITTO`]), or [`NO_UNIT`] for the
+    /// last; in page chunks, [`NO_UNIT`]. Zero without that feature (reserved before
+    /// it). Both copies of a chunk are the same bytes.
+    pub next_copy_unit: U64,
 }
 const _: () = assert!(size_of::<ChunkHeader>() == 64);
 
@@ -269,6 +285,9 @@ pub const REC_LEAF_BODY: u8 = 24;
 /// Checkpoint: where a volume's leaves are ([`LeafLocsRec`] then up to
 /// [`MAX_PAGE_LOCS`] [`LeafLoc`]s; [`INCOMPAT_SHARED_LEAVES`]).
 pub const REC_LEAF_LOCS: u8 = 25;
+/// Checkpoint: a page chunk the checkpoint's pages are read from, and the unit of its
+/// copy ([`PageChunkPairRec`]; [`INCOMPAT_DITTO`], in place of [`REC_PAGE_CHUNK`]).
+pub const REC_PAGE_CHUNK_PAIR: u8 = 26;
 
 /// Body of [`REC_MAP`]. 32 bytes.
 #[derive(Debug, Clone, FromBytes, IntoBytes, KnownLayout, Immutable)]
@@ -524,6 +543,20 @@ pub struct PageChunkRec {
     pub seq: U64,
 }
 const _: () = assert!(size_of::<PageChunkRec>() == 16);
+
+/// Body of [`REC_PAGE_CHUNK_PAIR`]. 24 bytes.
+#[derive(Debug, Clone, FromBytes, IntoBytes, KnownLayout, Immutable)]
+#[repr(C)]
+pub struct PageChunkPairRec {
+    /// Data unit holding the page chunk: the unit page and leaf locations name.
+    pub unit: U64,
+    /// `checkpoint_seq` of the checkpoint that wrote it (its header's), at most this
+    /// checkpoint's.
+    pub seq: U64,
+    /// Data unit holding its copy, the same bytes.
+    pub copy: U64,
+}
+const _: () = assert!(size_of::<PageChunkPairRec>() == 24);
 
 /// Head of a [`REC_PAGE_LOCS`] body (8 bytes), followed by [`PageLoc`]s.
 #[derive(Debug, Clone, FromBytes, IntoBytes, KnownLayout, Immutable)]

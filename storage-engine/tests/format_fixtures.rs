@@ -17,8 +17,8 @@ use std::path::Path;
 
 use common::*;
 use storage_engine::format::{
-    Superblock, FORMAT_VERSION, INCOMPAT_DERIVED_REFCOUNTS, INCOMPAT_PAGE_CHUNKS, INCOMPAT_SHARED_LEAVES,
-    SUPERBLOCK_OFFSETS,
+    Superblock, FORMAT_VERSION, INCOMPAT_DERIVED_REFCOUNTS, INCOMPAT_DITTO, INCOMPAT_PAGE_CHUNKS,
+    INCOMPAT_SHARED_LEAVES, SUPERBLOCK_OFFSETS,
 };
 use storage_engine::{Labels, Pool, PoolOptions};
 
@@ -193,7 +193,8 @@ fn the_fixture_recipe_leaves_what_the_checks_expect() {
 }
 
 /// Every incompatible feature a checkpoint of this build sets.
-const THIS_BUILDS_INCOMPAT: u64 = INCOMPAT_DERIVED_REFCOUNTS | INCOMPAT_PAGE_CHUNKS | INCOMPAT_SHARED_LEAVES;
+const THIS_BUILDS_INCOMPAT: u64 =
+    INCOMPAT_DERIVED_REFCOUNTS | INCOMPAT_PAGE_CHUNKS | INCOMPAT_SHARED_LEAVES | INCOMPAT_DITTO;
 
 /// The version 5 fixture `name`, whose slots both have the incompatible features
 /// `incompat`: it opens, `check` finds nothing wrong, it holds what the recipe left,
@@ -241,4 +242,16 @@ fn a_version_5_pool_with_a_whole_checkpoint_opens() {
 #[test]
 fn a_version_5_pool_with_page_chunks_and_no_leaves_opens() {
     a_version_5_fixture_opens("pool-v5-page-chunks", INCOMPAT_DERIVED_REFCOUNTS | INCOMPAT_PAGE_CHUNKS);
+}
+
+/// A version 5 pool whose volumes and snapshots share leaves, each checkpoint chunk and
+/// superblock stored once, from the build before ditto copies: it opens, and the
+/// checkpoint its open writes stores every chunk in two copies and the superblock in
+/// both slots.
+#[test]
+fn a_version_5_pool_with_shared_leaves_stored_once_opens() {
+    a_version_5_fixture_opens(
+        "pool-v5-shared-leaves",
+        INCOMPAT_DERIVED_REFCOUNTS | INCOMPAT_PAGE_CHUNKS | INCOMPAT_SHARED_LEAVES,
+    );
 }

@@ -20,7 +20,7 @@ pub(crate) use records::{encode_batches, Record};
 pub(crate) use recovery::{load, read_at_file, Accept, Loaded, LogCursor};
 pub(crate) use state::{
     checkpoint_bytes_bound, checkpoint_units_bound, chunk_fill, derive_refcounts, directory_bytes_bound, encode_bodies,
-    leaf_body_bytes, CheckpointPlan, PageChunks, State, VolumeMeta,
+    leaf_body_bytes, page_chunk_units, CheckpointPlan, PageChunk, PageChunks, State, VolumeMeta, CHUNK_COPIES,
 };
 pub(crate) use superblock::{unknown_ro_compat, Geometry};
 pub use verify::RefcountRepair;

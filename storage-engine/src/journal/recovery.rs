@@ -9,7 +9,7 @@ use std::sync::Arc;
 use zerocopy::{FromBytes, IntoBytes};
 
 use super::records::{split_records, Record};
-use super::state::{derive_refcounts, PageChunks, State, VolumeMeta};
+use super::state::{derive_refcounts, PageChunk, PageChunks, State, VolumeMeta};
 use super::superblock::{read_superblock, Geometry, ReadAt};
 use crate::error::{Error, Result};
 use crate::format::*;
@@ -33,10 +33,15 @@ pub(crate) struct Loaded {
     pub geo: Geometry,
     pub state: State,
     pub log: LogCursor,
-    /// Units of the current checkpoint: its chain of chunks, then its page chunks.
+    /// Units of the current checkpoint: its chain of chunks, then its page chunks, each
+    /// with its copy ([`INCOMPAT_DITTO`]).
     pub checkpoint_units: Vec<u32>,
     /// The current checkpoint's page chunks (also in `checkpoint_units`).
     pub page_chunks: PageChunks,
+    /// Copies of checkpoint chunks found damaged, each read around from its other copy
+    /// ([`INCOMPAT_DITTO`]): one line each, naming both units. The next checkpoint
+    /// writes those chunks again.
+    pub copy_warnings: Vec<String>,
     /// Checkpoint refcounts differing from those its mappings imply: (unit, stored, derived).
     pub refcount_mismatches: Vec<(u64, u32, u32)>,
     /// Log batches replayed.
@@ -63,6 +68,11 @@ pub(crate) struct Accept {
     /// Open with the log replayed up to a damaged batch that has a later commit intact
     /// behind it, dropping the commits from the damaged batch on ([`batches_beyond`]).
     pub log_loss: bool,
+    /// Read both copies of every checkpoint chunk ([`INCOMPAT_DITTO`]), as `check` and
+    /// a repair do, so that a damaged second copy is found too; an open reads the
+    /// second only when the first is damaged. (Not an acceptance of damage: this makes
+    /// the load find more.)
+    pub both_copies: bool,
 }
 
 /// Reads the superblock, the checkpoint and replays the log. Never writes.
@@ -75,8 +85,21 @@ pub(crate) fn load(read: &mut ReadAt<'_>, size: u64, accept: Accept) -> Result<L
     } else {
         LaterCommits::Refuse
     };
-    match load_from(read, sb, geo, later_commits) {
+    let ditto = sb.incompat_features.get() & crate::format::INCOMPAT_DITTO != 0;
+    match load_from(read, sb, geo, later_commits, accept.both_copies) {
         Ok(loaded) => Ok(Loaded { superblock_warning, ..loaded }),
+        // Read from one slot of two, the other damaged: commits of a later generation
+        // behind the log mean the damaged slot held a newer checkpoint, whose write to
+        // this slot the disk lost (two faults).
+        Err(e) if e.kind() == crate::ErrorKind::Corrupt && ditto && !rolled_back && superblock_warning.is_some() => {
+            Err(Error::corrupt(format!(
+                "{}. ({}.) The damaged slot may have held a newer checkpoint than the one read: if losing what \
+                 was committed after it is acceptable, open the pool with a superblock rollback accepted \
+                 (`ferrovol serve --accept-superblock-rollback`); otherwise restore it from a copy",
+                e.message(),
+                superblock_warning.unwrap()
+            )))
+        }
         // A checkpoint that does not load after rolling back to the older slot: say so,
         // as its units may have been reused once the newer checkpoint was durable.
         Err(e) if e.kind() == crate::ErrorKind::Corrupt && rolled_back => Err(Error::corrupt(format!(
@@ -104,8 +127,14 @@ enum LaterCommits {
 }
 
 /// [`load`] after the superblock: the checkpoint `sb` names, then the log.
-fn load_from(read: &mut ReadAt<'_>, sb: Superblock, geo: Geometry, later_commits: LaterCommits) -> Result<Loaded> {
-    let (mut state, checkpoint_units, page_chunks) = load_checkpoint(read, &sb, &geo)?;
+fn load_from(
+    read: &mut ReadAt<'_>,
+    sb: Superblock,
+    geo: Geometry,
+    later_commits: LaterCommits,
+    both_copies: bool,
+) -> Result<Loaded> {
+    let (mut state, checkpoint_units, page_chunks, copy_warnings) = load_checkpoint(read, &sb, &geo, both_copies)?;
     if sb.version.get() < WRITTEN_FLAG_VERSION {
         // Those checkpoints do not record it: a volume that maps a unit was written (one
         // written and wholly trimmed since counts as pristine, and reads as zeros).
@@ -134,6 +163,7 @@ fn load_from(read: &mut ReadAt<'_>, sb: Superblock, geo: Geometry, later_commits
         log,
         checkpoint_units,
         page_chunks,
+        copy_warnings,
         refcount_mismatches,
         batches,
         superblock_warning: None,
@@ -156,6 +186,12 @@ struct CheckpointLoad {
     page_chunks: PageChunks,
     /// Its directory names leaves, not pages ([`INCOMPAT_SHARED_LEAVES`]).
     leaved: bool,
+    /// Every chunk is stored twice ([`INCOMPAT_DITTO`]).
+    ditto: bool,
+    /// Read both copies of each chunk, not only the first sound one.
+    both_copies: bool,
+    /// Copies found damaged and read around ([`Loaded::copy_warnings`]).
+    warnings: Vec<String>,
     /// Where each volume's pages are: `(volume, location)`, in order.
     locs: Vec<(u64, PageLoc)>,
     /// Where each volume's leaves are: `(volume, location)`, in order.
@@ -171,13 +207,20 @@ struct CheckpointLoad {
 /// Loads the checkpoint `sb` names (docs/on-disk-format.md 7.2): walks its chain of
 /// chunks, checking each header and checksum, applies their records, and checks the
 /// totals; then reads the page chunks it names, if it keeps its pages in them
-/// ([`INCOMPAT_PAGE_CHUNKS`], 5.1), and installs each volume's pages. Returns the state
-/// it holds (the refcounts as stored), its units (the chain's, then the page chunks')
-/// and its page chunks.
+/// ([`INCOMPAT_PAGE_CHUNKS`], 5.1), and installs each volume's pages. With ditto copies
+/// ([`INCOMPAT_DITTO`]) a chunk whose first copy fails is read from its second (both
+/// are read with `both_copies`). Returns the state it holds (the refcounts as stored),
+/// its units (the chain's, then the page chunks', copies included), its page chunks
+/// and a line for each damaged copy read around.
 ///
-/// Errors: [`crate::ErrorKind::Corrupt`] naming the chunk and what is wrong;
-/// [`crate::ErrorKind::Io`].
-fn load_checkpoint(read: &mut ReadAt<'_>, sb: &Superblock, geo: &Geometry) -> Result<(State, Vec<u32>, PageChunks)> {
+/// Errors: [`crate::ErrorKind::Corrupt`] naming the chunk (both copies) and what is
+/// wrong; [`crate::ErrorKind::Io`] (a chunk stored once that cannot be read).
+fn load_checkpoint(
+    read: &mut ReadAt<'_>,
+    sb: &Superblock,
+    geo: &Geometry,
+    both_copies: bool,
+) -> Result<(State, Vec<u32>, PageChunks, Vec<String>)> {
     let mut c = CheckpointLoad {
         alloc: Allocator::new(geo.unit_count as usize),
         volumes: BTreeMap::new(),
@@ -186,6 +229,9 @@ fn load_checkpoint(read: &mut ReadAt<'_>, sb: &Superblock, geo: &Geometry) -> Re
         paged: sb.incompat_features.get() & INCOMPAT_PAGE_CHUNKS != 0,
         page_chunks: PageChunks::new(),
         leaved: sb.incompat_features.get() & INCOMPAT_SHARED_LEAVES != 0,
+        ditto: sb.incompat_features.get() & INCOMPAT_DITTO != 0,
+        both_copies,
+        warnings: Vec::new(),
         locs: Vec::new(),
         leaf_locs: Vec::new(),
         seq: sb.checkpoint_seq.get(),
@@ -195,36 +241,50 @@ fn load_checkpoint(read: &mut ReadAt<'_>, sb: &Superblock, geo: &Geometry) -> Re
     if c.leaved && !c.paged {
         return Err(Error::corrupt("superblock names shared leaves without page chunks"));
     }
+    if c.ditto && !c.leaved {
+        return Err(Error::corrupt("superblock names ditto copies without shared leaves"));
+    }
     let mut checkpoint_units = Vec::new();
     let mut unit = sb.checkpoint_unit.get();
+    let mut copy = c.ditto.then(|| sb.checkpoint_copy_unit.get());
     let mut index = 0u64;
     if unit != NO_UNIT {
         while unit != NO_UNIT {
             let expected_chunks = c.end.as_ref().map_or(sb.checkpoint_chunks.get(), |e| e.chunks.get());
-            if unit >= geo.unit_count || index >= expected_chunks {
+            let units: Vec<u64> = std::iter::once(unit).chain(copy).collect();
+            if units.iter().any(|&u| u >= geo.unit_count) || index >= expected_chunks || copy == Some(unit) {
                 return Err(Error::corrupt(format!(
-                    "checkpoint chunk {index} points at unit {unit}, outside the checkpoint"
+                    "checkpoint chunk {index} points at unit {unit}{}, outside the checkpoint",
+                    copy.map(|c| format!(" (copy at unit {c})")).unwrap_or_default()
                 )));
             }
-            match c.alloc.refcount(unit as u32) {
-                0 => c.alloc.set_loaded(unit as u32, META),
-                META => return Err(Error::corrupt(format!("checkpoint chunk list loops at unit {unit}"))),
-                _ => {
-                    return Err(Error::corrupt(format!(
-                        "data unit {unit} holds checkpoint chunk {index} but has a refcount entry"
-                    )))
+            for &u in &units {
+                match c.alloc.refcount(u as u32) {
+                    0 => c.alloc.set_loaded(u as u32, META),
+                    META => {
+                        return Err(Error::corrupt(format!(
+                            "checkpoint chunk {index} names unit {u}, which holds another chunk of the checkpoint"
+                        )))
+                    }
+                    _ => {
+                        return Err(Error::corrupt(format!(
+                            "data unit {u} holds checkpoint chunk {index} but has a refcount entry"
+                        )))
+                    }
                 }
+                checkpoint_units.push(u as u32);
             }
-            checkpoint_units.push(unit as u32);
-            let chunk = read_chunk(read, geo, unit, CHECKPOINT_MAGIC, sb.checkpoint_seq.get())?;
-            let Some((h, payload)) = chunk.filter(|(h, _)| h.index.get() == index) else {
-                return Err(Error::corrupt(format!(
-                    "checkpoint chunk {index} at data unit {unit} (byte offset {}) fails its header or checksum",
-                    geo.unit_offset(unit)
-                )));
+            let ditto = c.ditto;
+            let fits = |h: &ChunkHeader| {
+                h.index.get() == index
+                    && (!ditto || (h.next_unit.get() == NO_UNIT) == (h.next_copy_unit.get() == NO_UNIT))
             };
+            let what = format!("checkpoint chunk {index}");
+            let (h, payload) =
+                c.read_copies(read, geo, &units, CHECKPOINT_MAGIC, sb.checkpoint_seq.get(), fits, &what)?;
             c.apply_chunk(index, &payload, geo)?;
             unit = h.next_unit.get();
+            copy = c.ditto.then(|| h.next_copy_unit.get());
             index += 1;
         }
         let Some(end) = &c.end else {
@@ -245,7 +305,7 @@ fn load_checkpoint(read: &mut ReadAt<'_>, sb: &Superblock, geo: &Geometry) -> Re
         }
         if c.paged {
             c.load_pages(read, geo)?;
-            checkpoint_units.extend(c.page_chunks.keys());
+            checkpoint_units.extend(c.page_chunks.iter().flat_map(|(&u, pc)| std::iter::once(u).chain(pc.copy)));
         }
     }
     // Ids are never reused: one at or above the next id would be given again to a new
@@ -258,7 +318,7 @@ fn load_checkpoint(read: &mut ReadAt<'_>, sb: &Superblock, geo: &Geometry) -> Re
         )));
     }
     let state = State { volumes: c.volumes, next_volume: c.next_volume, alloc: c.alloc, unit_size: geo.unit_size };
-    Ok((state, checkpoint_units, c.page_chunks))
+    Ok((state, checkpoint_units, c.page_chunks, c.warnings))
 }
 
 impl CheckpointLoad {
@@ -272,13 +332,20 @@ impl CheckpointLoad {
             // Each format's own records only: pages in the chain, or page chunks and
             // page locations (INCOMPAT_PAGE_CHUNKS), or page chunks and leaf locations
             // (INCOMPAT_SHARED_LEAVES as well).
-            let paged_kind = matches!(kind, REC_PAGE_CHUNK | REC_PAGE_LOCS | REC_LEAF_LOCS);
+            let paged_kind = matches!(kind, REC_PAGE_CHUNK | REC_PAGE_CHUNK_PAIR | REC_PAGE_LOCS | REC_LEAF_LOCS);
             let whole_kind = matches!(kind, REC_PAGE | REC_PAGE_REF | REC_REFCOUNTS);
             if (self.paged && whole_kind) || (!self.paged && paged_kind) {
                 return Err(Error::corrupt(format!(
                     "checkpoint chunk {index}: record kind {kind} does not belong to a checkpoint whose superblock {} \
                      page chunks",
                     if self.paged { "names" } else { "names no" }
+                )));
+            }
+            if (self.ditto && kind == REC_PAGE_CHUNK) || (!self.ditto && kind == REC_PAGE_CHUNK_PAIR) {
+                return Err(Error::corrupt(format!(
+                    "checkpoint chunk {index}: record kind {kind} does not belong to a checkpoint whose superblock {} \
+                     ditto copies",
+                    if self.ditto { "names" } else { "names no" }
                 )));
             }
             if (self.leaved && kind == REC_PAGE_LOCS) || (!self.leaved && kind == REC_LEAF_LOCS) {
@@ -354,7 +421,21 @@ impl CheckpointLoad {
                         )));
                     }
                     self.alloc.set_loaded(unit as u32, META);
-                    self.page_chunks.insert(unit as u32, seq);
+                    self.page_chunks.insert(unit as u32, PageChunk { seq, copy: None, whole: false });
+                }
+                REC_PAGE_CHUNK_PAIR => {
+                    let r = PageChunkPairRec::read_from_bytes(body).map_err(|_| bad("page chunk pair"))?;
+                    let (unit, seq, copy) = (r.unit.get(), r.seq.get(), r.copy.get());
+                    let free = |u: u64| u < geo.unit_count && self.alloc.refcount(u as u32) == 0;
+                    if !free(unit) || !free(copy) || unit == copy || seq > self.seq {
+                        return Err(Error::corrupt(format!(
+                            "checkpoint chunk {index}: page chunk at unit {unit} (copy at unit {copy}, seq {seq}) is \
+                             out of range, repeated, or later than the checkpoint"
+                        )));
+                    }
+                    self.alloc.set_loaded(unit as u32, META);
+                    self.alloc.set_loaded(copy as u32, META);
+                    self.page_chunks.insert(unit as u32, PageChunk { seq, copy: Some(copy as u32), whole: true });
                 }
                 REC_PAGE_LOCS => {
                     let (h, locs) = PageLocsRec::read_from_prefix(body).map_err(|_| bad("page locations"))?;
@@ -405,15 +486,20 @@ impl CheckpointLoad {
     fn load_pages(&mut self, read: &mut ReadAt<'_>, geo: &Geometry) -> Result<()> {
         let mut bodies: HashMap<PageStored, Arc<MapPage>> = Default::default();
         let mut leaf_bodies: HashMap<PageStored, Vec<PageLoc>> = Default::default();
-        for (&unit, &seq) in &self.page_chunks {
+        let chunks: Vec<(u32, PageChunk)> = self.page_chunks.iter().map(|(&u, &c)| (u, c)).collect();
+        for (unit, pc) in chunks {
             let u = u64::from(unit);
-            let chunk = read_chunk(read, geo, u, PAGE_CHUNK_MAGIC, seq)?;
-            let Some((_, payload)) = chunk.filter(|(h, _)| h.next_unit.get() == NO_UNIT) else {
-                return Err(Error::corrupt(format!(
-                    "page chunk at data unit {u} (byte offset {}, seq {seq}) fails its header or checksum",
-                    geo.unit_offset(u)
-                )));
-            };
+            let seq = pc.seq;
+            let units: Vec<u64> = std::iter::once(u).chain(pc.copy.map(u64::from)).collect();
+            let ditto = self.ditto;
+            let fits = |h: &ChunkHeader| h.next_unit.get() == NO_UNIT && (!ditto || h.next_copy_unit.get() == NO_UNIT);
+            let what = format!("page chunk of seq {seq}");
+            let before = self.warnings.len();
+            let (_, payload) = self.read_copies(read, geo, &units, PAGE_CHUNK_MAGIC, seq, fits, &what)?;
+            if self.warnings.len() > before {
+                // Kept by no checkpoint: the next writes what it holds again.
+                self.page_chunks.get_mut(&unit).expect("listed").whole = false;
+            }
             let bad = |what: &str| Error::corrupt(format!("page chunk at data unit {u}: malformed {what} record"));
             let mut offset = 0usize;
             let mut kinds = (false, false);
@@ -512,6 +598,61 @@ impl CheckpointLoad {
             })?;
         }
         Ok(())
+    }
+}
+
+impl CheckpointLoad {
+    /// Reads a chunk stored at `units` (its unit, then its copy's with ditto copies):
+    /// the first copy that is sound (`fits` its header, and [`read_chunk`] takes it),
+    /// or every copy with `both_copies`. A damaged copy read around adds a line to the
+    /// warnings naming it and the copy read. `what` names the chunk in messages.
+    ///
+    /// Errors: [`crate::ErrorKind::Corrupt`] when no copy is sound, naming each;
+    /// [`crate::ErrorKind::Io`] when a chunk stored once cannot be read.
+    #[allow(clippy::too_many_arguments)]
+    fn read_copies(
+        &mut self,
+        read: &mut ReadAt<'_>,
+        geo: &Geometry,
+        units: &[u64],
+        magic: u32,
+        seq: u64,
+        fits: impl Fn(&ChunkHeader) -> bool,
+        what: &str,
+    ) -> Result<(ChunkHeader, Vec<u8>)> {
+        let mut sound: Option<(ChunkHeader, Vec<u8>, u64)> = None;
+        let mut damaged: Vec<(u64, String)> = Vec::new();
+        for &u in units {
+            if sound.is_some() && !self.both_copies {
+                break;
+            }
+            match read_chunk(read, geo, u, magic, seq) {
+                Ok(Some((h, payload))) if fits(&h) => {
+                    if sound.is_none() {
+                        sound = Some((h, payload, u));
+                    }
+                }
+                Ok(_) => damaged.push((u, "fails its header or checksum".to_owned())),
+                Err(e) if units.len() == 1 => return Err(e),
+                Err(e) => damaged.push((u, format!("cannot be read ({})", e.message()))),
+            }
+        }
+        let at = |u: u64| format!("data unit {u} (byte offset {})", geo.unit_offset(u));
+        let Some((h, payload, good)) = sound else {
+            let each: Vec<String> = damaged.iter().map(|(u, p)| format!("the copy at {} {p}", at(*u))).collect();
+            return Err(Error::corrupt(match &damaged[..] {
+                [(u, problem)] => format!("{what} at {} {problem}", at(*u)),
+                _ => format!("{what}: no copy is sound: {}", each.join(", and ")),
+            }));
+        };
+        for (u, problem) in damaged {
+            self.warnings.push(format!(
+                "{what}: the copy at {} {problem}; the copy at data unit {good} was read, and the next checkpoint \
+                 writes the chunk again",
+                at(u)
+            ));
+        }
+        Ok((h, payload))
     }
 }
 

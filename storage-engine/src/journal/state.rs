@@ -230,9 +230,10 @@ impl State {
             }
         }
         keep_or_clean(live, &mut dirty_leaves, chunks, fill, &mut kept);
-        for &unit in chunks.keys() {
+        for (&unit, c) in chunks {
             if !kept.contains_key(&unit) {
                 dropped.push(unit);
+                dropped.extend(c.copy);
             }
         }
         CheckpointPlan { dirty, dirty_leaves, kept, dropped }
@@ -248,9 +249,15 @@ impl State {
         let mut w = ChunkWriter { chunk: Vec::with_capacity(chunk_payload), emitted: 0, limit: chunk_payload, emit };
         let rec = PoolRec { next_volume: self.next_volume.into(), volumes: (self.volumes.len() as u64).into() };
         w.push(REC_POOL, &[rec.as_bytes()])?;
-        for (&unit, &seq) in chunks {
-            let r = PageChunkRec { unit: u64::from(unit).into(), seq: seq.into() };
-            w.push(REC_PAGE_CHUNK, &[r.as_bytes()])?;
+        for (&unit, c) in chunks {
+            let Some(copy) = c.copy else {
+                return Err(Error::new(
+                    crate::ErrorKind::Io,
+                    format!("checkpoint: page chunk at unit {unit} has no copy (an engine bug)"),
+                ));
+            };
+            let r = PageChunkPairRec { unit: u64::from(unit).into(), seq: c.seq.into(), copy: u64::from(copy).into() };
+            w.push(REC_PAGE_CHUNK_PAIR, &[r.as_bytes()])?;
         }
         let mut locs = 0u64;
         for (&id, v) in &self.volumes {
@@ -305,9 +312,35 @@ impl State {
     }
 }
 
-/// The page chunks of a checkpoint: data unit → `checkpoint_seq` of the checkpoint that
-/// wrote it.
-pub(crate) type PageChunks = BTreeMap<u32, u64>;
+/// The page chunks of a checkpoint, by the data unit page and leaf locations name.
+pub(crate) type PageChunks = BTreeMap<u32, PageChunk>;
+
+/// One page chunk of a checkpoint ([`PageChunks`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct PageChunk {
+    /// `checkpoint_seq` of the checkpoint that wrote it.
+    pub seq: u64,
+    /// The unit of its copy ([`INCOMPAT_DITTO`]), or `None` (a checkpoint of an older
+    /// build).
+    pub copy: Option<u32>,
+    /// Both copies are sound as far as is known: written by this run, or read back
+    /// sound (the open reads the second copy only when the first is damaged). A chunk
+    /// that is not whole (one copy, or a copy found damaged) is never kept: the next
+    /// checkpoint writes what it holds again.
+    pub whole: bool,
+}
+
+impl PageChunk {
+    /// A chunk just written, in two copies.
+    pub fn written(seq: u64, copy: u32) -> Self {
+        PageChunk { seq, copy: Some(copy), whole: true }
+    }
+}
+
+/// Data units the page chunks `chunks` take, their copies included.
+pub(crate) fn page_chunk_units(chunks: &PageChunks) -> u64 {
+    chunks.values().map(|c| 1 + u64::from(c.copy.is_some())).sum()
+}
 
 /// What a checkpoint writes ([`State::plan_checkpoint`]).
 pub(crate) struct CheckpointPlan {
@@ -319,8 +352,8 @@ pub(crate) struct CheckpointPlan {
     pub dirty_leaves: Vec<Arc<Leaf>>,
     /// The page chunks kept, with the pages and leaves stored in them.
     pub kept: PageChunks,
-    /// The page chunks of the current checkpoint the next one drops: their units go
-    /// back to the spare once it is durable.
+    /// The units of the page chunks of the current checkpoint the next one drops, their
+    /// copies included: they go back to the spare once it is durable.
     pub dropped: Vec<u32>,
 }
 
@@ -362,7 +395,7 @@ fn keep_or_clean<T>(
     let idle = dirty.is_empty() && live.len() as u64 <= 2 * live_bytes.div_ceil(fill) + 1;
     let mut cleaned = HashSet::new();
     for (unit, (bytes, held)) in live {
-        if 2 * bytes >= fill || idle {
+        if (2 * bytes >= fill || idle) && chunks[&unit].whole {
             kept.insert(unit, chunks[&unit]);
         } else {
             dirty.extend(held);
@@ -519,7 +552,7 @@ pub(crate) fn directory_bytes_bound(c: &MetaCounts, page_chunks: u64) -> u64 {
     let hdr = size_of::<RecordHeader>() as u64;
     let loc_records = c.leaf_refs / MAX_PAGE_LOCS as u64 + c.volumes;
     (hdr + size_of::<PoolRec>() as u64)
-        + page_chunks * (hdr + size_of::<PageChunkRec>() as u64)
+        + page_chunks * (hdr + size_of::<PageChunkPairRec>() as u64)
         + c.volumes * (hdr + size_of::<VolumeRec>() as u64)
         + c.volume_bytes
         + c.leaf_refs * size_of::<LeafLoc>() as u64
@@ -538,11 +571,14 @@ pub(crate) fn checkpoint_bytes_bound(c: &MetaCounts, unit_size: u64) -> u64 {
     pages + directory_bytes_bound(c, 2 * pages.div_ceil(chunk_fill(unit_size)) + 2)
 }
 
-/// Chunks (data units of `unit_size` bytes) a checkpoint writes at most for `bytes`
-/// bytes of records: page chunks, leaf chunks and directory chunks, each kind with one
-/// chunk that may be less than full ([`chunk_fill`]).
+/// Copies of every checkpoint chunk ([`INCOMPAT_DITTO`]).
+pub(crate) const CHUNK_COPIES: u64 = 2;
+
+/// Data units of `unit_size` bytes a checkpoint writes at most for `bytes` bytes of
+/// records: page chunks, leaf chunks and directory chunks, each kind with one chunk
+/// that may be less than full ([`chunk_fill`]), each chunk in [`CHUNK_COPIES`] units.
 pub(crate) fn checkpoint_units_bound(bytes: u64, unit_size: u64) -> u64 {
-    bytes.div_ceil(chunk_fill(unit_size)) + 4
+    CHUNK_COPIES * (bytes.div_ceil(chunk_fill(unit_size)) + 4)
 }
 
 /// Receives checkpoint chunk payloads in order: `(payload, last)`.

@@ -110,10 +110,15 @@ pub(crate) fn validate_superblock(sb: &Superblock, size: u64) -> Result<Geometry
 /// it, and whether that is a rollback (the damaged slot may have held a newer
 /// generation and `accept_rollback` let the open go on).
 ///
-/// Both slots are always written (at create, then alternately by every checkpoint), so
-/// one invalid slot means damage, and a damaged slot may have held the newer
-/// generation: opening from the other would silently roll the pool back. So when only
-/// one slot is valid (generation `G`), the other is tolerated only if it is
+/// Both slots are always written (at create, then by every checkpoint: both, the slot
+/// of the new generation first, when the pool has ditto copies, [`INCOMPAT_DITTO`];
+/// alternately before), so one invalid slot means damage. With ditto copies the valid
+/// slot is then the current one, or the one before a checkpoint cut between its two
+/// superblock writes, whose checkpoint is still whole: it opens, with a warning (the
+/// open writes both slots again). So does a valid slot one generation older than the
+/// other (the same cut). Without them, a damaged slot may have held the newer
+/// generation, and opening from the other would silently roll the pool back: when
+/// only one slot is valid (generation `G`), the other is tolerated only if it is
 /// recognisably the older one (its magic intact and its generation field reading
 /// `G - 1`), or if it is all zeros with `G` 0 or 1 (a pool whose creation was cut
 /// short: it names no checkpoint); otherwise the open fails unless `accept_rollback`.
@@ -137,8 +142,21 @@ pub(crate) fn read_superblock(
     let (v, d) = match (&slots[0].1, &slots[1].1) {
         (Ok(_), Ok(_)) => {
             let newer = usize::from(slots[1].0.generation.get() > slots[0].0.generation.get());
+            let (gens, same) = (
+                (slots[newer].0.generation.get(), slots[1 - newer].0.generation.get()),
+                slots[0].0.as_bytes() == slots[1].0.as_bytes(),
+            );
             let (sb, g) = slots.swap_remove(newer);
-            return Ok((sb, g.expect("valid"), None, false));
+            let warning = (ditto(&sb) && !same).then(|| {
+                format!(
+                    "superblock slot {} holds generation {}, slot {newer} generation {}: a checkpoint was cut between \
+                     its two superblock writes; opened from slot {newer}, and the open writes both slots again",
+                    1 - newer,
+                    gens.1,
+                    gens.0
+                )
+            });
+            return Ok((sb, g.expect("valid"), warning, false));
         }
         (Err(a), Err(b)) => {
             let message = format!("slot 0: {}; slot 1: {}", a.message(), b.message());
@@ -169,6 +187,16 @@ pub(crate) fn read_superblock(
              a pool is never downgraded, nor rolled back over a newer build's slot: open it with that version or \
              a later one"
         )));
+    } else if ditto(&slots[v].0) {
+        // Both slots are written at every checkpoint, the other slot only once this
+        // one is durable, and a checkpoint's units are freed only after both: the
+        // damaged slot held this generation, the one before, or the next one of a
+        // checkpoint cut between the two writes, whose predecessor (this one) is still
+        // whole, with the log it replays. Only a second fault (the other slot's write
+        // lost by the disk) leaves commits of a later generation behind that log: the
+        // log's loader refuses them, unless a rollback is accepted.
+        rolled_back = accept_rollback;
+        format!("{note}; its copy in slot {v} (generation {gen}) was read, and the open writes both slots again")
     } else if gen <= 1 && damaged.as_bytes().iter().all(|&b| b == 0) {
         // Creation writes generation 0 and 1 (both naming no checkpoint) with one sync
         // after both: either may be missing after a cut, and neither holds anything.
@@ -199,6 +227,12 @@ pub(crate) fn read_superblock(
 fn written_by_newer_build(sb: &Superblock) -> bool {
     sb.magic == SUPERBLOCK_MAGIC
         && (sb.version.get() > FORMAT_VERSION || (sb.compute_crc() == sb.crc.get() && unknown_incompat(sb) != 0))
+}
+
+/// Whether `sb` names a checkpoint with ditto copies, whose superblock is written into
+/// both slots ([`INCOMPAT_DITTO`]).
+fn ditto(sb: &Superblock) -> bool {
+    sb.incompat_features.get() & INCOMPAT_DITTO != 0
 }
 
 /// The incompatible features of `sb` this build does not know: a pool with any is

@@ -92,8 +92,8 @@ fn a_checkpoint_never_takes_more_chunks_than_its_bound() {
                 written.1
             );
             assert!(
-                written.0 <= bound,
-                "round {round} pass {pass}: {} chunks of {unit_size} bytes, bound {bound}",
+                CHUNK_COPIES * written.0 <= bound,
+                "round {round} pass {pass}: {} chunks of {unit_size} bytes in two copies, bound {bound} units",
                 written.0
             );
             assert!(
@@ -151,7 +151,8 @@ fn checkpoint_into(st: &State, chunks: &mut PageChunks, next_unit: &mut u32, uni
     let mut new = encode_bodies(&plan.dirty, payload, &mut emit).unwrap();
     new.extend(encode_bodies(&plan.dirty_leaves, payload, &mut emit).unwrap());
     let mut all = plan.kept.clone();
-    all.extend(new.iter().map(|&u| (u, 1)));
+    // Copies far from the chunks, as a spare spread over the pool gives them.
+    all.extend(new.iter().map(|&u| (u, PageChunk::written(1, u + (1 << 30)))));
     let dir = st
         .encode_directory(&all, payload, &mut |body, _| {
             written += 1;
@@ -160,7 +161,7 @@ fn checkpoint_into(st: &State, chunks: &mut PageChunks, next_unit: &mut u32, uni
         })
         .unwrap();
     *chunks = all;
-    ((written, bytes), chunks.len() as u64 + dir)
+    ((written, bytes), page_chunk_units(chunks) + CHUNK_COPIES * dir)
 }
 
 /// Properties of a volume: none, a few, or as many as fit in the largest record.
@@ -219,10 +220,23 @@ fn created_slots() -> Vec<u8> {
     crate::Pool::create(&path, &opts).unwrap().close().unwrap();
     let mut img = std::fs::read(&path).unwrap();
     img.truncate(2 * BLOCK_SIZE as usize);
-    // As creation leaves them (the open and close since moved them on).
-    set_generation(&mut img, 0, 0);
-    set_generation(&mut img, BLOCK_SIZE as usize, 1);
+    // As creation leaves them (the open and close since moved them on), as a build
+    // before ditto copies wrote them.
+    for (off, gen) in [(0, 0), (BLOCK_SIZE as usize, 1)] {
+        set_generation(&mut img, off, gen);
+        set_ditto(&mut img, off, false);
+    }
     img
+}
+
+/// Sets or clears [`INCOMPAT_DITTO`] in the slot at `off` of `slots` (checksum
+/// updated).
+fn set_ditto(slots: &mut [u8], off: usize, on: bool) {
+    let mut sb = Superblock::read_from_bytes(&slots[off..off + size_of::<Superblock>()]).unwrap();
+    let bits = sb.incompat_features.get() & !crate::format::INCOMPAT_DITTO;
+    sb.incompat_features = (bits | if on { crate::format::INCOMPAT_DITTO } else { 0 }).into();
+    sb.crc = sb.compute_crc().into();
+    slots[off..off + size_of::<Superblock>()].copy_from_slice(sb.as_bytes());
 }
 
 /// `read_superblock` over `slots` (the first 8 KiB of a 64 MiB pool).
@@ -278,6 +292,37 @@ fn a_damaged_superblock_slot_opens_only_when_it_cannot_have_been_newer() {
     let mut late = img.clone();
     late[s0..s0 + BLOCK_SIZE as usize].fill(0);
     assert!(pick(&late, false).is_err());
+
+    // With ditto copies every checkpoint writes both slots, the slot of its generation
+    // first: a damaged slot held the valid one's generation or the next one of a cut
+    // checkpoint, whose predecessor is whole. Either slot opens, with a warning.
+    let mut both = base.clone();
+    for off in [s0, s1] {
+        set_generation(&mut both, off, 7);
+        set_ditto(&mut both, off, true);
+    }
+    assert_eq!(pick(&both, false).unwrap(), (7, None));
+    for (damaged, kept) in [(s0, 1), (s1, 0)] {
+        let mut one = both.clone();
+        one[damaged + 40] ^= 0x10;
+        let (gen, warning) = pick(&one, false).unwrap();
+        assert_eq!(gen, 7);
+        let warning = warning.unwrap();
+        assert!(warning.contains(&format!("its copy in slot {kept} (generation 7) was read")), "{warning}");
+        assert!(!warning.contains("lost"), "{warning}");
+    }
+    // A checkpoint cut between its two writes: the newer slot, with a warning.
+    let mut cut = both.clone();
+    set_generation(&mut cut, s0, 8);
+    let (gen, warning) = pick(&cut, false).unwrap();
+    assert_eq!(gen, 8);
+    assert!(warning.unwrap().contains("cut between its two superblock writes"));
+    // Both slots damaged: refused, naming both.
+    let mut none = both.clone();
+    none[s0 + 40] ^= 0x10;
+    none[s1 + 40] ^= 0x10;
+    let e = pick(&none, false).unwrap_err();
+    assert!(e.message().contains("slot 0") && e.message().contains("slot 1"), "{}", e.message());
 }
 
 /// A crash while a commit writes its batches can leave an early batch torn and a

@@ -56,7 +56,11 @@ pub struct PoolOptions {
 
 impl PoolOptions {
     fn accept(&self) -> journal::Accept {
-        journal::Accept { superblock_rollback: self.accept_superblock_rollback, log_loss: self.accept_log_loss }
+        journal::Accept {
+            superblock_rollback: self.accept_superblock_rollback,
+            log_loss: self.accept_log_loss,
+            both_copies: false,
+        }
     }
 }
 

@@ -222,6 +222,9 @@ impl Pool {
                 bytes_read += len as u64;
                 read_file(off, len)
             };
+            // A repair reads both copies of every chunk, and so writes again those
+            // with a damaged copy.
+            let accept = journal::Accept { both_copies: accept.both_copies || repair.is_some(), ..accept };
             journal::load(&mut read, size, accept).map_err(|e| e.op("open pool"))?
         };
         let unknown = journal::unknown_ro_compat(&loaded.sb);
@@ -232,12 +235,13 @@ impl Pool {
             ))
             .op("open pool"));
         }
-        for w in loaded.superblock_warning.iter().chain(loaded.log_warning.iter()) {
+        for w in loaded.superblock_warning.iter().chain(loaded.log_warning.iter()).chain(&loaded.copy_warnings) {
             tracing::warn!(path = %path.display(), "{w}");
         }
         let mut loaded = loaded;
         // Opens that must write a checkpoint (below): the others write none.
-        let salvaged = loaded.superblock_warning.is_some() || loaded.log_warning.is_some();
+        let salvaged =
+            loaded.superblock_warning.is_some() || loaded.log_warning.is_some() || !loaded.copy_warnings.is_empty();
         let repairing = repair.is_some();
         let damaged = volume_problems(&loaded.state, loaded.geo.blocks_per_unit());
         if let Some(first) = damaged.first() {
@@ -274,6 +278,9 @@ impl Pool {
             loaded;
         let upgrade = sb.version.get() < FORMAT_VERSION;
         let first = sb.checkpoint_unit.get() == NO_UNIT;
+        // A checkpoint of an older build, stored once: the checkpoint at open writes
+        // every chunk in two copies and the superblock into both slots.
+        let single = sb.incompat_features.get() & INCOMPAT_DITTO == 0;
         let State { volumes, next_volume, mut alloc, .. } = state;
         debug_assert_eq!(
             alloc.counts,
@@ -282,7 +289,9 @@ impl Pool {
         );
         alloc.checkpoint_units = checkpoint_units.len() as u64;
         // The log state keeps the chain's units and the page chunks apart.
-        checkpoint_units.retain(|u| !page_chunks.contains_key(u));
+        let paged: std::collections::HashSet<u32> =
+            page_chunks.iter().flat_map(|(&u, c)| std::iter::once(u).chain(c.copy)).collect();
+        checkpoint_units.retain(|u| !paged.contains(u));
         let vols = volumes
             .into_iter()
             .map(|(id, v)| (v.name.clone(), Arc::new(VolState::new(id, v))))
@@ -311,18 +320,17 @@ impl Pool {
         //   blocks a later batch of the same seq could complete): the checkpoint moves
         //   the sequence numbers past every one, so that replay never reaches one;
         // - the pool is of an older version (upgraded), has no checkpoint yet (its
-        //   creation), opened with an accepted loss, or had its refcounts repaired.
+        //   creation), opened with an accepted loss or around a damaged copy (a
+        //   superblock slot or a chunk: the checkpoint writes them again), had its
+        //   refcounts repaired, or was written by a build that stored it once.
         // Otherwise (a clean close, or a crash that left nothing past the end) the
         // checkpoint and the log describe the pool, and commits go on from the end.
         let stale_batches = highest_seq > log.seq;
-        if stale_batches || upgrade || first || salvaged || repairing {
+        if stale_batches || upgrade || first || salvaged || repairing || single {
             let jump = (store.geo().log_size / BLOCK_SIZE + 1).max(highest_seq - log.seq + 1);
             store.checkpoint(jump).map_err(|e| e.op("open pool"))?;
-            if upgrade {
-                // The checkpoint wrote one slot in this build's format; write the other
-                // too, so that no slot is left that an older build could open from.
-                store.rewrite_superblock().map_err(|e| e.op("open pool"))?;
-            }
+            // The checkpoint wrote both slots (ditto copies), so no slot of an older
+            // version is left that an older build could open from.
         }
         store.start_committer()?;
         Ok(Pool { store })
@@ -382,7 +390,8 @@ fn new_superblock(size: u64, unit: u64, log_size: u64, data_offset: u64, unit_co
         incompat_features: 0.into(),
         compat_features: 0.into(),
         ro_compat_features: 0.into(),
-        reserved: [0; 104],
+        checkpoint_copy_unit: 0.into(),
+        reserved: [0; 96],
         crc: 0.into(),
         pad: 0.into(),
     }

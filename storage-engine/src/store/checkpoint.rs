@@ -28,7 +28,7 @@ struct Snapshot {
     /// Records logged so far: durable once the checkpoint is.
     upto: u64,
     /// Units of the spare the checkpoint may take: as many as a checkpoint writing
-    /// every page takes at most.
+    /// every page takes at most, copies included.
     reserved: VecDeque<u32>,
 }
 
@@ -41,21 +41,24 @@ impl Store {
         self.with_log_locked(|log| self.checkpoint_locked(log, seq_jump))
     }
 
-    /// Writes the current superblock again into the other slot, one generation on: both
-    /// slots then name the same checkpoint. Used when an open upgrades the format
-    /// version. A failure fails the pool before the log lock is released.
-    pub(crate) fn rewrite_superblock(&self) -> Result<()> {
-        self.with_log_locked(|log| self.switch_superblock(log, log.sb.clone()))
-    }
-
     /// Makes `sb` the current superblock: numbers it one generation past the current
-    /// one, writes it into that generation's slot and syncs it. Call with the log
-    /// locked (`log`).
+    /// one, writes it into that generation's slot and syncs it; then, when it names
+    /// ditto copies ([`INCOMPAT_DITTO`]), writes the same bytes into the other slot and
+    /// syncs again, so that both slots hold it (docs/on-disk-format.md 6.3, K3). Call
+    /// with the log locked (`log`).
     pub(super) fn switch_superblock(&self, log: &mut LogState, mut sb: Superblock) -> Result<()> {
         sb.generation = (log.sb.generation.get() + 1).into();
         sb.crc = sb.compute_crc().into();
-        write_blocks(&self.ring, SUPERBLOCK_OFFSETS[(sb.generation.get() % 2) as usize], sb.as_bytes())?;
+        let first = (sb.generation.get() % 2) as usize;
+        write_blocks(&self.ring, SUPERBLOCK_OFFSETS[first], sb.as_bytes())?;
         self.sync_data_blocking()?;
+        if sb.incompat_features.get() & INCOMPAT_DITTO != 0 {
+            // Only once the first is durable: a cut between the two leaves the other
+            // slot one generation older, whose checkpoint is still whole (its units are
+            // freed only after this), and the next open writes both again.
+            write_blocks(&self.ring, SUPERBLOCK_OFFSETS[1 - first], sb.as_bytes())?;
+            self.sync_data_blocking()?;
+        }
         log.sb = sb;
         Ok(())
     }
@@ -65,7 +68,7 @@ impl Store {
         let began = std::time::Instant::now();
         // K1: a consistent snapshot of all volume maps, the allocator and the journal.
         let Snapshot { state, counts, pending, upto, mut reserved } =
-            self.snapshot_for_checkpoint(log.page_chunks.len() as u64);
+            self.snapshot_for_checkpoint(journal::page_chunk_units(&log.page_chunks));
         let hold = began.elapsed();
         self.writes_since_sync.store(0, Ordering::SeqCst);
         // At least one past the last batch: the log that follows this checkpoint never
@@ -83,14 +86,16 @@ impl Store {
         let kind_units = |bytes: u64| if bytes == 0 { 0 } else { bytes.div_ceil(fill) + 1 };
         let page_units = kind_units(plan.page_bytes()) + kind_units(plan.leaf_bytes());
         let dir_bytes = journal::directory_bytes_bound(&counts, plan.kept.len() as u64 + page_units);
-        let bound = page_units + dir_bytes.div_ceil(fill) + 1;
+        // Each chunk in two units (ditto copies).
+        let bound = journal::CHUNK_COPIES * (page_units + dir_bytes.div_ceil(fill) + 1);
+        let kept_units = journal::page_chunk_units(&plan.kept);
         {
             let mut a = self.alloc.lock();
             while reserved.len() as u64 > bound {
                 a.retire_meta(reserved.pop_back().expect("more than the bound"));
             }
             // What the checkpoint holds once durable, at most (room.rs).
-            a.checkpoint_units = plan.kept.len() as u64 + bound;
+            a.checkpoint_units = kept_units + bound;
         }
         // The chunks, written and synced with the data they refer to.
         let mut w = ChunkWrites::new(self, seq, &mut reserved);
@@ -105,12 +110,12 @@ impl Store {
             for u in reserved.drain(..) {
                 a.retire_meta(u);
             }
-            a.checkpoint_units = (plan.kept.len() + page_units_new.len() + units.len()) as u64;
+            a.checkpoint_units = kept_units + 2 * page_units_new.len() as u64 + units.len() as u64;
             if result.is_err() {
-                for &u in units.iter().chain(&page_units_new) {
+                for &u in units.iter().chain(page_units_new.iter().flat_map(|(p, c)| [p, c])) {
                     a.retire_meta(u);
                 }
-                a.checkpoint_units = (log.checkpoint_units.len() + log.page_chunks.len()) as u64;
+                a.checkpoint_units = log.checkpoint_units.len() as u64 + journal::page_chunk_units(&log.page_chunks);
                 // The pages and leaves noted as in those chunks are in none.
                 plan.forget_stored();
             }
@@ -121,11 +126,15 @@ impl Store {
         sb.version = FORMAT_VERSION.into();
         // No refcounts, and pages and leaves in page chunks: a build that does not know
         // these must refuse the pool.
-        sb.incompat_features =
-            (sb.incompat_features.get() | INCOMPAT_DERIVED_REFCOUNTS | INCOMPAT_PAGE_CHUNKS | INCOMPAT_SHARED_LEAVES)
-                .into();
+        sb.incompat_features = (sb.incompat_features.get()
+            | INCOMPAT_DERIVED_REFCOUNTS
+            | INCOMPAT_PAGE_CHUNKS
+            | INCOMPAT_SHARED_LEAVES
+            | INCOMPAT_DITTO)
+            .into();
         sb.checkpoint_unit = u64::from(units[0]).into();
-        sb.checkpoint_chunks = (units.len() as u64).into();
+        sb.checkpoint_copy_unit = u64::from(units[1]).into();
+        sb.checkpoint_chunks = (units.len() as u64 / journal::CHUNK_COPIES).into();
         sb.checkpoint_seq = seq.into();
         sb.log_head = log.cursor.pos.into();
         self.switch_superblock(log, sb)?;
@@ -134,7 +143,7 @@ impl Store {
         // valid only while takes and releases of them are serialised.
         let old = std::mem::replace(&mut log.checkpoint_units, units);
         let mut chunks = plan.kept;
-        chunks.extend(page_units_new.iter().map(|&u| (u, seq)));
+        chunks.extend(page_units_new.iter().map(|&(u, copy)| (u, journal::PageChunk::written(seq, copy))));
         log.page_chunks = chunks;
         log.cursor.head = log.cursor.pos;
         log.cursor.seq = seq;
@@ -175,7 +184,7 @@ impl Store {
             tracing::error!(bound, spare = reserved.len(), "the spare holds fewer units than a checkpoint may take");
         }
         // What the checkpoint holds once durable, at most: twice the bound (room.rs), or
-        // every current page chunk and the bound, whichever is more.
+        // every current page chunk (its units) and the bound, whichever is more.
         alloc.checkpoint_units = (2 * bound).max(page_chunks + bound);
         let mut j = self.journal.lock();
         j.bytes.clear(); // captured by the snapshot itself
@@ -215,18 +224,20 @@ impl Store {
 }
 
 /// K2's writes: the page chunks of a plan, then the chain of directory chunks, each
-/// into the next of the units reserved for it (the unit of the next directory chunk
-/// is taken before a chunk is written, since its header names it), with at most
-/// [`Self::IN_FLIGHT`] writes outstanding, so that memory holds a few chunks whatever
-/// the checkpoint's size.
+/// into two of the units reserved for it (ditto copies: the first from the front of
+/// the reserved units, the copy from the back, so that the two are apart in the pool
+/// when the spare is; the units of the next directory chunk are taken before a chunk
+/// is written, since its header names them), with at most [`Self::IN_FLIGHT`] writes
+/// outstanding, so that memory holds a few chunks whatever the checkpoint's size.
 struct ChunkWrites<'a> {
     store: &'a Store,
     seq: u64,
     reserved: &'a mut VecDeque<u32>,
     inflight: VecDeque<oneshot::Receiver<io::RwResult>>,
-    /// Units of the page chunks written, in order.
-    pages: Vec<u32>,
-    /// Units of the directory's chain, in order (the last one taken, not yet written).
+    /// Units of the page chunks written, in order: the chunk's and its copy's.
+    pages: Vec<(u32, u32)>,
+    /// Units of the directory's chain, in order, each chunk's then its copy's (the last
+    /// pair taken, not yet written).
     dirs: Vec<u32>,
     /// Bytes written (whole blocks).
     bytes: u64,
@@ -245,11 +256,11 @@ impl<'a> ChunkWrites<'a> {
     fn write_all(&mut self, state: &State, plan: &journal::CheckpointPlan) -> Result<()> {
         let payload = self.store.geo.unit_size as usize - size_of::<ChunkHeader>();
         let mut emit = |body: &[u8]| {
-            let unit = self.take()?;
+            let units = self.take()?;
             let index = self.pages.len() as u64;
-            self.pages.push(unit);
-            self.write(PAGE_CHUNK_MAGIC, unit, index, NO_UNIT, body)?;
-            Ok(unit)
+            self.pages.push(units);
+            self.write(PAGE_CHUNK_MAGIC, units, index, (NO_UNIT, NO_UNIT), body)?;
+            Ok(units.0)
         };
         let written = journal::encode_bodies(&plan.dirty, payload, &mut emit)
             .and_then(|_| journal::encode_bodies(&plan.dirty_leaves, payload, &mut emit));
@@ -262,26 +273,38 @@ impl<'a> ChunkWrites<'a> {
     fn write_directory(&mut self, state: &State, plan: &journal::CheckpointPlan) -> Result<()> {
         let payload = self.store.geo.unit_size as usize - size_of::<ChunkHeader>();
         let mut chunks = plan.kept.clone();
-        chunks.extend(self.pages.iter().map(|&u| (u, self.seq)));
+        chunks.extend(self.pages.iter().map(|&(u, copy)| (u, journal::PageChunk::written(self.seq, copy))));
         let encoded = state.encode_directory(&chunks, payload, &mut |body, last| {
             if self.dirs.is_empty() {
-                let u = self.take()?;
-                self.dirs.push(u);
+                let (u, copy) = self.take()?;
+                self.dirs.extend([u, copy]);
             }
-            let next = if last { NO_UNIT } else { u64::from(self.take()?) };
-            let index = self.dirs.len() as u64 - 1;
-            let unit = self.dirs[index as usize];
-            if next != NO_UNIT {
-                self.dirs.push(next as u32);
+            let next = if last {
+                (NO_UNIT, NO_UNIT)
+            } else {
+                let (u, copy) = self.take()?;
+                (u64::from(u), u64::from(copy))
+            };
+            let index = self.dirs.len() / 2 - 1;
+            let units = (self.dirs[2 * index], self.dirs[2 * index + 1]);
+            if next.0 != NO_UNIT {
+                self.dirs.extend([next.0 as u32, next.1 as u32]);
             }
-            self.write(CHECKPOINT_MAGIC, unit, index, next, body)
+            self.write(CHECKPOINT_MAGIC, units, index as u64, next, body)
         });
         encoded.map(|_| ())
     }
 
-    /// The next reserved unit.
-    fn take(&mut self) -> Result<u32> {
-        match self.reserved.pop_front() {
+    /// The units of the next chunk and its copy.
+    fn take(&mut self) -> Result<(u32, u32)> {
+        let first = self.take_one(false)?;
+        Ok((first, self.take_one(true)?))
+    }
+
+    /// The next reserved unit, from the back for a copy.
+    fn take_one(&mut self, copy: bool) -> Result<u32> {
+        let next = if copy { self.reserved.pop_back() } else { self.reserved.pop_front() };
+        match next {
             Some(u) => Ok(u),
             None => {
                 // Past the bound: an engine bug, which the tests are to catch.
@@ -294,27 +317,30 @@ impl<'a> ChunkWrites<'a> {
         }
     }
 
-    /// Writes one chunk, its header then `body`, into `unit`.
-    fn write(&mut self, magic: u32, unit: u32, index: u64, next: u64, body: &[u8]) -> Result<()> {
+    /// Writes one chunk, its header (naming the next chunk's units `next`, or
+    /// [`NO_UNIT`] twice) then `body`, into both `units`: the same bytes.
+    fn write(&mut self, magic: u32, units: (u32, u32), index: u64, next: (u64, u64), body: &[u8]) -> Result<()> {
         let h = ChunkHeader {
             magic: magic.into(),
             crc: 0.into(),
             checkpoint_seq: self.seq.into(),
             index: index.into(),
-            next_unit: next.into(),
+            next_unit: next.0.into(),
             payload_len: (body.len() as u32).into(),
             pad: 0.into(),
             pool_uuid: self.store.geo.uuid,
-            reserved: 0.into(),
+            next_copy_unit: next.1.into(),
         };
         let crc = crc32c::crc32c_append(crc(h.as_bytes()), body);
         let h = ChunkHeader { crc: crc.into(), ..h };
-        if self.inflight.len() == Self::IN_FLIGHT {
-            wait(self.inflight.pop_front().expect("a write in flight"))?;
+        for unit in [units.0, units.1] {
+            if self.inflight.len() == Self::IN_FLIGHT {
+                wait(self.inflight.pop_front().expect("a write in flight"))?;
+            }
+            self.bytes += (size_of::<ChunkHeader>() + body.len()).div_ceil(io::ALIGN) as u64 * io::ALIGN as u64;
+            let offset = self.store.geo.unit_offset(u64::from(unit));
+            self.inflight.push_back(write_blocks_async(&self.store.ring, offset, &[h.as_bytes(), body], false));
         }
-        self.bytes += (size_of::<ChunkHeader>() + body.len()).div_ceil(io::ALIGN) as u64 * io::ALIGN as u64;
-        let offset = self.store.geo.unit_offset(u64::from(unit));
-        self.inflight.push_back(write_blocks_async(&self.store.ring, offset, &[h.as_bytes(), body], false));
         Ok(())
     }
 }
