@@ -332,6 +332,12 @@ impl Pool {
             // The checkpoint wrote both slots (ditto copies), so no slot of an older
             // version is left that an older build could open from.
         }
+        // Free units a crash or a close left holding blocks of the pool file go back
+        // to the host file system, as the units every run frees do.
+        let leftover = store.queue_leftover_punches().map_err(|e| e.op("open pool"))?;
+        if leftover > 0 {
+            tracing::info!(path = %path.display(), units = leftover, "giving free units back to the host file system");
+        }
         store.start_committer()?;
         Ok(Pool { store })
     }

@@ -14,7 +14,8 @@
 //! (`PoolOptions::discard`). Not done: on a preallocated pool file or a block device not
 //! asked to (`backed_all`), while the host file system is full, and once the host file
 //! system or the device answers `EOPNOTSUPP`. Units freed but not yet punched
-//! when the pool closes or crashes stay in the file until they are freed again.
+//! when the pool closes or crashes are found at the next open and punched then
+//! ([`Store::queue_leftover_punches`]).
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Condvar, Mutex, Weak};
@@ -131,6 +132,53 @@ impl Store {
         }
         self.puncher.punched.notify_waiters();
         true
+    }
+
+    /// Queues for their punch the free units that hold blocks of the pool file: units
+    /// whose free a crash or a close made durable before the punching thread reached
+    /// them, and the units of earlier checkpoints. Called at open, once the spare has
+    /// taken the backed units it needs ([`Store::prepare_at_open`]) and any checkpoint
+    /// at open is written, before the punching thread starts; returns how many units
+    /// it queued. The file's data ranges are found with `SEEK_DATA` and `SEEK_HOLE`, so
+    /// the cost follows the ranges, not the pool's size. Nothing is queued when the
+    /// pool does not [punch holes](Self::punches_holes), is a block device (what a
+    /// device holds for a free unit is not known; discards only follow frees), or when
+    /// the host file system is full (the pool's writes can still take those units).
+    ///
+    /// Errors: [`ErrorKind::Io`](crate::ErrorKind::Io) when the data ranges cannot be
+    /// found.
+    pub(crate) fn queue_leftover_punches(&self) -> Result<u64> {
+        let us = self.geo.unit_size;
+        if !self.punches_holes() || self.discard_device {
+            return Ok(0);
+        }
+        // A host file system that is full (less room than 16 units, as the data path
+        // judges it) keeps what the pool holds: writes can still take those units.
+        if crate::io::available_bytes(&self.file).is_ok_and(|room| room < 16 * us) {
+            return Ok(0);
+        }
+        let start = self.geo.data_offset;
+        let end = self.geo.unit_offset(self.alloc.lock().unit_count());
+        let ranges = crate::io::data_ranges(&self.file, start, end, usize::MAX)
+            .map_err(|e| Error::io("look for the pool file's holes", e))?;
+        let mut queued = 0;
+        let mut a = self.alloc.lock();
+        let backed: std::collections::HashSet<u32> = a.backed_free.iter().copied().collect();
+        for (off, len) in ranges {
+            // Every unit the range touches: a unit partly backed holds blocks too.
+            for u in (off - start) / us..(off + len - start).div_ceil(us) {
+                let u = u as u32;
+                if !backed.contains(&u) && a.take_unit(u) {
+                    a.punch_queue.push(u);
+                    queued += 1;
+                }
+            }
+        }
+        drop(a);
+        if queued > 0 {
+            self.puncher.set(true, false);
+        }
+        Ok(queued)
     }
 
     /// Starts the thread that punches freed units.
