@@ -108,6 +108,9 @@ pub struct RepairReport {
     pub changed: Vec<RefcountRepair>,
     /// Units referenced by no mapping that were held as used (leaked): free now.
     pub freed: u64,
+    /// Damaged copies of superblock slots or checkpoint chunks [`check`] named, written
+    /// again (a fresh checkpoint, both slots): their warnings, as check gave them.
+    pub rewritten_copies: Vec<String>,
     /// The summary of [`check`] on the repaired pool.
     pub summary: String,
 }
@@ -143,5 +146,6 @@ pub fn repair(path: &Path) -> Result<RepairReport> {
         .op("repair pool"));
     }
     let freed = changed.iter().filter(|(_, _, now)| *now == 0).count() as u64;
-    Ok(RepairReport { changed, freed, summary: after.summary })
+    let rewritten_copies = if before.damaged_copies { before.warnings } else { Vec::new() };
+    Ok(RepairReport { changed, freed, rewritten_copies, summary: after.summary })
 }

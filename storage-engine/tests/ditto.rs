@@ -136,7 +136,8 @@ fn assert_survives(dir: &Path, want: &Expected, named: &str, what: &str) {
     assert_content(dir, want, what);
     let r = storage_engine::check(&pool_path(dir)).unwrap();
     if r.damaged_copies {
-        storage_engine::repair(&pool_path(dir)).unwrap_or_else(|e| panic!("{what}: repair: {e}"));
+        let rep = storage_engine::repair(&pool_path(dir)).unwrap_or_else(|e| panic!("{what}: repair: {e}"));
+        assert!(rep.rewritten_copies.iter().any(|w| w.contains(named)), "{what}: repair says {rep:?}");
         assert_content(dir, want, &format!("{what}, repaired"));
     }
     let r = storage_engine::check(&pool_path(dir)).unwrap();

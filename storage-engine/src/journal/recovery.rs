@@ -91,7 +91,14 @@ pub(crate) fn load(read: &mut ReadAt<'_>, size: u64, accept: Accept) -> Result<L
         // Read from one slot of two, the other damaged: commits of a later generation
         // behind the log mean the damaged slot held a newer checkpoint, whose write to
         // this slot the disk lost (two faults).
-        Err(e) if e.kind() == crate::ErrorKind::Corrupt && ditto && !rolled_back && superblock_warning.is_some() => {
+        // (Not when both slots are valid and differ: the newer is read, no rollback
+        // can help.)
+        Err(e)
+            if e.kind() == crate::ErrorKind::Corrupt
+                && ditto
+                && !rolled_back
+                && superblock_warning.as_deref().is_some_and(|w| w.contains(" is damaged")) =>
+        {
             Err(Error::corrupt(format!(
                 "{}. ({}.) The damaged slot may have held a newer checkpoint than the one read: if losing what \
                  was committed after it is acceptable, open the pool with a superblock rollback accepted \

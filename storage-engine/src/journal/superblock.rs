@@ -193,8 +193,11 @@ pub(crate) fn read_superblock(
         // damaged slot held this generation, the one before, or the next one of a
         // checkpoint cut between the two writes, whose predecessor (this one) is still
         // whole, with the log it replays. Only a second fault (the other slot's write
-        // lost by the disk) leaves commits of a later generation behind that log: the
-        // log's loader refuses them, unless a rollback is accepted.
+        // lost by the disk, or a crash in the checkpoint of the open after a cut,
+        // which may write over the older checkpoint's units, beside a damaged newer
+        // slot) leaves commits of a later generation behind that log, or a checkpoint
+        // that no longer loads: the loader refuses either, the first unless a
+        // rollback is accepted.
         rolled_back = accept_rollback;
         format!("{note}; its copy in slot {v} (generation {gen}) was read, and the open writes both slots again")
     } else if gen <= 1 && damaged.as_bytes().iter().all(|&b| b == 0) {

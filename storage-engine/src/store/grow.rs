@@ -99,9 +99,13 @@ impl Store {
             let mut sb = log.sb.clone();
             sb.pool_size = target.into();
             sb.unit_count = units.into();
-            // Both slots, so that no slot is left naming the smaller pool.
+            // Both slots, so that no slot is left naming the smaller pool: one switch
+            // writes both with ditto copies (every pool once opened by this build).
+            let ditto = sb.incompat_features.get() & crate::format::INCOMPAT_DITTO != 0;
             self.switch_superblock(log, sb)?;
-            self.switch_superblock(log, log.sb.clone())?;
+            if !ditto {
+                self.switch_superblock(log, log.sb.clone())?;
+            }
             self.pool_size.store(target, Ordering::SeqCst);
             self.alloc.lock().grow(units as usize);
             Ok(())

@@ -351,8 +351,13 @@ pub(crate) async fn check(path: PathBuf, repair: bool) -> anyhow::Result<ExitCod
             for (unit, found, now) in &report.changed {
                 out!("repaired: data unit {unit} had refcount {found}; {now} mapping pages map it");
             }
-            if report.changed.is_empty() {
+            for w in &report.rewritten_copies {
+                out!("rewritten: {w}");
+            }
+            if report.changed.is_empty() && report.rewritten_copies.is_empty() {
                 out!("nothing to repair");
+            } else if report.changed.is_empty() {
+                out!("damaged copies written again; a fresh checkpoint was written");
             } else {
                 out!(
                     "{} refcounts repaired ({} leaked units free again); a fresh checkpoint was written",
