@@ -37,10 +37,12 @@ fn main() {
     let size = gib << 30;
     let units = size / UNIT;
     let changed = (units * permille / 1000).max(1);
-    // Room for the volume, every unit the snapshots keep, and their metadata (the
-    // pages and leaves each diverged by, in two copies: under 512 KiB a snapshot at
-    // these change rates).
-    let pool_size = size + n * changed * UNIT + n * (512 << 10) + size / 4 + (1 << 30);
+    // Room for the volume, every unit the snapshots keep, and their metadata: the
+    // pages and leaves each diverged by, in two copies (under 256 KiB a snapshot at
+    // these change rates), and the reserve the rule of docs/on-disk-format.md 9 keeps
+    // beside it for a checkpoint that writes everything, with its headroom (some five
+    // times as much).
+    let pool_size = size + n * changed * UNIT + n * (3 << 20) + size / 4 + (1 << 30);
     let opts = PoolOptions { size: pool_size, unit_size: UNIT as u32, ..Default::default() };
     let pool = Pool::create(&path, &opts).unwrap();
     rt.block_on(pool.create_volume("v", size)).unwrap();
