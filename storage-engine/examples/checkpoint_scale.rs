@@ -1,6 +1,6 @@
 //! What checkpoints, opens and snapshots cost as the mapped total grows: for each size
-//! given (GiB mapped, 64 KiB units, one 4 KiB block written in each unit so the disk
-//! holds 1/16 of it), a pool is filled and checkpointed, then changed in 0.1% of its
+//! given (GiB mapped, 64 KiB units or `UNIT_KIB` KiB ones, one 4 KiB block written in
+//! each unit so the disk holds 1/16 of it with 64 KiB units), a pool is filled and checkpointed, then changed in 0.1% of its
 //! units (at random, then as many contiguous ones) and checkpointed after each,
 //! snapshotted, closed and opened.
 //!
@@ -11,7 +11,11 @@ use std::time::Instant;
 
 use storage_engine::{Pool, PoolOptions, Volume};
 
-const UNIT: u64 = 64 * 1024;
+/// The data-unit size: `UNIT_KIB` KiB (16 to 128), 64 KiB by default.
+fn unit() -> u64 {
+    static UNIT: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *UNIT.get_or_init(|| std::env::var("UNIT_KIB").ok().and_then(|v| v.parse().ok()).unwrap_or(64) * 1024)
+}
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -26,11 +30,11 @@ fn main() {
         let _ = std::fs::remove_file(&path);
         let mapped = gib << 30;
         let opts =
-            PoolOptions { size: mapped + mapped / 8 + (256 << 20), unit_size: UNIT as u32, ..Default::default() };
+            PoolOptions { size: mapped + mapped / 8 + (256 << 20), unit_size: unit() as u32, ..Default::default() };
         let pool = Pool::create(&path, &opts).unwrap();
         rt.block_on(pool.create_volume("v", mapped)).unwrap();
         let v = pool.volume("v").unwrap();
-        let units = mapped / UNIT;
+        let units = mapped / unit();
         rt.block_on(async {
             let mut set = tokio::task::JoinSet::new();
             let lanes = 16;
@@ -96,7 +100,7 @@ fn main() {
 
 /// Writes block `block` of unit `u` of `v`, all `byte`.
 async fn write_block(v: &Volume, u: u64, block: u64, byte: u8) {
-    let off = u * UNIT + block * 4096;
+    let off = u * unit() + block * 4096;
     let mut b = v.alloc_write_buf(off, 4096);
     b.as_mut().fill(byte);
     v.write(off, b, false).await.unwrap();
