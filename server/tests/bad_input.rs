@@ -517,6 +517,21 @@ fn a_damaged_superblock_slot_is_read_around_with_a_warning() {
 }
 
 #[test]
+fn check_repair_writes_a_damaged_superblock_slot_again_and_says_so() {
+    // `check --repair` on a pool whose only fault is a damaged slot: it names the slot
+    // as written again (not "nothing to repair"), and check is clean afterwards.
+    let td = TestDir::new();
+    made_pool(&td);
+    let pool = td.data().join("pool.img");
+    flip_bit(&pool, 4096 + 40);
+    let out = cli_ok(&td.data(), &["check", "--repair"]);
+    assert!(out.contains("rewritten: superblock slot 1 is damaged"), "{out}");
+    assert!(!out.contains("nothing to repair"), "{out}");
+    let out = cli_ok(&td.data(), &["check"]);
+    assert!(out.lines().any(|l| l.trim() == "clean") && !out.contains("warning"), "{out}");
+}
+
+#[test]
 fn a_lost_newer_superblock_is_refused_unless_a_rollback_is_accepted() {
     // Two faults: the newer checkpoint's superblock reached one slot only, and that
     // slot is damaged, with a write committed after it in the log. Opening from the
