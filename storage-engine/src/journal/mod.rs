@@ -22,6 +22,6 @@ pub(crate) use state::{
     checkpoint_bytes_bound, checkpoint_units_bound, chunk_fill, derive_refcounts, directory_bytes_bound, encode_bodies,
     leaf_body_bytes, page_chunk_units, CheckpointPlan, PageChunk, PageChunks, State, VolumeMeta, CHUNK_COPIES,
 };
-pub(crate) use superblock::{unknown_ro_compat, Geometry};
+pub(crate) use superblock::{has_ditto, unknown_ro_compat, Geometry};
 pub use verify::RefcountRepair;
 pub(crate) use verify::{rebuild_refcounts, volume_problems};

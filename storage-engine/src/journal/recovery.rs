@@ -85,7 +85,7 @@ pub(crate) fn load(read: &mut ReadAt<'_>, size: u64, accept: Accept) -> Result<L
     } else {
         LaterCommits::Refuse
     };
-    let ditto = sb.incompat_features.get() & crate::format::INCOMPAT_DITTO != 0;
+    let ditto = super::superblock::has_ditto(&sb);
     match load_from(read, sb, geo, later_commits, accept.both_copies) {
         Ok(loaded) => Ok(Loaded { superblock_warning, ..loaded }),
         // Read from one slot of two, the other damaged: commits of a later generation
@@ -236,7 +236,7 @@ fn load_checkpoint(
         paged: sb.incompat_features.get() & INCOMPAT_PAGE_CHUNKS != 0,
         page_chunks: PageChunks::new(),
         leaved: sb.incompat_features.get() & INCOMPAT_SHARED_LEAVES != 0,
-        ditto: sb.incompat_features.get() & INCOMPAT_DITTO != 0,
+        ditto: super::superblock::has_ditto(sb),
         both_copies,
         warnings: Vec::new(),
         locs: Vec::new(),
@@ -312,7 +312,7 @@ fn load_checkpoint(
         }
         if c.paged {
             c.load_pages(read, geo)?;
-            checkpoint_units.extend(c.page_chunks.iter().flat_map(|(&u, pc)| std::iter::once(u).chain(pc.copy)));
+            checkpoint_units.extend(c.page_chunks.iter().flat_map(|(&u, pc)| pc.units(u)));
         }
     }
     // Ids are never reused: one at or above the next id would be given again to a new
@@ -497,7 +497,7 @@ impl CheckpointLoad {
         for (unit, pc) in chunks {
             let u = u64::from(unit);
             let seq = pc.seq;
-            let units: Vec<u64> = std::iter::once(u).chain(pc.copy.map(u64::from)).collect();
+            let units: Vec<u64> = pc.units(unit).map(u64::from).collect();
             let ditto = self.ditto;
             let fits = |h: &ChunkHeader| h.next_unit.get() == NO_UNIT && (!ditto || h.next_copy_unit.get() == NO_UNIT);
             let what = format!("page chunk of seq {seq}");

@@ -232,8 +232,7 @@ impl State {
         keep_or_clean(live, &mut dirty_leaves, chunks, fill, &mut kept);
         for (&unit, c) in chunks {
             if !kept.contains_key(&unit) {
-                dropped.push(unit);
-                dropped.extend(c.copy);
+                dropped.extend(c.units(unit));
             }
         }
         CheckpointPlan { dirty, dirty_leaves, kept, dropped }
@@ -335,11 +334,16 @@ impl PageChunk {
     pub fn written(seq: u64, copy: u32) -> Self {
         PageChunk { seq, copy: Some(copy), whole: true }
     }
+
+    /// The units this chunk, stored at `unit`, takes: `unit`, then its copy's.
+    pub fn units(&self, unit: u32) -> impl Iterator<Item = u32> {
+        std::iter::once(unit).chain(self.copy)
+    }
 }
 
 /// Data units the page chunks `chunks` take, their copies included.
 pub(crate) fn page_chunk_units(chunks: &PageChunks) -> u64 {
-    chunks.values().map(|c| 1 + u64::from(c.copy.is_some())).sum()
+    chunks.iter().map(|(&u, c)| c.units(u).count() as u64).sum()
 }
 
 /// What a checkpoint writes ([`State::plan_checkpoint`]).

@@ -147,7 +147,7 @@ pub(crate) fn read_superblock(
                 slots[0].0.as_bytes() == slots[1].0.as_bytes(),
             );
             let (sb, g) = slots.swap_remove(newer);
-            let warning = (ditto(&sb) && !same).then(|| {
+            let warning = (has_ditto(&sb) && !same).then(|| {
                 format!(
                     "superblock slot {} holds generation {}, slot {newer} generation {}: a checkpoint was cut between \
                      its two superblock writes; opened from slot {newer}, and the open writes both slots again",
@@ -187,7 +187,7 @@ pub(crate) fn read_superblock(
              a pool is never downgraded, nor rolled back over a newer build's slot: open it with that version or \
              a later one"
         )));
-    } else if ditto(&slots[v].0) {
+    } else if has_ditto(&slots[v].0) {
         // Both slots are written at every checkpoint, the other slot only once this
         // one is durable, and a checkpoint's units are freed only after both: the
         // damaged slot held this generation, the one before, or the next one of a
@@ -234,7 +234,7 @@ fn written_by_newer_build(sb: &Superblock) -> bool {
 
 /// Whether `sb` names a checkpoint with ditto copies, whose superblock is written into
 /// both slots ([`INCOMPAT_DITTO`]).
-fn ditto(sb: &Superblock) -> bool {
+pub(crate) fn has_ditto(sb: &Superblock) -> bool {
     sb.incompat_features.get() & INCOMPAT_DITTO != 0
 }
 

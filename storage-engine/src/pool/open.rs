@@ -280,7 +280,7 @@ impl Pool {
         let first = sb.checkpoint_unit.get() == NO_UNIT;
         // A checkpoint of an older build, stored once: the checkpoint at open writes
         // every chunk in two copies and the superblock into both slots.
-        let single = sb.incompat_features.get() & INCOMPAT_DITTO == 0;
+        let single = !journal::has_ditto(&sb);
         let State { volumes, next_volume, mut alloc, .. } = state;
         debug_assert_eq!(
             alloc.counts,
@@ -289,8 +289,7 @@ impl Pool {
         );
         alloc.checkpoint_units = checkpoint_units.len() as u64;
         // The log state keeps the chain's units and the page chunks apart.
-        let paged: std::collections::HashSet<u32> =
-            page_chunks.iter().flat_map(|(&u, c)| std::iter::once(u).chain(c.copy)).collect();
+        let paged: std::collections::HashSet<u32> = page_chunks.iter().flat_map(|(&u, c)| c.units(u)).collect();
         checkpoint_units.retain(|u| !paged.contains(u));
         let vols = volumes
             .into_iter()

@@ -52,7 +52,7 @@ impl Store {
         let first = (sb.generation.get() % 2) as usize;
         write_blocks(&self.ring, SUPERBLOCK_OFFSETS[first], sb.as_bytes())?;
         self.sync_data_blocking()?;
-        if sb.incompat_features.get() & INCOMPAT_DITTO != 0 {
+        if journal::has_ditto(&sb) {
             // Only once the first is durable: a cut between the two leaves the other
             // slot one generation older, whose checkpoint is still whole (its units are
             // freed only after this), and the next open writes both again.
@@ -110,7 +110,7 @@ impl Store {
             for u in reserved.drain(..) {
                 a.retire_meta(u);
             }
-            a.checkpoint_units = kept_units + 2 * page_units_new.len() as u64 + units.len() as u64;
+            a.checkpoint_units = kept_units + journal::CHUNK_COPIES * page_units_new.len() as u64 + units.len() as u64;
             if result.is_err() {
                 for &u in units.iter().chain(page_units_new.iter().flat_map(|(p, c)| [p, c])) {
                     a.retire_meta(u);

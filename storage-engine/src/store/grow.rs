@@ -101,7 +101,7 @@ impl Store {
             sb.unit_count = units.into();
             // Both slots, so that no slot is left naming the smaller pool: one switch
             // writes both with ditto copies (every pool once opened by this build).
-            let ditto = sb.incompat_features.get() & crate::format::INCOMPAT_DITTO != 0;
+            let ditto = crate::journal::has_ditto(&sb);
             self.switch_superblock(log, sb)?;
             if !ditto {
                 self.switch_superblock(log, log.sb.clone())?;
