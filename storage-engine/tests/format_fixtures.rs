@@ -255,3 +255,76 @@ fn a_version_5_pool_with_shared_leaves_stored_once_opens() {
         INCOMPAT_DERIVED_REFCOUNTS | INCOMPAT_PAGE_CHUNKS | INCOMPAT_SHARED_LEAVES,
     );
 }
+
+/// A full version 5 pool of the build before the metadata changes (every checkpoint
+/// written whole with its refcounts, stored once: no feature bits), made with that build's server: a 24 MiB pool of 16 KiB
+/// units, volume `v` of 64 MiB with the first 4 KiB of each of its units `i` written
+/// with the byte `i % 251 + 1` until the pool refused the next with ENOSPC (1,184
+/// units), then snapshots of `v` taken until it refused the next for the metadata
+/// reserve (566 of them), then a clean stop. Its spare was sized for one copy of each
+/// chunk: the checkpoint at open, which writes two, may find fewer spare units than
+/// its bound and takes free units past them. It opens with all its data and
+/// snapshots, `check` finds it clean, and then, being full, it refuses changes that
+/// need room with `NoSpace` until a delete frees some.
+#[test]
+fn a_full_version_5_pool_stored_once_is_converted_at_open() {
+    const UNIT: u64 = 16 * K;
+    const MAPPED: u64 = 1184;
+    let dir = tempfile::tempdir().unwrap();
+    let path = pool_path(dir.path());
+    std::fs::write(&path, fixture_image("pool-v5-full")).unwrap();
+    let current_slot = |path: &Path| {
+        SUPERBLOCK_OFFSETS[(0..2).max_by_key(|&i| slot(path, SUPERBLOCK_OFFSETS[i]).generation.get()).unwrap()]
+    };
+    assert_eq!(slot_version(&path, current_slot(&path)), 5, "the fixture's current slot");
+    assert_eq!(slot_incompat(&path, current_slot(&path)), 0, "the fixture's current slot: refcounts stored, one copy");
+    let before = storage_engine::check(&path).unwrap();
+    assert!(before.problems.is_empty(), "{before:?}");
+    let rt = rt();
+    let expect_v = |v: &storage_engine::Volume| {
+        let got = [rt.block_on(read(v, 0, 32 * MIB)), rt.block_on(read(v, 32 * MIB, 32 * MIB))].concat();
+        for (i, unit) in got.chunks(UNIT as usize).enumerate() {
+            let byte = if (i as u64) < MAPPED { (i % 251 + 1) as u8 } else { 0 };
+            assert!(unit[..4096].iter().all(|&b| b == byte), "unit {i} of {}: expected {byte:#x}", v.name());
+            assert!(unit[4096..].iter().all(|&b| b == 0), "unit {i} of {}: past its first block", v.name());
+        }
+    };
+    let pool = Pool::open(&path).unwrap();
+    assert_eq!(slot_incompat(&path, current_slot(&path)), THIS_BUILDS_INCOMPAT, "converted at open");
+    let mut names = pool.names();
+    assert_eq!(names.len(), 567, "v and its snapshots");
+    names.sort();
+    expect_v(&pool.volume("v").unwrap());
+    expect_v(&pool.volume("v@t1364").unwrap());
+    expect_v(&pool.volume("v@s1").unwrap());
+    // Full: a first write to an unmapped unit, and a snapshot, need room it lacks.
+    let v = pool.volume("v").unwrap();
+    let e = rt.block_on(write(&v, MAPPED * UNIT, &[7; 4096], false)).unwrap_err();
+    assert_eq!(e.kind(), storage_engine::ErrorKind::NoSpace, "{e}");
+    let e = rt.block_on(pool.create_snapshot("v", "more")).unwrap_err();
+    assert_eq!(e.kind(), storage_engine::ErrorKind::NoSpace, "{e}");
+    // Once the snapshots holding its units are gone, v's units are its own: writing
+    // them needs no new unit.
+    for n in &names {
+        if let Some(snap) = n.strip_prefix("v@") {
+            rt.block_on(pool.delete_snapshot("v", snap)).unwrap();
+        }
+    }
+    rt.block_on(write(&v, 0, &[0xee; 4096], true)).unwrap();
+    // A pool this small needs more free units than it has for the reserve of a
+    // checkpoint in two copies: freeing data (the last MiB of what v maps) gives room.
+    let e = rt.block_on(pool.create_snapshot("v", "after")).unwrap_err();
+    assert_eq!(e.kind(), storage_engine::ErrorKind::NoSpace, "{e}");
+    rt.block_on(v.trim((MAPPED - 64) * UNIT, 64 * UNIT, false)).unwrap();
+    rt.block_on(v.flush()).unwrap();
+    rt.block_on(pool.create_snapshot("v", "after")).unwrap();
+    drop(v);
+    pool.close().unwrap();
+    assert_clean(dir.path());
+    let pool = Pool::open(&path).unwrap();
+    let v = pool.volume("v").unwrap();
+    assert_eq!(rt.block_on(read(&v, 0, 4096)), vec![0xee; 4096]);
+    assert_eq!(rt.block_on(read(&v, UNIT, 4096)), vec![2; 4096]);
+    drop(v);
+    pool.close().unwrap();
+}

@@ -16,7 +16,7 @@ use crate::format::*;
 use crate::info::Recovery;
 use crate::io::{self, AlignedBuf, IoOptions, IoRing};
 use crate::journal::{self, read_at_file, rebuild_refcounts, volume_problems, RefcountRepair, State};
-use crate::store::{sync, write_blocks, LogState, Parts, Store, VolState};
+use crate::store::{LogState, Parts, Store, VolState};
 
 /// Locks the pool file, retrying for up to 3 s: after a process is killed with I/O in
 /// flight, the kernel releases its files (and their locks) a little after it is reaped.
@@ -149,16 +149,12 @@ impl Pool {
             file.set_len(size).map_err(|e| discard(Error::io("size pool file", e)))?;
         }
         let sb = new_superblock(size, unit, log_size, data_offset, unit_count);
-        let file = Arc::new(file);
-        let ring = IoRing::new(file.clone(), 256, &IoOptions::default())
-            .map_err(|e| discard(Error::io("set up io_uring", e)))?;
         let formatted = (|| {
             if opts.preallocate && !is_dev {
                 io::allocate(&file, 0, size).map_err(|e| Error::io("preallocate the pool file", e))?;
             }
-            format(&ring, sb, log_size)
+            format(&file, sb, log_size)
         })();
-        drop(ring);
         formatted.map_err(discard)?;
         if let Some(c) = &creating {
             // Only this creator holds the lock on `c`, and `path` did not exist above.
@@ -327,7 +323,21 @@ impl Pool {
         let stale_batches = highest_seq > log.seq;
         if stale_batches || upgrade || first || salvaged || repairing || single {
             let jump = (store.geo().log_size / BLOCK_SIZE + 1).max(highest_seq - log.seq + 1);
-            store.checkpoint(jump).map_err(|e| e.op("open pool"))?;
+            store.checkpoint(jump).map_err(|e| match e.kind() {
+                // Its spare was sized for one copy; the chunks took free units past it
+                // and found none (a failed checkpoint leaves the pool as it was).
+                ErrorKind::NoSpace if single => Error::new(
+                    ErrorKind::NoSpace,
+                    format!(
+                        "the pool was written by an older build, which stored its checkpoint once, and is too full \
+                         to convert to two copies (docs/on-disk-format.md 5.5): {e}; nothing was changed. Free space \
+                         in it with that build (delete snapshots or volumes, or `ferrovol pool grow`), then open it \
+                         again"
+                    ),
+                )
+                .op("open pool"),
+                _ => e.op("open pool"),
+            })?;
             // The checkpoint wrote both slots (ditto copies), so no slot of an older
             // version is left that an older build could open from.
         }
@@ -402,24 +412,36 @@ fn new_superblock(size: u64, unit: u64, log_size: u64, data_offset: u64, unit_co
     }
 }
 
-/// Formats a new pool through `ring`: zeros over the log (so that no stale batch of a
+/// Formats a new pool in `file`: zeros over the log (so that no stale batch of a
 /// former pool can look current, and the host file system holds blocks for all of it,
 /// so that a log write never needs room there), then both superblock slots (generations
 /// 0 and 1 of `sb`), then `fdatasync`.
 ///
+/// Plain writes, not the ring: these are the first writes into the holes of a new
+/// file, which may wait for the host file system to allocate blocks (room.rs fills the
+/// spare's holes the same way); once, on the creating thread, before any data-plane
+/// I/O, so the ring gains nothing here. The buffers are block-aligned, as the file may
+/// be open with `O_DIRECT`.
+///
 /// Errors: [`ErrorKind::Io`].
-fn format(ring: &IoRing, mut sb: Superblock, log_size: u64) -> Result<()> {
+fn format(file: &File, mut sb: Superblock, log_size: u64) -> Result<()> {
+    use std::os::unix::fs::FileExt;
     let zeros = AlignedBuf::zeroed(1 << 20);
     let mut at = LOG_OFFSET;
     while at < LOG_OFFSET + log_size {
         let len = (LOG_OFFSET + log_size - at).min(1 << 20);
-        write_blocks(ring, at, &zeros.full()[..len as usize])?;
+        file.write_all_at(&zeros.full()[..len as usize], at)
+            .map_err(|e| Error::io(format!("write at byte {at}"), e))?;
         at += len;
     }
+    let mut block = AlignedBuf::zeroed(BLOCK_SIZE as usize);
     for g in 0..2u64 {
         sb.generation = g.into();
         sb.crc = sb.compute_crc().into();
-        write_blocks(ring, SUPERBLOCK_OFFSETS[(g % 2) as usize], sb.as_bytes())?;
+        let at = SUPERBLOCK_OFFSETS[(g % 2) as usize];
+        let bytes = sb.as_bytes();
+        block.full_mut()[..bytes.len()].copy_from_slice(bytes);
+        file.write_all_at(block.full(), at).map_err(|e| Error::io(format!("write at byte {at}"), e))?;
     }
-    sync(ring)
+    file.sync_data().map_err(|e| Error::io("fdatasync pool", e))
 }

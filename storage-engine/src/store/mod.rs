@@ -77,7 +77,6 @@ use std::sync::Arc;
 
 use parking_lot::{Mutex, MutexGuard, RwLock};
 
-pub(crate) use checkpoint::{sync, write_blocks};
 use commit::Commits;
 
 use crate::error::{Error, ErrorKind, Result};
