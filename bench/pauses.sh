@@ -10,7 +10,11 @@
 #                two thirds (copy on write, then frees)
 #   allocating   random writes over a fresh 4 GiB volume (every first write to a unit
 #                maps it: commits, and checkpoints as the log fills)
-# Env: WORK, PORT, SERVER_CPUS and CLIENT_CPUS (taskset lists).
+# With MAPPED (fio size syntax, e.g. 100g), a volume `bulk` with MAPPED bytes mapped is
+# made first (one 4 KiB block written in every 64 KiB unit, as bench/memory.sh does:
+# the disk holds a sixteenth of it), so that every job runs on a pool whose mapping
+# holds that much more, and its checkpoints are those of such a pool.
+# Env: MAPPED, WORK, PORT, SERVER_CPUS and CLIENT_CPUS (taskset lists).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECS=${1:-60}
@@ -22,11 +26,23 @@ build
 D=$WORK/pauses
 rm -rf "$D"
 trap 'stop_server; rm -rf "$D" "$D.lat"*' EXIT
-start_server "$D" "$PORT" --pool-size 8GiB --metrics-listen "127.0.0.1:$MPORT"
+MAPPED=${MAPPED:-0}
+mapped=$(/usr/bin/python3 -c "
+s='$MAPPED'.lower(); m={'k':2**10,'m':2**20,'g':2**30,'t':2**40}
+print(int(float(s[:-1])*m[s[-1]]) if s[-1] in m else int(s))")
+start_server "$D" "$PORT" --pool-size $((8 * 2**30 + mapped * 17 / 16)) --metrics-listen "127.0.0.1:$MPORT"
 F="$BIN --data-dir $D"
+CLIENT=${CLIENT_CPUS:+taskset -c $CLIENT_CPUS}
+if [ "$mapped" -gt 0 ]; then
+  $F volume create bulk --size "$mapped" >/dev/null
+  began=$(date +%s)
+  $CLIENT fio --name=map --ioengine=nbd --uri="nbd://127.0.0.1:$PORT/bulk" --rw=write --bs=4k --iodepth=32 \
+    --zero_buffers --zonemode=strided --zonesize=4k --zonerange=64k --size="$mapped" --io_size=$((mapped / 16)) \
+    --output=/dev/null
+  echo "mapped $MAPPED in volume bulk in $(($(date +%s) - began)) s"
+fi
 $F volume create w --size 2GiB >/dev/null
 $F volume create fresh --size 4GiB >/dev/null
-CLIENT=${CLIENT_CPUS:+taskset -c $CLIENT_CPUS}
 $CLIENT fio --name=pre --ioengine=nbd --uri="nbd://127.0.0.1:$PORT/w" --bs=1m --iodepth=8 --rw=write --size=1g >/dev/null
 metrics() { curl -s "http://127.0.0.1:$MPORT/metrics" | grep -E '^ferrovol_pool_(commit|checkpoint)' | sort; }
 job() { # job NAME VOLUME SIZE [during...]

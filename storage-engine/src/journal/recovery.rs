@@ -10,7 +10,7 @@ use zerocopy::{FromBytes, IntoBytes};
 
 use super::records::{split_records, Record};
 use super::state::{derive_refcounts, PageChunk, PageChunks, State, VolumeMeta};
-use super::superblock::{read_superblock, Geometry, ReadAt};
+use super::superblock::{read_superblock, Geometry, ReadAt, SlotRead};
 use crate::error::{Error, Result};
 use crate::format::*;
 use crate::meta::{Allocator, Entry, Leaf, MapPage, MapTable, MetaCounts, PageStored, LEAF_PAGES, META};
@@ -77,7 +77,8 @@ pub(crate) struct Accept {
 
 /// Reads the superblock, the checkpoint and replays the log. Never writes.
 pub(crate) fn load(read: &mut ReadAt<'_>, size: u64, accept: Accept) -> Result<Loaded> {
-    let (sb, geo, superblock_warning, rolled_back) = read_superblock(read, size, accept.superblock_rollback)?;
+    let (sb, geo, superblock_warning, how) = read_superblock(read, size, accept.superblock_rollback)?;
+    let rolled_back = how == SlotRead::RolledBack;
     let later_commits = if rolled_back {
         LaterCommits::RolledBack
     } else if accept.log_loss {
@@ -93,12 +94,7 @@ pub(crate) fn load(read: &mut ReadAt<'_>, size: u64, accept: Accept) -> Result<L
         // this slot the disk lost (two faults).
         // (Not when both slots are valid and differ: the newer is read, no rollback
         // can help.)
-        Err(e)
-            if e.kind() == crate::ErrorKind::Corrupt
-                && ditto
-                && !rolled_back
-                && superblock_warning.as_deref().is_some_and(|w| w.contains(" is damaged")) =>
-        {
+        Err(e) if e.kind() == crate::ErrorKind::Corrupt && ditto && how == SlotRead::AroundDamaged => {
             Err(Error::corrupt(format!(
                 "{}. ({}.) The damaged slot may have held a newer checkpoint than the one read: if losing what \
                  was committed after it is acceptable, open the pool with a superblock rollback accepted \
@@ -615,7 +611,8 @@ impl CheckpointLoad {
     /// warnings naming it and the copy read. `what` names the chunk in messages.
     ///
     /// Errors: [`crate::ErrorKind::Corrupt`] when no copy is sound, naming each;
-    /// [`crate::ErrorKind::Io`] when a chunk stored once cannot be read.
+    /// [`crate::ErrorKind::Io`] when no copy can be read (each read failed), naming
+    /// each.
     #[allow(clippy::too_many_arguments)]
     fn read_copies(
         &mut self,
@@ -628,7 +625,8 @@ impl CheckpointLoad {
         what: &str,
     ) -> Result<(ChunkHeader, Vec<u8>)> {
         let mut sound: Option<(ChunkHeader, Vec<u8>, u64)> = None;
-        let mut damaged: Vec<(u64, String)> = Vec::new();
+        // Each copy not read: its unit, its problem, and whether its read failed.
+        let mut damaged: Vec<(u64, String, bool)> = Vec::new();
         for &u in units {
             if sound.is_some() && !self.both_copies {
                 break;
@@ -639,20 +637,27 @@ impl CheckpointLoad {
                         sound = Some((h, payload, u));
                     }
                 }
-                Ok(_) => damaged.push((u, "fails its header or checksum".to_owned())),
+                Ok(_) => damaged.push((u, "fails its header or checksum".to_owned(), false)),
                 Err(e) if units.len() == 1 => return Err(e),
-                Err(e) => damaged.push((u, format!("cannot be read ({})", e.message()))),
+                Err(e) => damaged.push((u, format!("cannot be read ({e})"), true)),
             }
         }
         let at = |u: u64| format!("data unit {u} (byte offset {})", geo.unit_offset(u));
         let Some((h, payload, good)) = sound else {
-            let each: Vec<String> = damaged.iter().map(|(u, p)| format!("the copy at {} {p}", at(*u))).collect();
-            return Err(Error::corrupt(match &damaged[..] {
-                [(u, problem)] => format!("{what} at {} {problem}", at(*u)),
+            let each: Vec<String> = damaged.iter().map(|(u, p, _)| format!("the copy at {} {p}", at(*u))).collect();
+            let message = match &damaged[..] {
+                [(u, problem, _)] => format!("{what} at {} {problem}", at(*u)),
                 _ => format!("{what}: no copy is sound: {}", each.join(", and ")),
-            }));
+            };
+            // Reads that failed are the device's fault, not the pool's: say so (a
+            // retry, or another path to the device, may read it).
+            return Err(if damaged.iter().all(|d| d.2) {
+                Error::new(crate::ErrorKind::Io, message)
+            } else {
+                Error::corrupt(message)
+            });
         };
-        for (u, problem) in damaged {
+        for (u, problem, _) in damaged {
             self.warnings.push(format!(
                 "{what}: the copy at {} {problem}; the copy at data unit {good} was read, and the next checkpoint \
                  writes the chunk again",

@@ -128,7 +128,7 @@ pub(crate) fn read_superblock(
     read: &mut ReadAt<'_>,
     size: u64,
     accept_rollback: bool,
-) -> Result<(Superblock, Geometry, Option<String>, bool)> {
+) -> Result<(Superblock, Geometry, Option<String>, SlotRead)> {
     if size < 2 * BLOCK_SIZE {
         return Err(Error::corrupt(format!("file is {size} bytes: too small to be a pool")));
     }
@@ -156,7 +156,7 @@ pub(crate) fn read_superblock(
                     gens.0
                 )
             });
-            return Ok((sb, g.expect("valid"), warning, false));
+            return Ok((sb, g.expect("valid"), warning, SlotRead::Newer));
         }
         (Err(a), Err(b)) => {
             let message = format!("slot 0: {}; slot 1: {}", a.message(), b.message());
@@ -173,7 +173,7 @@ pub(crate) fn read_superblock(
     let problem = slots[d].1.as_ref().err().map(|e| e.message().to_owned()).unwrap_or_default();
     let read_gen = damaged.generation.get();
     let note = format!("superblock slot {d} is damaged ({problem})");
-    let mut rolled_back = false;
+    let mut how = SlotRead::AroundDamaged;
     let warning = if damaged.magic == SUPERBLOCK_MAGIC && read_gen.checked_add(1) == Some(gen) {
         format!(
             "{note}; its generation field reads {read_gen}, one older than slot {v}'s {gen}: opened from slot {v}, \
@@ -198,14 +198,16 @@ pub(crate) fn read_superblock(
         // slot) leaves commits of a later generation behind that log, or a checkpoint
         // that no longer loads: the loader refuses either, the first unless a
         // rollback is accepted.
-        rolled_back = accept_rollback;
+        if accept_rollback {
+            how = SlotRead::RolledBack;
+        }
         format!("{note}; its copy in slot {v} (generation {gen}) was read, and the open writes both slots again")
     } else if gen <= 1 && damaged.as_bytes().iter().all(|&b| b == 0) {
         // Creation writes generation 0 and 1 (both naming no checkpoint) with one sync
         // after both: either may be missing after a cut, and neither holds anything.
         format!("{note}: never written (the pool's creation was cut short); opened from slot {v}, generation {gen}")
     } else if accept_rollback {
-        rolled_back = true;
+        how = SlotRead::RolledBack;
         format!(
             "{note} and may have held a newer generation than slot {v} ({gen}); opened from slot {v} as asked \
              (accept a superblock rollback): the metadata committed after generation {gen} is lost. Data is not \
@@ -221,7 +223,20 @@ pub(crate) fn read_superblock(
         )));
     };
     let (sb, g) = slots.swap_remove(v);
-    Ok((sb, g.expect("valid"), Some(warning), rolled_back))
+    Ok((sb, g.expect("valid"), Some(warning), how))
+}
+
+/// Which slot [`read_superblock`] read, and why.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum SlotRead {
+    /// Both slots valid: the one with the newer generation.
+    Newer,
+    /// One slot damaged (or never written): the other, which holds the current
+    /// generation or, as far as one fault can tell, the one before it.
+    AroundDamaged,
+    /// One slot damaged that may have held a newer generation: the other, as a
+    /// superblock rollback was accepted. What was committed after it may be lost.
+    RolledBack,
 }
 
 /// Whether `sb` is a slot of a newer build rather than damage: the pool magic with a

@@ -457,3 +457,52 @@ fn glued_records_stay_in_one_batch() {
     let forced = encode_batches(&records, &all, 1, 42).unwrap();
     assert_eq!(payload_len(&forced[0]), cut);
 }
+
+/// A chunk neither of whose copies can be read is an I/O error, not damage: the load
+/// fails with `Io` naming both units; one copy that cannot be read is read around (a
+/// warning), and one unreadable beside one damaged is `Corrupt`.
+#[test]
+fn a_chunk_whose_copies_cannot_be_read_is_an_io_error() {
+    use std::os::unix::fs::FileExt;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("pool.img");
+    let opts = crate::PoolOptions { size: 512 << 20, ..Default::default() };
+    let pool = crate::Pool::create(&path, &opts).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(pool.create_volume("v", 1 << 20)).unwrap();
+    rt.block_on(pool.checkpoint()).unwrap();
+    pool.close().unwrap();
+    let file = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
+    let size = file.metadata().unwrap().len();
+    let loaded = load(&mut read_at_file(&file), size, Accept::default()).unwrap();
+    let (geo, sb) = (loaded.geo.clone(), loaded.sb.clone());
+    let units = [sb.checkpoint_unit.get(), sb.checkpoint_copy_unit.get()];
+    assert!(units.iter().all(|&u| u != NO_UNIT) && units[0] != units[1], "{units:?}");
+    // Reads of the directory's first chunk at the units in `failing` get EIO.
+    let load_failing = |failing: &[u64]| {
+        let mut inner = read_at_file(&file);
+        let offsets: Vec<u64> = failing.iter().map(|&u| geo.unit_offset(u)).collect();
+        let mut read = move |off: u64, len: usize| {
+            if offsets.contains(&off) {
+                return Err(std::io::Error::from_raw_os_error(libc::EIO));
+            }
+            inner(off, len)
+        };
+        load(&mut read, size, Accept::default())
+    };
+    let e = load_failing(&units).map(|_| ()).unwrap_err();
+    assert_eq!(e.kind(), crate::ErrorKind::Io, "{e}");
+    for u in units {
+        assert!(e.message().contains(&format!("data unit {u} ")), "{e}");
+    }
+    let l = load_failing(&units[..1]).unwrap();
+    assert!(l.copy_warnings.iter().any(|w| w.contains("cannot be read")), "{:?}", l.copy_warnings);
+    // The copy damaged on disk, the first unreadable: no sound copy, and one of them
+    // is damage.
+    let at = geo.unit_offset(units[1]) + 100;
+    let mut b = [0u8; 1];
+    file.read_exact_at(&mut b, at).unwrap();
+    file.write_all_at(&[b[0] ^ 1], at).unwrap();
+    let e = load_failing(&units[..1]).map(|_| ()).unwrap_err();
+    assert_eq!(e.kind(), crate::ErrorKind::Corrupt, "{e}");
+}
