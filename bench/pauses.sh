@@ -30,7 +30,8 @@ MAPPED=${MAPPED:-0}
 mapped=$(/usr/bin/python3 -c "
 s='$MAPPED'.lower(); m={'k':2**10,'m':2**20,'g':2**30,'t':2**40}
 print(int(float(s[:-1])*m[s[-1]]) if s[-1] in m else int(s))")
-start_server "$D" "$PORT" --pool-size $((8 * 2**30 + mapped * 17 / 16)) --metrics-listen "127.0.0.1:$MPORT"
+start_server "$D" "$PORT" --pool-size $((8 * 2**30 + mapped * 17 / 16)) --metrics-listen "127.0.0.1:$MPORT" \
+  --request-timing
 F="$BIN --data-dir $D"
 CLIENT=${CLIENT_CPUS:+taskset -c $CLIENT_CPUS}
 if [ "$mapped" -gt 0 ]; then
@@ -44,7 +45,11 @@ fi
 $F volume create w --size 2GiB >/dev/null
 $F volume create fresh --size 4GiB >/dev/null
 $CLIENT fio --name=pre --ioengine=nbd --uri="nbd://127.0.0.1:$PORT/w" --bs=1m --iodepth=8 --rw=write --size=1g >/dev/null
-metrics() { curl -s "http://127.0.0.1:$MPORT/metrics" | grep -E '^ferrovol_pool_(commit|checkpoint)' | sort; }
+metrics() {
+  curl -s "http://127.0.0.1:$MPORT/metrics" |
+    grep -E '^ferrovol_(pool_(commit|checkpoint)|nbd_request_stage_seconds_(bucket|count)\{command="write"|dataplane_lag)' |
+    sort
+}
 job() { # job NAME VOLUME SIZE [during...]
   local name=$1 vol=$2 size=$3; shift 3
   local before; before=$(metrics)
@@ -73,6 +78,32 @@ print(f"{name:11} IOPS {len(t) / (t[-1] / 1000):8.0f}  longest gap {gap:4d} ms  
       f"commits {d('ferrovol_pool_commits_total'):5.0f} (longest so far {a.get('ferrovol_pool_commit_max_seconds', 0) * 1000:.0f} ms)  "
       f"checkpoints {d('ferrovol_pool_checkpoints_total'):3.0f} (longest so far {a.get('ferrovol_pool_checkpoint_max_seconds', 0) * 1000:.0f} ms, "
       f"held {a.get('ferrovol_pool_checkpoint_hold_max_seconds', 0) * 1000:.1f} ms)")
+# Where the slow writes waited: per stage (the server's --request-timing histograms),
+# the writes of this job slower than 41 ms and the bucket its slowest reached; and how
+# late the data-plane thread ran its 10 ms tick (busy or blocked).
+def buckets(prefix):
+    out = {}
+    for k in set(a) | set(b):
+        if k.startswith(prefix) and 'le="' in k:
+            le = k.split('le="')[1].split('"')[0]
+            out[float('inf') if le == '+Inf' else float(le)] = d(k)
+    return out
+def tail(prefix):
+    bs = buckets(prefix)
+    if not bs:
+        return "n/a"
+    total = bs.get(float('inf'), 0)
+    fast = max((v for le, v in bs.items() if le <= 0.041), default=0)
+    top = min((le for le, v in bs.items() if v >= total), default=0)
+    return f"{total - fast:.0f} over 41 ms, slowest <= {top * 1000:.1f} ms"
+stages = "  ".join(
+    f"{st}: " + tail(f'ferrovol_nbd_request_stage_seconds_bucket{{command="write",stage="{st}",')
+    for st in ("receive", "serve", "reply"))
+print(f"            writes by stage: {stages}")
+print(f"            data-plane tick late: {tail('ferrovol_dataplane_lag_seconds_bucket{')}"
+      f" (latest so far {a.get('ferrovol_dataplane_lag_max_seconds', 0) * 1000:.1f} ms)")
+gaps = [(round(x / 1000, 1), y - x) for x, y in zip(t, t[1:]) if y - x > 40]
+print(f"            gaps over 40 ms (s into the job, ms): {gaps[:20]}")
 PY
 }
 snap() {

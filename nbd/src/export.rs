@@ -148,6 +148,33 @@ pub trait Export: Send + Sync + 'static {
     fn revoked(&self) -> impl Future<Output = ()> + Send + 'static {
         std::future::pending()
     }
+
+    /// Whether the connection should time each request's stages and hand them to
+    /// [`Export::request_timed`]. Asked once per connection; the default `false`
+    /// reads no clock.
+    fn times_requests(&self) -> bool {
+        false
+    }
+
+    /// One request's stage times, once its reply was flushed to the socket (only when
+    /// [`Export::times_requests`]). Called on the connection's task: keep it cheap.
+    fn request_timed(&self, _times: &RequestTimes) {}
+}
+
+/// Where one request spent its time, from its header read to its reply flushed to the
+/// socket ([`Export::request_timed`]). The three stages add up to the whole.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RequestTimes {
+    /// The request's command.
+    pub command: crate::proto::Command,
+    /// From the header read to the request starting: waiting for the connection's and
+    /// the server's memory budgets, and receiving a WRITE's payload.
+    pub receive: std::time::Duration,
+    /// From the start to the export's answer ([`Export::read`], [`Export::write`], …).
+    pub serve: std::time::Duration,
+    /// From the answer to its reply flushed to the socket: queued behind other
+    /// replies, written, flushed.
+    pub reply: std::time::Duration,
 }
 
 /// Who is asking for an export: what the accept loop knows of the peer, for the

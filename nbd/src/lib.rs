@@ -39,6 +39,8 @@ mod transmission;
 
 pub use config::SoftDisconnect;
 pub use error::Error;
-pub use export::{BlockSizes, Client, Errno, Export, ExportFlags, ExportRegistry, Extent, ReadData, Refusal};
+pub use export::{
+    BlockSizes, Client, Errno, Export, ExportFlags, ExportRegistry, Extent, ReadData, Refusal, RequestTimes,
+};
 pub use server::{serve_connection, serve_tcp, serve_unix, Server, ServerConfig};
 pub use tls::{NbdTls, TlsMode, TlsSource};

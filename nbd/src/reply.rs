@@ -8,14 +8,14 @@
 //! (proto.rs).
 
 use std::ops::Range;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::sync::{mpsc, OwnedSemaphorePermit};
 
 use crate::config::{MAX_BLOCK_STATUS_DESCRIPTORS, STALL_CHUNK};
 use crate::error::Error;
-use crate::export::{Errno, Extent, ReadData};
+use crate::export::{Errno, Extent, ReadData, RequestTimes};
 use crate::proto::*;
 use crate::stream::within;
 
@@ -61,6 +61,31 @@ pub(crate) struct Permits {
 pub(crate) struct Outgoing<B> {
     pub(crate) reply: Reply<B>,
     pub(crate) _permits: Permits,
+    /// When the connection times its requests ([`crate::Export::times_requests`]) and
+    /// this reply answers one that ran: its stamps so far.
+    pub(crate) stamps: Option<Stamps>,
+}
+
+/// The instants of a timed request before its reply is written: its header read, its
+/// start, its answer ([`crate::RequestTimes`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Stamps {
+    pub(crate) command: Command,
+    pub(crate) header: Instant,
+    pub(crate) started: Instant,
+    pub(crate) served: Instant,
+}
+
+impl Stamps {
+    /// The stage times once the reply was flushed at `flushed`.
+    fn times(&self, flushed: Instant) -> RequestTimes {
+        RequestTimes {
+            command: self.command,
+            receive: self.started.saturating_duration_since(self.header),
+            serve: self.served.saturating_duration_since(self.started),
+            reply: flushed.saturating_duration_since(self.served),
+        }
+    }
 }
 
 pub(crate) fn success<B>(handle: u64) -> Reply<B> {
@@ -198,23 +223,34 @@ pub(crate) fn block_descriptors(extents: &[Extent], len: u32, req_one: bool) -> 
 /// The single owner of the write half: writes each reply whole, batching whatever is
 /// ready before flushing; shuts the write side down when every sender is gone. Writing
 /// [`STALL_CHUNK`] of a reply, or flushing a batch, that takes longer than `stall` ends
-/// the connection with [`Error::Stalled`].
+/// the connection with [`Error::Stalled`]. With `timed`, each timed reply's stage
+/// times go to it once its batch is flushed.
 pub(crate) async fn write_replies<W, B>(
     writer: W,
     mut rx: mpsc::Receiver<Outgoing<B>>,
     stall: Duration,
+    timed: Option<&(dyn Fn(&RequestTimes) + Sync)>,
 ) -> Result<(), Error>
 where
     W: AsyncWrite + Unpin,
     B: AsRef<[u8]>,
 {
     let mut w = BufWriter::with_capacity(64 * 1024, writer);
+    let mut batch: Vec<Stamps> = Vec::new();
     while let Some(first) = rx.recv().await {
+        batch.extend(first.stamps);
         write_reply(&mut w, first, stall).await?;
         while let Ok(next) = rx.try_recv() {
+            batch.extend(next.stamps);
             write_reply(&mut w, next, stall).await?;
         }
         within(stall, "writing a reply", w.flush()).await?;
+        if let Some(report) = timed {
+            let flushed = Instant::now();
+            for s in batch.drain(..) {
+                report(&s.times(flushed));
+            }
+        }
     }
     if let Err(e) = w.shutdown().await {
         tracing::debug!(error = %e, "shutting down the write side failed");

@@ -19,7 +19,7 @@ use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures_util::future::FutureExt;
 use futures_util::stream::{FuturesUnordered, StreamExt};
@@ -234,6 +234,12 @@ where
     S: AsyncRead + AsyncWrite + Unpin + Send,
 {
     let stall = config.stall_timeout;
+    let timed_export = negotiated.export.times_requests().then(|| Arc::clone(&negotiated.export));
+    let report = |t: &crate::export::RequestTimes| {
+        if let Some(e) = &timed_export {
+            e.request_timed(t)
+        }
+    };
     let (reader, writer) = tokio::io::split(stream);
     // Requests arrive back to back at high queue depth: one receive takes many headers.
     let mut reader = BufReader::with_capacity(64 * 1024, reader);
@@ -241,7 +247,7 @@ where
     let (tx, rx) = mpsc::channel(capacity);
     let (read_result, write_result) = tokio::join!(
         read_requests(&mut reader, negotiated, tx, config, total, shutting_down),
-        write_replies(writer, rx, stall),
+        write_replies(writer, rx, stall, timed_export.is_some().then_some(&report as &(dyn Fn(&_) + Sync))),
     );
     // A writer failure is the root cause when both ended badly.
     write_result?;
@@ -359,6 +365,8 @@ struct RequestReader<'a, E: Export, R> {
     shutting_down: watch::Receiver<bool>,
     /// Set once the server shuts down: new requests get ESHUTDOWN until then.
     close_at: Option<tokio::time::Instant>,
+    /// The export times requests ([`Export::times_requests`]).
+    timed: bool,
 }
 
 impl<E: Export, R: AsyncRead + Unpin> RequestReader<'_, E, R> {
@@ -419,6 +427,7 @@ impl<E: Export, R: AsyncRead + Unpin> RequestReader<'_, E, R> {
         let Some(got) = got else {
             return Intake::Stop(Ok(()));
         };
+        let header_at = self.timed.then(Instant::now);
         match got {
             Ok(true) => {}
             Ok(false) => {
@@ -486,26 +495,33 @@ impl<E: Export, R: AsyncRead + Unpin> RequestReader<'_, E, R> {
                     }
                 }
                 let reply = error_reply(structured, handle, rejection.errno, rejection.message);
-                return answer(&self.tx, Outgoing { reply, _permits: permits }).await;
+                return answer(&self.tx, Outgoing { reply, _permits: permits, stamps: None }).await;
             }
         };
 
         let export = Arc::clone(&self.export);
         let tx = self.tx.clone();
+        // The request's command and header instant, when timed: the run stamps its
+        // start and its answer.
+        let timed = header_at.map(|h| (request.command, h));
         let run: Running = if let Op::Write { offset, len, fua } = op {
-            match self.receive_write(handle, (offset, len, fua), permits).await {
+            match self.receive_write(handle, (offset, len, fua), permits, timed).await {
                 Ok(run) => run,
                 Err(intake) => return intake,
             }
         } else if let Op::Read { offset, len, df } = op {
+            let started = timed.map(|_| Instant::now());
             Box::pin(async move {
                 let reply = execute_read(&*export, structured, handle, offset, len, df).await;
-                let _ = tx.send(Outgoing { reply, _permits: permits }).await;
+                let stamps = stamp(timed, started);
+                let _ = tx.send(Outgoing { reply, _permits: permits, stamps }).await;
             })
         } else {
+            let started = timed.map(|_| Instant::now());
             Box::pin(async move {
                 let reply = execute(&*export, structured, handle, op).await;
-                let _ = tx.send(Outgoing { reply, _permits: permits }).await;
+                let stamps = stamp(timed, started);
+                let _ = tx.send(Outgoing { reply, _permits: permits, stamps }).await;
             })
         };
         Intake::Run(run)
@@ -520,6 +536,7 @@ impl<E: Export, R: AsyncRead + Unpin> RequestReader<'_, E, R> {
         handle: u64,
         (offset, len, fua): (u64, u32, bool),
         mut permits: Permits,
+        timed: Option<(Command, Instant)>,
     ) -> Result<Running, Intake> {
         let structured = self.params.structured;
         let stall = self.config.stall_timeout;
@@ -536,7 +553,7 @@ impl<E: Export, R: AsyncRead + Unpin> RequestReader<'_, E, R> {
                 return Err(Intake::Stop(Err(e)));
             }
             let reply = error_reply(structured, handle, Errno::Eio, "internal error: write buffer");
-            return Err(answer(&self.tx, Outgoing { reply, _permits: permits }).await);
+            return Err(answer(&self.tx, Outgoing { reply, _permits: permits, stamps: None }).await);
         }
         let watch = self.close_at.is_none().then_some(&mut self.shutting_down);
         let payload = Payload { budget: &self.budget, tx: &self.tx, shutting_down: watch, stall };
@@ -558,16 +575,25 @@ impl<E: Export, R: AsyncRead + Unpin> RequestReader<'_, E, R> {
                     return Err(Intake::Stop(Err(e)));
                 }
                 let reply = error_reply(structured, handle, SHUTTING_DOWN.errno, SHUTTING_DOWN.message);
-                return Err(answer(&self.tx, Outgoing { reply, _permits: permits }).await);
+                return Err(answer(&self.tx, Outgoing { reply, _permits: permits, stamps: None }).await);
             }
         }
+        let started = timed.map(|_| Instant::now());
         Ok(Box::pin(async move {
             let result = export.write(offset, buf, fua).await;
             let reply = done(structured, handle, result, "write failed");
+            let stamps = stamp(timed, started);
             // A send error means the writer is gone; the reader stops on its own.
-            let _ = tx.send(Outgoing { reply, _permits: permits }).await;
+            let _ = tx.send(Outgoing { reply, _permits: permits, stamps }).await;
         }))
     }
+}
+
+/// A timed request's stamps once the export answered: `timed` its command and header
+/// instant, `started` its start.
+fn stamp(timed: Option<(Command, Instant)>, started: Option<Instant>) -> Option<Stamps> {
+    let ((command, header), started) = (timed?, started?);
+    Some(Stamps { command, header, started, served: Instant::now() })
 }
 
 /// Hands a reply made without the export to the writer.
@@ -607,6 +633,7 @@ where
     R: AsyncRead + Unpin,
 {
     let Negotiated { export, params, .. } = negotiated;
+    let timed = export.times_requests();
     let mut requests = RequestReader {
         reader,
         export,
@@ -616,6 +643,7 @@ where
         config,
         shutting_down,
         close_at: None,
+        timed,
     };
     let mut running: FuturesUnordered<futures_util::future::CatchUnwind<AssertUnwindSafe<Running>>> =
         FuturesUnordered::new();

@@ -123,6 +123,14 @@ impl Export for VolumeExport {
         r.map_err(|e| log_err("write", e))
     }
 
+    fn times_requests(&self) -> bool {
+        self.m.times_requests()
+    }
+
+    fn request_timed(&self, times: &nbd::RequestTimes) {
+        self.m.request_timed(times)
+    }
+
     async fn flush(&self) -> Result<(), Errno> {
         let r = self.vol.flush().await;
         self.m.flush(r.is_ok());

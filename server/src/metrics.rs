@@ -36,6 +36,36 @@ fn latency_histogram() -> Histogram {
 
 type LatencyFamily = Family<VolumeLabel, Histogram, fn() -> Histogram>;
 
+/// Labels of the per-stage request times: the command (`read`, `write`, `other`) and
+/// the stage (`receive`, `serve`, `reply`: [`nbd::RequestTimes`]).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StageLabel {
+    /// `read`, `write` or `other`.
+    pub command: String,
+    /// `receive`, `serve` or `reply`.
+    pub stage: String,
+}
+
+/// The stage histograms of every request, over all volumes (`--request-timing`),
+/// indexed by command (read, write, other) then stage (receive, serve, reply).
+pub struct RequestStages {
+    hist: [[Histogram; 3]; 3],
+}
+
+impl RequestStages {
+    /// One request's stage times.
+    pub fn observe(&self, t: &nbd::RequestTimes) {
+        let row = match t.command {
+            nbd::proto::Command::Read => &self.hist[0],
+            nbd::proto::Command::Write => &self.hist[1],
+            _ => &self.hist[2],
+        };
+        row[0].observe(t.receive.as_secs_f64());
+        row[1].observe(t.serve.as_secs_f64());
+        row[2].observe(t.reply.as_secs_f64());
+    }
+}
+
 /// The server's metrics registry and families.
 pub struct Metrics {
     registry: Registry,
@@ -66,6 +96,11 @@ pub struct Metrics {
     checkpoint_hold_max_seconds: Gauge<f64, std::sync::atomic::AtomicU64>,
     nbd_connections: Gauge,
     nbd_stalled: Counter,
+    /// Per-stage request times, when they are taken (`--request-timing`).
+    stages: Option<Arc<RequestStages>>,
+    /// How late each data-plane thread's 10 ms tick ran ([`Metrics::dataplane_lag`]).
+    dataplane_lag: Histogram,
+    dataplane_lag_max: Gauge<f64, std::sync::atomic::AtomicU64>,
     /// Names that have series, so that those of deleted volumes can be dropped.
     labelled: std::sync::Mutex<std::collections::BTreeMap<String, u64>>,
 }
@@ -79,7 +114,22 @@ impl Default for Metrics {
 impl Metrics {
     /// Every family registered, all empty.
     pub fn new() -> Metrics {
+        Metrics::with_request_timing(false)
+    }
+
+    /// Every family registered, all empty; with `timing`, each NBD request's stage
+    /// times are taken and exported as `ferrovol_nbd_request_stage_seconds`.
+    pub fn with_request_timing(timing: bool) -> Metrics {
         let mut r = Registry::with_prefix("ferrovol");
+        let stage_family: Family<StageLabel, Histogram, fn() -> Histogram> =
+            Family::new_with_constructor(latency_histogram);
+        let stages = timing.then(|| {
+            let h = |command: &str, stage: &str| {
+                stage_family.get_or_create(&StageLabel { command: command.into(), stage: stage.into() }).clone()
+            };
+            let row = |c: &str| [h(c, "receive"), h(c, "serve"), h(c, "reply")];
+            Arc::new(RequestStages { hist: [row("read"), row("write"), row("other")] })
+        });
         let m = Metrics {
             read_ops: Family::default(),
             read_bytes: Family::default(),
@@ -108,6 +158,9 @@ impl Metrics {
             checkpoint_hold_max_seconds: Gauge::default(),
             nbd_connections: Gauge::default(),
             nbd_stalled: Counter::default(),
+            stages,
+            dataplane_lag: Histogram::new(exponential_buckets(0.000_1, 2.0, 16)),
+            dataplane_lag_max: Gauge::default(),
             labelled: Default::default(),
             registry: Registry::default(),
         };
@@ -171,7 +224,43 @@ impl Metrics {
             "NBD connections closed because a reply or a WRITE payload made no progress for --stall-timeout",
             m.nbd_stalled.clone(),
         );
+        r.register(
+            "nbd_request_stage_seconds",
+            "NBD request times by stage (with --request-timing): receive (header read to start: memory budgets and \
+             a WRITE's payload), serve (start to the volume's answer), reply (answer to the reply flushed)",
+            stage_family,
+        );
+        r.register(
+            "dataplane_lag_seconds",
+            "how late each data-plane thread ran its 10 ms tick: time the thread was busy or blocked",
+            m.dataplane_lag.clone(),
+        );
+        r.register(
+            "dataplane_lag_max_seconds",
+            "the latest a data-plane thread ran its 10 ms tick since the server started",
+            m.dataplane_lag_max.clone(),
+        );
         Metrics { registry: r, ..m }
+    }
+
+    /// Ticks every 10 ms on the calling runtime until dropped, recording how late each
+    /// tick ran: a data-plane thread kept from its tasks (a blocking call, a long
+    /// poll, the host descheduling it) shows as lag. Spawn it on each data-plane thread.
+    pub fn dataplane_lag(self: &Arc<Self>) -> impl Future<Output = ()> + Send + 'static {
+        let m = Arc::clone(self);
+        async move {
+            const TICK: Duration = Duration::from_millis(10);
+            let mut next = tokio::time::Instant::now() + TICK;
+            loop {
+                tokio::time::sleep_until(next).await;
+                let late = tokio::time::Instant::now().saturating_duration_since(next).as_secs_f64();
+                m.dataplane_lag.observe(late);
+                if late > m.dataplane_lag_max.get() {
+                    m.dataplane_lag_max.set(late);
+                }
+                next = tokio::time::Instant::now() + TICK;
+            }
+        }
     }
 
     /// Handles for the series of volume `name` whose id is `id` (created on first use).
@@ -197,6 +286,7 @@ impl Metrics {
             trims: self.trims.get_or_create(&l).clone(),
             errors: self.errors.get_or_create(&l).clone(),
             throttled_seconds: self.throttled_seconds.get_or_create(&l).clone(),
+            stages: self.stages.clone(),
         }
     }
 
@@ -285,9 +375,23 @@ pub struct VolumeMetrics {
     trims: Counter,
     errors: Counter,
     throttled_seconds: Counter<f64, std::sync::atomic::AtomicU64>,
+    /// The server's stage histograms, when requests are timed.
+    stages: Option<Arc<RequestStages>>,
 }
 
 impl VolumeMetrics {
+    /// Whether requests are timed by stage (`--request-timing`).
+    pub fn times_requests(&self) -> bool {
+        self.stages.is_some()
+    }
+
+    /// One request's stage times (when timed).
+    pub fn request_timed(&self, t: &nbd::RequestTimes) {
+        if let Some(s) = &self.stages {
+            s.observe(t);
+        }
+    }
+
     /// A request held back `took` by the volume's QoS limits.
     pub fn throttled(&self, took: Duration) {
         self.throttled_seconds.inc_by(took.as_secs_f64());

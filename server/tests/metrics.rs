@@ -114,3 +114,63 @@ fn a_volume_created_again_under_a_deleted_name_starts_from_zero() {
     assert_eq!(v(&text, "volume_write_bytes_total"), Some(4096.0), "the new volume's bytes only:\n{text}");
     assert_eq!(v(&text, "volume_errors_total"), Some(0.0), "the old volume's errors:\n{text}");
 }
+
+/// Eight 4 KiB writes, five reads and a flush over one connection, by libnbd.
+const TIMED_CLIENT: &str = r#"
+import sys, nbd
+h = nbd.NBD(); h.connect_uri(sys.argv[1])
+for i in range(8):
+    h.pwrite(b"t" * 4096, i * 4096)
+for i in range(5):
+    assert h.pread(4096, i * 4096) == b"t" * 4096
+h.flush()
+h.shutdown()
+"#;
+
+/// With `--request-timing`, every request answered is timed in each of its three
+/// stages (receive, serve, reply), counted by command: exactly the client's requests.
+/// Without it, no stage series. Either way with `--metrics-listen`, each data-plane
+/// thread's lag probe ticks.
+#[test]
+fn request_timing_counts_every_request_in_each_stage() {
+    require_python_nbd();
+    for timing in [true, false] {
+        let td = TestDir::new();
+        let port = free_port();
+        let listen = format!("127.0.0.1:{port}");
+        let mut args = vec!["--metrics-listen", &listen, "--dataplane-threads", "2"];
+        if timing {
+            args.push("--request-timing");
+        }
+        let s = Server::start_with(&td.data(), "2GiB", &args);
+        s.create_volume("t", "64MiB");
+        let out = std::process::Command::new(PYTHON)
+            .args(["-c", TIMED_CLIENT, &s.uri("t")])
+            .env("PATH", peer_path())
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let text = scrape(port);
+        let count = |command: &str, stage: &str| {
+            sample(
+                &text,
+                &format!("ferrovol_nbd_request_stage_seconds_count{{command=\"{command}\",stage=\"{stage}\"}}"),
+            )
+        };
+        for stage in ["receive", "serve", "reply"] {
+            let want = |n: f64| timing.then_some(n);
+            assert_eq!(count("write", stage), want(8.0), "writes, {stage} (timing {timing}):\n{text}");
+            assert_eq!(count("read", stage), want(5.0), "reads, {stage} (timing {timing}):\n{text}");
+            assert_eq!(count("other", stage), want(1.0), "the flush, {stage} (timing {timing}):\n{text}");
+        }
+        if timing {
+            let sum = sample(&text, "ferrovol_nbd_request_stage_seconds_sum{command=\"write\",stage=\"serve\"}");
+            assert!(sum.is_some_and(|s| s > 0.0), "writes took time to serve:\n{text}");
+        }
+        // The probe ticks every 10 ms on each of the two threads; the scrape came
+        // well after the server started.
+        let ticks = sample(&text, "ferrovol_dataplane_lag_seconds_count");
+        assert!(ticks.is_some_and(|n| n >= 2.0), "lag probe ticks:\n{text}");
+        assert!(sample(&text, "ferrovol_dataplane_lag_max_seconds").is_some_and(|m| m >= 0.0), "{text}");
+    }
+}
