@@ -14,6 +14,11 @@
 # made first (one 4 KiB block written in every 64 KiB unit, as bench/memory.sh does:
 # the disk holds a sixteenth of it), so that every job runs on a pool whose mapping
 # holds that much more, and its checkpoints are those of such a pool.
+# Per job it also prints, from the server's --request-timing histograms, the writes
+# slower than 41 ms by stage (receive, serve, reply) and the bucket of the slowest;
+# how late the data-plane thread ran its 10 ms tick (busy, blocked, or not given its
+# CPU); the share of the server's CPUs the hypervisor took (steal) and softirqs used;
+# and when the gaps over 40 ms came.
 # Env: MAPPED, WORK, PORT, SERVER_CPUS and CLIENT_CPUS (taskset lists).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -45,9 +50,28 @@ fi
 $F volume create w --size 2GiB >/dev/null
 $F volume create fresh --size 4GiB >/dev/null
 $CLIENT fio --name=pre --ioengine=nbd --uri="nbd://127.0.0.1:$PORT/w" --bs=1m --iodepth=8 --rw=write --size=1g >/dev/null
+# The server's CPUs' times from /proc/stat (SERVER_CPUS, else all), as metrics lines.
+cpustat() {
+  local cpus=${SERVER_CPUS:-}
+  /usr/bin/python3 - "$cpus" <<'PY'
+import sys
+want = set()
+for part in filter(None, sys.argv[1].split(',')):
+    lo, _, hi = part.partition('-'); want |= set(range(int(lo), int(hi or lo) + 1))
+names = ["user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal"]
+tot = [0] * 8
+for line in open('/proc/stat'):
+    f = line.split()
+    if f[0].startswith('cpu') and f[0] != 'cpu' and (not want or int(f[0][3:]) in want):
+        tot = [a + int(b) for a, b in zip(tot, f[1:9])]
+for n, v in zip(names, tot):
+    print(f"host_cpu_{n} {v}")
+PY
+}
 metrics() {
+  cpustat
   curl -s "http://127.0.0.1:$MPORT/metrics" |
-    grep -E '^ferrovol_(pool_(commit|checkpoint)|nbd_request_stage_seconds_(bucket|count)\{command="write"|dataplane_lag)' |
+    grep -E '^ferrovol_(pool_(commit|checkpoint)|nbd_request_stage_seconds_(bucket|count)\{.*command="write"|dataplane_lag)' |
     sort
 }
 job() { # job NAME VOLUME SIZE [during...]
@@ -81,15 +105,15 @@ print(f"{name:11} IOPS {len(t) / (t[-1] / 1000):8.0f}  longest gap {gap:4d} ms  
 # Where the slow writes waited: per stage (the server's --request-timing histograms),
 # the writes of this job slower than 41 ms and the bucket its slowest reached; and how
 # late the data-plane thread ran its 10 ms tick (busy or blocked).
-def buckets(prefix):
+def buckets(name, *labels):
     out = {}
     for k in set(a) | set(b):
-        if k.startswith(prefix) and 'le="' in k:
+        if k.startswith(name + '{') and 'le="' in k and all(l in k for l in labels):
             le = k.split('le="')[1].split('"')[0]
             out[float('inf') if le == '+Inf' else float(le)] = d(k)
     return out
-def tail(prefix):
-    bs = buckets(prefix)
+def tail(name, *labels):
+    bs = buckets(name, *labels)
     if not bs:
         return "n/a"
     total = bs.get(float('inf'), 0)
@@ -97,11 +121,15 @@ def tail(prefix):
     top = min((le for le, v in bs.items() if v >= total), default=0)
     return f"{total - fast:.0f} over 41 ms, slowest <= {top * 1000:.1f} ms"
 stages = "  ".join(
-    f"{st}: " + tail(f'ferrovol_nbd_request_stage_seconds_bucket{{command="write",stage="{st}",')
+    f"{st}: " + tail('ferrovol_nbd_request_stage_seconds_bucket', 'command="write"', f'stage="{st}"')
     for st in ("receive", "serve", "reply"))
 print(f"            writes by stage: {stages}")
-print(f"            data-plane tick late: {tail('ferrovol_dataplane_lag_seconds_bucket{')}"
+print(f"            data-plane tick late: {tail('ferrovol_dataplane_lag_seconds_bucket')}"
       f" (latest so far {a.get('ferrovol_dataplane_lag_max_seconds', 0) * 1000:.1f} ms)")
+cpu = {n: d(f"host_cpu_{n}") for n in ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")}
+share = lambda n: 100 * cpu[n] / max(1, sum(cpu.values()))
+print(f"            server's CPUs: steal {share('steal'):.0f}%  softirq {share('softirq'):.0f}%  "
+      f"system {share('system'):.0f}%  user {share('user'):.0f}%  idle {share('idle') + share('iowait'):.0f}%")
 gaps = [(round(x / 1000, 1), y - x) for x, y in zip(t, t[1:]) if y - x > 40]
 print(f"            gaps over 40 ms (s into the job, ms): {gaps[:20]}")
 PY
