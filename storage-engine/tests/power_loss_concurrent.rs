@@ -529,7 +529,7 @@ fn workload(dir: &Path, plane: Plane, rng: &mut Rng) -> (Vec<u8>, Vec<IoEvent>, 
         (Some(rt), _) => Reaper::Runtime(rt.handle().clone()),
         _ => Reaper::PerRuntime(handles.clone()),
     };
-    let io = IoOptions { observer: Some(log.clone()), reaper };
+    let io = IoOptions { observer: Some(log.clone()), reaper, ..Default::default() };
     let pool = Pool::open_with(&path, &io).unwrap();
     let start = stamp(&log);
     let mut initial = Vec::new();

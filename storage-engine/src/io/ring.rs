@@ -7,6 +7,7 @@ use std::collections::VecDeque;
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
@@ -74,11 +75,19 @@ pub struct IoOptions {
     /// their reports back: for tests (`testing::IoLog`, `testing::Faults`). `None` (the
     /// default) watches nothing.
     pub observer: Option<Arc<dyn IoObserver>>,
+    /// Every submission enters the kernel at once, also on a runtime that reaps a
+    /// lane, instead of one `io_uring_enter` per turn of that runtime's thread
+    /// ([`IoRing::rw`]). Off by default; for comparing the two.
+    pub immediate_enter: bool,
 }
 
 impl std::fmt::Debug for IoOptions {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("IoOptions").field("reaper", &self.reaper).field("observer", &self.observer.is_some()).finish()
+        f.debug_struct("IoOptions")
+            .field("reaper", &self.reaper)
+            .field("observer", &self.observer.is_some())
+            .field("immediate_enter", &self.immediate_enter)
+            .finish()
     }
 }
 
@@ -210,8 +219,16 @@ impl Lane {
         let efd = unsafe { OwnedFd::from_raw_fd(raw) };
         ring.submitter().register_eventfd(efd.as_raw_fd())?;
         let cq_room = ring.completion().capacity();
+        let submitter = (runtime.is_some() && !opts.immediate_enter).then(|| Submitter {
+            lane,
+            wake: tokio::sync::Notify::new(),
+            alive: AtomicBool::new(true),
+            stop: AtomicBool::new(false),
+        });
         let shared = Arc::new(Shared {
             efd,
+            submitter,
+            enters: std::sync::atomic::AtomicU64::new(0),
             ring,
             state: Mutex::new(State {
                 observer: opts.observer.clone(),
@@ -237,6 +254,9 @@ impl Lane {
                 }
                 .map_err(io::Error::from)?;
                 h.spawn(reap_task(shared.clone(), afd, lane));
+                if shared.submitter.is_some() {
+                    h.spawn(submit_task(shared.clone()));
+                }
                 None
             }
             None => Some(spawn_reaper_thread(shared.clone())?),
@@ -294,6 +314,10 @@ impl Drop for Lane {
     /// closes this ring's handle on the file, and stops the reaper.
     fn drop(&mut self) {
         self.shared.state.lock().closing = true;
+        if let Some(s) = &self.shared.submitter {
+            s.stop.store(true, Ordering::Release);
+            s.wake.notify_one();
+        }
         loop {
             if self.shared.reap() {
                 break;
@@ -345,6 +369,11 @@ impl RwDone {
 struct Shared {
     /// Registered with the ring: the kernel adds to it for every completion.
     efd: OwnedFd,
+    /// For a lane reaped by a runtime's task (unless [`IoOptions::immediate_enter`]): the task
+    /// that enters the kernel for that runtime's thread ([`Shared::start`]).
+    submitter: Option<Submitter>,
+    /// `io_uring_enter` calls made ([`Shared::enter`]): for tests.
+    enters: std::sync::atomic::AtomicU64,
     /// Its submission and completion queues are touched only under `state`'s lock;
     /// entering the kernel needs no lock.
     ring: IoUring,
@@ -366,8 +395,28 @@ struct State {
     closing: bool,
 }
 
+/// The task that enters the kernel once for the entries the tasks of its runtime's
+/// thread pushed in one turn ([`submit_task`]).
+struct Submitter {
+    /// The lane whose reaper runs on that thread ([`LANE`]).
+    lane: (u64, usize),
+    /// Set (as a permit, so that many submissions wake it once) by a submission.
+    wake: tokio::sync::Notify,
+    /// False once the task is gone (its runtime shut down): submissions enter at once.
+    alive: AtomicBool,
+    /// Set when the lane closes: the task ends.
+    stop: AtomicBool,
+}
+
 impl Shared {
     /// Registers `f`, queues its entries and submits what fits.
+    ///
+    /// On the thread that reaps this lane (a data-plane runtime's), the entries are
+    /// left in the submission queue and the lane's submitter task woken: it runs after
+    /// the tasks already woken on that thread, so one `io_uring_enter` takes the
+    /// entries of every request a turn of the thread started (a connection reading
+    /// many requests from one socket read) instead of one each. Elsewhere (the
+    /// committer, a plain thread) the caller enters the kernel itself.
     fn start(&self, mut f: InFlight, segs: impl Iterator<Item = u32>) {
         let mut st = self.state.lock();
         if let (Some(observer), Some(RwDone::Fsync(_))) = (&st.observer, &f.done) {
@@ -387,13 +436,17 @@ impl Shared {
         let enter = st.push_queued(&self.ring);
         drop(st);
         if enter {
-            self.enter();
+            match &self.submitter {
+                Some(s) if s.alive.load(Ordering::Acquire) && LANE.get() == Some(s.lane) => s.wake.notify_one(),
+                _ => self.enter(),
+            }
         }
     }
 
     /// Submits whatever the submission queue holds, without the lock: the kernel takes
     /// what is there (another thread's entries too) under its own lock.
     fn enter(&self) {
+        self.enters.fetch_add(1, Ordering::Relaxed);
         match self.ring.submit() {
             Ok(_) => {}
             Err(e) => {
@@ -587,6 +640,31 @@ async fn reap_task(shared: Arc<Shared>, afd: tokio::io::unix::AsyncFd<EventFd>, 
     }
 }
 
+/// Enters the kernel for the entries submissions on this runtime's thread left in the
+/// submission queue ([`Shared::start`]), once per wake-up, until the lane closes. If
+/// the task is dropped first (its runtime shut down), submissions enter at once from
+/// then on, and what was left is entered here.
+async fn submit_task(shared: Arc<Shared>) {
+    struct Gone(Arc<Shared>);
+    impl Drop for Gone {
+        fn drop(&mut self) {
+            if let Some(s) = &self.0.submitter {
+                s.alive.store(false, Ordering::Release);
+            }
+            self.0.enter();
+        }
+    }
+    let gone = Gone(shared);
+    let Some(s) = gone.0.submitter.as_ref() else { return };
+    loop {
+        s.wake.notified().await;
+        if s.stop.load(Ordering::Acquire) {
+            return;
+        }
+        gone.0.enter();
+    }
+}
+
 fn spawn_reaper_thread(shared: Arc<Shared>) -> io::Result<JoinHandle<()>> {
     std::thread::Builder::new().name("ferrovol-io".into()).spawn(move || loop {
         if shared.reap() {
@@ -676,6 +754,41 @@ mod tests {
         let _ = (stop_a.send(()), stop_b.send(()));
         ta.join().unwrap();
         tb.join().unwrap();
+    }
+
+    /// Requests a task on a data-plane runtime starts in one turn are submitted with
+    /// one `io_uring_enter`, not one each; with `immediate_enter`, one each.
+    #[test]
+    fn a_runtime_turn_enters_the_kernel_once_for_its_submissions() {
+        for immediate in [false, true] {
+            let dir = tempfile::tempdir().unwrap();
+            let (f, _) = open_pool_file(&dir.path().join("f"), true).unwrap();
+            f.set_len(1 << 20).unwrap();
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            let opts = IoOptions {
+                reaper: Reaper::PerRuntime(vec![rt.handle().clone()]),
+                immediate_enter: immediate,
+                ..Default::default()
+            };
+            let ring = Arc::new(IoRing::new(Arc::new(f), 64, &opts).unwrap());
+            let enters = rt.block_on(async {
+                tokio::task::yield_now().await; // the reaper task has been polled
+                let before = ring.lanes[0].shared.enters.load(Ordering::Relaxed);
+                let seg = |i: u64| vec![Segment { file_offset: i * 4096, buf_offset: 0, len: 4096 }];
+                let pending: Vec<_> = (0..32).map(|i| ring.rw(Dir::Read, AlignedBuf::zeroed(4096), seg(i))).collect();
+                for rx in pending {
+                    rx.await.unwrap().1.unwrap();
+                }
+                ring.lanes[0].shared.enters.load(Ordering::Relaxed) - before
+            });
+            if immediate {
+                assert!(enters >= 32, "one enter per request: {enters}");
+            } else {
+                assert!(enters <= 2, "32 requests of one turn: {enters} enters");
+            }
+            drop(ring);
+            drop(rt);
+        }
     }
 
     #[test]
