@@ -8,7 +8,8 @@
 #
 #   bash bench/ab.sh /tmp/ferrovol-before target/release/ferrovol 3 10
 #
-# Env: JOBS (nbd-bench.sh's job list; default the 4K jobs), WORK, PORT.
+# Env: JOBS (nbd-bench.sh's job list; default the 4K jobs), WORK, PORT, SERVER_CPUS and
+# CLIENT_CPUS (taskset lists: the servers, and every fio job, pinned to them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . bench/common.sh
@@ -25,7 +26,8 @@ extra_job() {
   local name=$1 uri=$2; shift 2
   local c0 t0
   c0=$(awk '{print $14 + $15}' "/proc/$PID/stat"); t0=$(date +%s.%N)
-  fio --name="$name" --ioengine=nbd --uri="$uri" --bs=4k --iodepth=32 --output-format=json "$@" \
+  ${CLIENT_CPUS:+taskset -c $CLIENT_CPUS} fio --name="$name" --ioengine=nbd --uri="$uri" --bs=4k --iodepth=32 \
+    --output-format=json "$@" \
     | sed -n '/^{/,$p' > "$WORK/$name.json"
   /usr/bin/python3 - "$WORK/$name.json" "$side" "$name" "$c0" "$t0" "$(awk '{print $14 + $15}' "/proc/$PID/stat")" \
     "$(date +%s.%N)" "$(getconf CLK_TCK)" >> "$TSV" <<'PY'

@@ -419,7 +419,7 @@ impl Host {
     ///
     /// Errors: the final checkpoint failed (the log still holds every commit).
     pub async fn shut_down(self) -> anyhow::Result<()> {
-        tracing::info!("shutting down: flushing and checkpointing the pool");
+        tracing::info!("shutting down: committing what is left and closing the pool");
         let _ = self.stop_tx.send(true);
         let _ = self.tcp_task.await;
         let _ = self.unix_task.await;
