@@ -69,6 +69,10 @@ pub struct HostOptions {
     /// Time each NBD request by stage (`ferrovol_nbd_request_stage_seconds`): three
     /// clock reads and three histogram updates per request. Off by default.
     pub request_timing: bool,
+    /// Enter the kernel once per turn of a data-plane thread for the I/O its requests
+    /// started, instead of once per request (`IoOptions::immediate_enter` off). Off by
+    /// default until measured to help reads as well as writes (BENCHMARKS.md).
+    pub io_batch_enter: bool,
     /// NBD data-plane threads (at least 1).
     pub dataplane_threads: usize,
     /// The NBD server's limits (timeouts, connections, memory budgets, shutdown grace).
@@ -100,6 +104,7 @@ impl HostOptions {
             nbd_tls: None,
             metrics_listen: None,
             request_timing: false,
+            io_batch_enter: false,
             dataplane_threads: 1,
             nbd: nbd::ServerConfig::default(),
         }
@@ -208,6 +213,7 @@ impl Host {
             unit_size: opts.unit_size,
             io: storage_engine::IoOptions {
                 reaper: storage_engine::Reaper::PerRuntime(dataplane.handles.clone()),
+                immediate_enter: !opts.io_batch_enter,
                 ..Default::default()
             },
             accept_superblock_rollback: opts.accept_superblock_rollback,
