@@ -1,6 +1,7 @@
 //! The pool file's helpers outside the ring: opening it (O_DIRECT when the file system
-//! allows it), its advisory lock, its size, its holes, and the room its file system has
-//! left. Not here: I/O on it (ring.rs).
+//! allows it), its advisory lock, its size, its holes, the room its file system has
+//! left, and zeros written into a range with plain writes. Not here: I/O on the data
+//! path (ring.rs).
 
 use std::fs::File;
 use std::io;
@@ -133,4 +134,24 @@ pub fn allocate(file: &File, offset: u64, len: u64) -> io::Result<()> {
     } else {
         Err(io::Error::last_os_error())
     }
+}
+
+/// Writes zeros over bytes `[start, end)` of `file` with plain writes, up to 1 MiB at a
+/// time from one block-aligned buffer (the file may be open with `O_DIRECT`, so both
+/// ends are multiples of 4096). For the first writes into the holes of a pool file,
+/// which may wait for its file system to allocate blocks: off the data plane, where
+/// the ring gains nothing.
+///
+/// Errors: the first write that failed, with the byte offset it was at.
+pub fn write_zeros(file: &File, start: u64, end: u64) -> Result<(), (u64, io::Error)> {
+    use std::os::unix::fs::FileExt;
+    const PIECE: u64 = 1 << 20;
+    let zeros = super::AlignedBuf::zeroed(end.saturating_sub(start).min(PIECE) as usize);
+    let mut at = start;
+    while at < end {
+        let len = (end - at).min(PIECE);
+        file.write_all_at(&zeros.full()[..len as usize], at).map_err(|e| (at, e))?;
+        at += len;
+    }
+    Ok(())
 }

@@ -24,5 +24,7 @@ mod file;
 mod ring;
 
 pub use buf::{AlignedBuf, ALIGN};
-pub use file::{allocate, available_bytes, data_ranges, device_size, discard, lock_file, open_pool_file, punch_hole};
+pub use file::{
+    allocate, available_bytes, data_ranges, device_size, discard, lock_file, open_pool_file, punch_hole, write_zeros,
+};
 pub use ring::{Dir, FlushReport, IoObserver, IoOptions, IoRing, Reaper, RwResult, Segment};

@@ -418,22 +418,15 @@ fn new_superblock(size: u64, unit: u64, log_size: u64, data_offset: u64, unit_co
 /// 0 and 1 of `sb`), then `fdatasync`.
 ///
 /// Plain writes, not the ring: these are the first writes into the holes of a new
-/// file, which may wait for the host file system to allocate blocks (room.rs fills the
-/// spare's holes the same way); once, on the creating thread, before any data-plane
-/// I/O, so the ring gains nothing here. The buffers are block-aligned, as the file may
-/// be open with `O_DIRECT`.
+/// file ([`io::write_zeros`], as room.rs fills the log's holes at open); once, on the
+/// creating thread, before any data-plane I/O. The buffers are block-aligned, as the
+/// file may be open with `O_DIRECT`.
 ///
 /// Errors: [`ErrorKind::Io`].
 fn format(file: &File, mut sb: Superblock, log_size: u64) -> Result<()> {
     use std::os::unix::fs::FileExt;
-    let zeros = AlignedBuf::zeroed(1 << 20);
-    let mut at = LOG_OFFSET;
-    while at < LOG_OFFSET + log_size {
-        let len = (LOG_OFFSET + log_size - at).min(1 << 20);
-        file.write_all_at(&zeros.full()[..len as usize], at)
-            .map_err(|e| Error::io(format!("write at byte {at}"), e))?;
-        at += len;
-    }
+    io::write_zeros(file, LOG_OFFSET, LOG_OFFSET + log_size)
+        .map_err(|(at, e)| Error::io(format!("write at byte {at}"), e))?;
     let mut block = AlignedBuf::zeroed(BLOCK_SIZE as usize);
     for g in 0..2u64 {
         sb.generation = g.into();

@@ -538,23 +538,14 @@ impl Store {
             }
             pos = off + len;
         }
-        const PIECE: u64 = 1 << 20;
-        let zeros = AlignedBuf::zeroed(PIECE as usize);
         for (h0, h1) in holes {
-            let mut at = h0;
-            while at < h1 {
-                let len = (h1 - at).min(PIECE);
-                let zeros = &zeros.full()[..len as usize];
-                // A plain write, not the ring: this runs once, at open, on the opening
-                // thread, before any data-plane I/O (a one-off that gains nothing from
-                // the ring).
-                let r = std::os::unix::fs::FileExt::write_all_at(&*self.file, zeros, at);
-                match r {
-                    Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => return Err(host_full_error()),
-                    r => r.map_err(|e| Error::io(format!("fill the hole at byte {at} of the pool file"), e))?,
-                }
-                at += len;
-            }
+            // Plain writes, not the ring: this runs once, at open, on the opening
+            // thread, before any data-plane I/O (a one-off that gains nothing from the
+            // ring).
+            io::write_zeros(&self.file, h0, h1).map_err(|(at, e)| match e.raw_os_error() {
+                Some(libc::ENOSPC) => host_full_error(),
+                _ => Error::io(format!("fill the hole at byte {at} of the pool file"), e),
+            })?;
         }
         Ok(())
     }
