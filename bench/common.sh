@@ -44,3 +44,32 @@ rss_kib() {
 peak_rss_kib() {
   awk '/^VmHWM:/ {print $2}' "/proc/$1/status"
 }
+
+# cpu_times: the /proc/stat times (user nice system idle iowait irq softirq steal)
+# summed over the CPUs of SERVER_CPUS (a taskset list), or over all CPUs.
+cpu_times() {
+  /usr/bin/python3 - "${SERVER_CPUS:-}" <<'PY'
+import sys
+want = set()
+for part in filter(None, sys.argv[1].split(',')):
+    lo, _, hi = part.partition('-'); want |= set(range(int(lo), int(hi or lo) + 1))
+tot = [0] * 8
+for line in open('/proc/stat'):
+    f = line.split()
+    if f[0].startswith('cpu') and f[0] != 'cpu' and (not want or int(f[0][3:]) in want):
+        tot = [a + int(b) for a, b in zip(tot, f[1:9])]
+print(*tot)
+PY
+}
+
+# cpu_shares BEFORE AFTER: between two cpu_times outputs, the shares of those CPUs'
+# time the hypervisor took (steal), softirqs, the kernel and user space used, and idle.
+cpu_shares() {
+  /usr/bin/python3 - "$1" "$2" <<'PY'
+import sys
+d = [int(a) - int(b) for a, b in zip(sys.argv[2].split(), sys.argv[1].split())]
+n = max(1, sum(d))
+print(f"server CPUs: steal {100 * d[7] / n:.0f}%  softirq {100 * d[6] / n:.0f}%  system {100 * d[2] / n:.0f}%  "
+      f"user {100 * d[0] / n:.0f}%  idle {100 * (d[3] + d[4]) / n:.0f}%")
+PY
+}

@@ -31,22 +31,7 @@ $F volume create w --size 2GiB >/dev/null
 C="taskset -c $CLIENT_CPUS"
 $C fio --name=pre --ioengine=nbd --uri="nbd://127.0.0.1:$PORT/w" --bs=1m --iodepth=8 --rw=write --size=1g >/dev/null
 TID=$(grep -lx ferrovol-nbd /proc/"$PID"/task/*/comm | head -1 | cut -d/ -f5)
-cpus() { grep -E "^cpu($(echo "$SERVER_CPUS" | tr , '|')) " /proc/stat; }
-share() { # share BEFORE AFTER: steal, softirq, busy shares of the server CPUs between two cpus() outputs
-  /usr/bin/python3 - "$1" "$2" <<'PY'
-import sys
-def tot(s):
-    t = [0] * 8
-    for l in s.splitlines():
-        t = [a + int(b) for a, b in zip(t, l.split()[1:9])]
-    return t
-d = [a - b for a, b in zip(tot(sys.argv[2]), tot(sys.argv[1]))]
-n = max(1, sum(d))
-print(f"server CPUs: steal {100 * d[7] / n:.0f}%  softirq {100 * d[6] / n:.0f}%  system {100 * d[2] / n:.0f}%  "
-      f"user {100 * d[0] / n:.0f}%  idle {100 * (d[3] + d[4]) / n:.0f}%")
-PY
-}
-c0=$(cpus)
+c0=$(cpu_times)
 s0=$(cat /proc/"$PID"/task/"$TID"/schedstat)
 $C fio --name=w --ioengine=nbd --uri="nbd://127.0.0.1:$PORT/w" --bs=4k --iodepth=32 --rw=randwrite --size=1g \
   --time_based --runtime="$SECS" --output="$D.fio" &
@@ -78,13 +63,13 @@ for s, k in stacks.most_common(5):
 PY
 wait $FIO
 s1=$(cat /proc/"$PID"/task/"$TID"/schedstat)
-share "$c0" "$(cpus)"
+cpu_shares "$c0" "$(cpu_times)"
 read -r on0 wait0 _ <<<"$s0"; read -r on1 wait1 _ <<<"$s1"
 echo "ferrovol-nbd: on CPU $(((on1 - on0) / 1000000)) ms, runnable waiting $(((wait1 - wait0) / 1000000)) ms of ${SECS} s"
 grep -E "IOPS|clat \(" "$D.fio" | sed 's/^ */fio: /'
 stop_server
 echo "baseline without ferrovol: a 10 ms ticker on CPUs $SERVER_CPUS while fio writes direct to a file"
-c0=$(cpus)
+c0=$(cpu_times)
 taskset -c "$SERVER_CPUS" /usr/bin/python3 - "$SECS" <<'PY' &
 import sys, time
 end = time.time() + float(sys.argv[1]); late = []; nxt = time.monotonic() + 0.01
@@ -100,4 +85,4 @@ PY
 $C fio --name=raw --filename="$WORK/offcpu.raw" --size=1g --rw=randwrite --bs=4k --iodepth=32 --ioengine=io_uring \
   --direct=1 --runtime="$SECS" --time_based 2>&1 | grep -E "IOPS|clat \(" | sed 's/^ */raw fio: /'
 wait
-share "$c0" "$(cpus)"
+cpu_shares "$c0" "$(cpu_times)"

@@ -50,33 +50,14 @@ fi
 $F volume create w --size 2GiB >/dev/null
 $F volume create fresh --size 4GiB >/dev/null
 $CLIENT fio --name=pre --ioengine=nbd --uri="nbd://127.0.0.1:$PORT/w" --bs=1m --iodepth=8 --rw=write --size=1g >/dev/null
-# The server's CPUs' times from /proc/stat (SERVER_CPUS, else all), as metrics lines.
-cpustat() {
-  local cpus=${SERVER_CPUS:-}
-  /usr/bin/python3 - "$cpus" <<'PY'
-import sys
-want = set()
-for part in filter(None, sys.argv[1].split(',')):
-    lo, _, hi = part.partition('-'); want |= set(range(int(lo), int(hi or lo) + 1))
-names = ["user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal"]
-tot = [0] * 8
-for line in open('/proc/stat'):
-    f = line.split()
-    if f[0].startswith('cpu') and f[0] != 'cpu' and (not want or int(f[0][3:]) in want):
-        tot = [a + int(b) for a, b in zip(tot, f[1:9])]
-for n, v in zip(names, tot):
-    print(f"host_cpu_{n} {v}")
-PY
-}
 metrics() {
-  cpustat
   curl -s "http://127.0.0.1:$MPORT/metrics" |
     grep -E '^ferrovol_(pool_(commit|checkpoint)|nbd_request_stage_seconds_(bucket|count)\{.*command="write"|dataplane_lag)' |
     sort
 }
 job() { # job NAME VOLUME SIZE [during...]
   local name=$1 vol=$2 size=$3; shift 3
-  local before; before=$(metrics)
+  local before c0; before=$(metrics); c0=$(cpu_times)
   rm -f "$D.lat"*
   $CLIENT fio --name="$name" --ioengine=nbd --uri="nbd://127.0.0.1:$PORT/$vol" --bs=4k --iodepth=32 \
     --rw=randwrite --size="$size" --time_based --runtime="$SECS" --write_lat_log="$D.lat" \
@@ -84,7 +65,7 @@ job() { # job NAME VOLUME SIZE [during...]
   local fio=$!
   "$@"
   wait $fio
-  local after; after=$(metrics)
+  local after c1; after=$(metrics); c1=$(cpu_times)
   /usr/bin/python3 - "$name" "$D.lat_lat.1.log" <<'PY' "$before" "$after"
 import sys
 name, path, before, after = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
@@ -126,13 +107,10 @@ stages = "  ".join(
 print(f"            writes by stage: {stages}")
 print(f"            data-plane tick late: {tail('ferrovol_dataplane_lag_seconds_bucket')}"
       f" (latest so far {a.get('ferrovol_dataplane_lag_max_seconds', 0) * 1000:.1f} ms)")
-cpu = {n: d(f"host_cpu_{n}") for n in ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")}
-share = lambda n: 100 * cpu[n] / max(1, sum(cpu.values()))
-print(f"            server's CPUs: steal {share('steal'):.0f}%  softirq {share('softirq'):.0f}%  "
-      f"system {share('system'):.0f}%  user {share('user'):.0f}%  idle {share('idle') + share('iowait'):.0f}%")
 gaps = [(round(x / 1000, 1), y - x) for x, y in zip(t, t[1:]) if y - x > 40]
 print(f"            gaps over 40 ms (s into the job, ms): {gaps[:20]}")
 PY
+  echo "            $(cpu_shares "$c0" "$c1")"
 }
 snap() {
   sleep $((SECS / 3)); $F snapshot create w s >/dev/null
