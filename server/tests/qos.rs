@@ -129,10 +129,17 @@ fn a_limit_changed_while_fio_runs_takes_effect_within_a_second() {
     let log = iops_log(&td.path().join("v_iops.1.log"));
     let before: Vec<f64> = log.iter().filter(|(t, _)| *t + 1000 <= changed && *t > 250).map(|(_, v)| *v).collect();
     let after: Vec<f64> = log.iter().filter(|(t, _)| *t >= changed + 1250).map(|(_, v)| *v).collect();
-    assert!(!before.is_empty() && !after.is_empty(), "change at {changed} ms; log {log:?}");
+    assert!(before.len() >= 2 && !after.is_empty(), "change at {changed} ms; log {log:?}");
     let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
     eprintln!("change at {changed} ms: before {:.0} IOPS, after {:.0}", mean(&before), mean(&after));
-    assert!(before.iter().all(|v| *v <= 1.3 * 100.0), "over the old limit of 100 before the change: {log:?}");
+    // A window is counted by fio's clock when it reaps: a client paused by its host
+    // reaps late, so one window dips and the next makes up for it (67 then 143 was
+    // seen). The server's rate shows over two windows, half a second.
+    assert!(mean(&before) <= 1.1 * 100.0, "over the old limit of 100 before the change: {log:?}");
+    assert!(
+        before.windows(2).all(|w| (w[0] + w[1]) / 2.0 <= 1.3 * 100.0),
+        "over the old limit of 100 in half a second before the change: {log:?}"
+    );
     assert!(mean(&after) >= 0.85 * 1000.0, "the new limit of 1000 not reached a second after the change: {log:?}");
     assert!(mean(&after) <= 1.05 * 1000.0, "over the new limit of 1000: {log:?}");
 }
