@@ -8,8 +8,12 @@
 #
 #   bash bench/ab.sh /tmp/ferrovol-before target/release/ferrovol 3 10
 #
-# Env: JOBS (nbd-bench.sh's job list; default the 4K jobs), WORK, PORT, SERVER_CPUS and
-# CLIENT_CPUS (taskset lists: the servers, and every fio job, pinned to them).
+# Env: JOBS (nbd-bench.sh's job list; default the 4K jobs), WORK (where the pools go:
+# WORK=/dev/shm/ab takes the disk out, as the file system refuses O_DIRECT and the pool
+# is served from memory), PORT, SERVER_CPUS and CLIENT_CPUS (taskset lists: the servers,
+# and every fio job, pinned to them), ARGS_A and ARGS_B (extra `serve` flags for each
+# side, to compare one build with and without a flag:
+#   ARGS_B=--io-batch-enter bash bench/ab.sh target/release/ferrovol target/release/ferrovol).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . bench/common.sh
@@ -42,9 +46,10 @@ PY
 trap 'stop_server; rm -rf "$WORK/ab"' EXIT
 for rep in $(seq "$REPS"); do
   for side in A B; do
-    if [ "$side" = A ]; then BIN=$A; else BIN=$B; fi
+    if [ "$side" = A ]; then BIN=$A ARGS=${ARGS_A:-}; else BIN=$B ARGS=${ARGS_B:-}; fi
     rm -rf "$WORK/ab"
-    start_server "$WORK/ab" "$PORT" --pool-size 8GiB
+    # shellcheck disable=SC2086 # ARGS: flags split on spaces
+    start_server "$WORK/ab" "$PORT" --pool-size 8GiB $ARGS
     "$BIN" --data-dir "$WORK/ab" volume create bench --size 2GiB >/dev/null
     SERVER_PID=$PID LABEL=$side TSV=$TSV bash ../shared/tools/nbd-bench.sh "nbd://127.0.0.1:$PORT/bench" "$SECS" >&2
     # Allocating writes: 4 KiB into every 64 KiB unit of a new volume, each one a new

@@ -3,7 +3,8 @@
 # whole workspace's suite (engine property tests, NBD protocol tests, integration
 # tests against qemu-io/qemu-img/nbdinfo/nbdcopy/nbdsh/fio, kill -9 crash tests, the
 # shared NBD interoperability checklist, and the Linux kernel NBD client in a VM), then
-# the deterministic concurrency checks of the engine's sharing state machine (shuttle),
+# the deterministic concurrency checks of the engine's sharing state machine and of its
+# io_uring submitter hand-over (shuttle),
 # and the Kubernetes manifests checked offline (scripts/validate-k8s.sh).
 # Formatting (rustfmt) and lints (clippy, warnings as errors) are checked first.
 set -euo pipefail
@@ -17,7 +18,9 @@ status=0
 # The Kubernetes manifests, offline (schemas, flags against the binary just built).
 bash scripts/validate-k8s.sh target/debug/ferrovol || status=$?
 cargo nextest run --workspace --profile ci --no-fail-fast "$@" || status=$?
-# The deterministic concurrency checks of the sharing state machine: the engine built
-# on shuttle's atomics (a build of its own), explored by shuttle's schedulers.
-cargo nextest run -p storage-engine --features shuttle --test sharing_model --profile ci --no-fail-fast || status=$?
+# The deterministic concurrency checks of the sharing state machine and of the io_uring
+# submitter's hand-over: the engine built on shuttle's atomics (a build of its own),
+# explored by shuttle's schedulers.
+cargo nextest run -p storage-engine --features shuttle --test sharing_model --lib --profile ci --no-fail-fast \
+  -E 'binary(sharing_model) | test(/submit_model/)' || status=$?
 exit $status

@@ -248,7 +248,10 @@ fn model_at(tables: usize, lunits: &[u64]) -> Arc<Model> {
     })
 }
 
-fn run(ops: Vec<Box<dyn Fn(&Model) + Send + Sync>>, m: Arc<Model>) {
+/// One thread's steps.
+type Steps = Box<dyn Fn(&Model) + Send + Sync>;
+
+fn run(ops: Vec<Steps>, m: Arc<Model>) {
     let handles: Vec<_> = ops
         .into_iter()
         .map(|op| {

@@ -7,7 +7,7 @@ use std::collections::VecDeque;
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
@@ -219,12 +219,7 @@ impl Lane {
         let efd = unsafe { OwnedFd::from_raw_fd(raw) };
         ring.submitter().register_eventfd(efd.as_raw_fd())?;
         let cq_room = ring.completion().capacity();
-        let submitter = (runtime.is_some() && !opts.immediate_enter).then(|| Submitter {
-            lane,
-            wake: tokio::sync::Notify::new(),
-            alive: AtomicBool::new(true),
-            stop: AtomicBool::new(false),
-        });
+        let submitter = (runtime.is_some() && !opts.immediate_enter).then(|| Arc::new(Submitter::new(lane)));
         let shared = Arc::new(Shared {
             efd,
             submitter,
@@ -254,8 +249,11 @@ impl Lane {
                 }
                 .map_err(io::Error::from)?;
                 h.spawn(reap_task(shared.clone(), afd, lane));
-                if shared.submitter.is_some() {
-                    h.spawn(submit_task(shared.clone()));
+                if let Some(s) = &shared.submitter {
+                    // Enters the kernel for the entries submissions on this runtime's
+                    // thread left in the submission queue ([`Shared::start`]).
+                    let sh = shared.clone();
+                    h.spawn(s.clone().run(move || sh.enter()));
                 }
                 None
             }
@@ -315,8 +313,7 @@ impl Drop for Lane {
     fn drop(&mut self) {
         self.shared.state.lock().closing = true;
         if let Some(s) = &self.shared.submitter {
-            s.stop.store(true, Ordering::Release);
-            s.wake.notify_one();
+            s.close();
         }
         loop {
             if self.shared.reap() {
@@ -371,7 +368,7 @@ struct Shared {
     efd: OwnedFd,
     /// For a lane reaped by a runtime's task (unless [`IoOptions::immediate_enter`]): the task
     /// that enters the kernel for that runtime's thread ([`Shared::start`]).
-    submitter: Option<Submitter>,
+    submitter: Option<Arc<Submitter>>,
     /// `io_uring_enter` calls made ([`Shared::enter`]): for tests.
     enters: std::sync::atomic::AtomicU64,
     /// Its submission and completion queues are touched only under `state`'s lock;
@@ -395,17 +392,99 @@ struct State {
     closing: bool,
 }
 
+/// The atomics of the hand-over between submissions and a lane's submitter task: std's,
+/// or shuttle's when the engine is built for the deterministic concurrency checks
+/// (feature `shuttle`), so that its schedulers interleave threads at each of them.
+mod hand_over {
+    #[cfg(feature = "shuttle")]
+    pub use shuttle::sync::atomic::{fence, AtomicBool};
+    #[cfg(not(feature = "shuttle"))]
+    pub use std::sync::atomic::{fence, AtomicBool};
+}
+
 /// The task that enters the kernel once for the entries the tasks of its runtime's
-/// thread pushed in one turn ([`submit_task`]).
-struct Submitter {
+/// thread pushed in one turn ([`Submitter::run`]), and the hand-over
+/// of those entries to it ([`Submitter::hand_over`]).
+///
+/// The promise kept: every entry pushed into the submission queue is entered by the
+/// submitter that was handed it, or by the one that pushed it, or by the task's last
+/// enter when it ends (the lane closing, or its runtime shutting down). Checked over
+/// explored schedules by `submit_model` (feature `shuttle`).
+pub(crate) struct Submitter {
     /// The lane whose reaper runs on that thread ([`LANE`]).
     lane: (u64, usize),
     /// Set (as a permit, so that many submissions wake it once) by a submission.
     wake: tokio::sync::Notify,
     /// False once the task is gone (its runtime shut down): submissions enter at once.
-    alive: AtomicBool,
+    alive: hand_over::AtomicBool,
     /// Set when the lane closes: the task ends.
-    stop: AtomicBool,
+    stop: hand_over::AtomicBool,
+}
+
+impl Submitter {
+    pub(crate) fn new(lane: (u64, usize)) -> Submitter {
+        Submitter {
+            lane,
+            wake: tokio::sync::Notify::new(),
+            alive: hand_over::AtomicBool::new(true),
+            stop: hand_over::AtomicBool::new(false),
+        }
+    }
+
+    /// Called after a submission pushed entries into the submission queue, `on_lane`
+    /// when the calling thread reaps this submitter's lane. True when the task takes
+    /// them (it is woken); false when the caller must enter the kernel itself (another
+    /// thread, or the task is gone).
+    pub(crate) fn hand_over(&self, on_lane: bool) -> bool {
+        if !on_lane {
+            return false;
+        }
+        // The entries were pushed (the queue's tail stored) before `alive` is read, as
+        // the ending task stores `alive` before its last enter reads the tail: a
+        // full fence on each side, or both could read the old value (store buffering)
+        // and leave the entries in the queue with nobody to enter them.
+        hand_over::fence(Ordering::SeqCst);
+        if !self.alive.load(Ordering::Relaxed) {
+            return false;
+        }
+        self.wake.notify_one();
+        true
+    }
+
+    /// Ends the task (the lane is closing): it enters once more and returns.
+    pub(crate) fn close(&self) {
+        self.stop.store(true, Ordering::Release);
+        self.wake.notify_one();
+    }
+
+    /// The task, to spawn on the lane's runtime: `enter` once per wake-up, until
+    /// [`Submitter::close`]. When it ends, or when it is dropped first (its runtime shut
+    /// down, even before it was first polled), submissions enter at once from then on,
+    /// and `enter` runs one last time for what was handed over before.
+    pub(crate) fn run(
+        self: Arc<Self>,
+        enter: impl Fn() + Send + 'static,
+    ) -> impl std::future::Future<Output = ()> + Send + 'static {
+        struct Gone<F: Fn()>(Arc<Submitter>, F);
+        impl<F: Fn()> Drop for Gone<F> {
+            fn drop(&mut self) {
+                self.0.alive.store(false, Ordering::Relaxed);
+                hand_over::fence(Ordering::SeqCst);
+                (self.1)();
+            }
+        }
+        // Made now, not at the first poll: a future dropped unpolled drops it too.
+        let gone = Gone(self, enter);
+        async move {
+            loop {
+                gone.0.wake.notified().await;
+                if gone.0.stop.load(Ordering::Acquire) {
+                    return;
+                }
+                (gone.1)();
+            }
+        }
+    }
 }
 
 impl Shared {
@@ -436,9 +515,9 @@ impl Shared {
         let enter = st.push_queued(&self.ring);
         drop(st);
         if enter {
-            match &self.submitter {
-                Some(s) if s.alive.load(Ordering::Acquire) && LANE.get() == Some(s.lane) => s.wake.notify_one(),
-                _ => self.enter(),
+            let handed = self.submitter.as_ref().is_some_and(|s| s.hand_over(LANE.get() == Some(s.lane)));
+            if !handed {
+                self.enter();
             }
         }
     }
@@ -640,31 +719,6 @@ async fn reap_task(shared: Arc<Shared>, afd: tokio::io::unix::AsyncFd<EventFd>, 
     }
 }
 
-/// Enters the kernel for the entries submissions on this runtime's thread left in the
-/// submission queue ([`Shared::start`]), once per wake-up, until the lane closes. If
-/// the task is dropped first (its runtime shut down), submissions enter at once from
-/// then on, and what was left is entered here.
-async fn submit_task(shared: Arc<Shared>) {
-    struct Gone(Arc<Shared>);
-    impl Drop for Gone {
-        fn drop(&mut self) {
-            if let Some(s) = &self.0.submitter {
-                s.alive.store(false, Ordering::Release);
-            }
-            self.0.enter();
-        }
-    }
-    let gone = Gone(shared);
-    let Some(s) = gone.0.submitter.as_ref() else { return };
-    loop {
-        s.wake.notified().await;
-        if s.stop.load(Ordering::Acquire) {
-            return;
-        }
-        gone.0.enter();
-    }
-}
-
 fn spawn_reaper_thread(shared: Arc<Shared>) -> io::Result<JoinHandle<()>> {
     std::thread::Builder::new().name("ferrovol-io".into()).spawn(move || loop {
         if shared.reap() {
@@ -861,5 +915,149 @@ mod tests {
         let seg = Segment { file_offset: 8192, buf_offset: 0, len: 4096 };
         let (_, r) = ring.rw(Dir::Read, AlignedBuf::zeroed(4096), vec![seg]).blocking_recv().unwrap();
         assert_eq!(r.unwrap_err().kind(), io::ErrorKind::UnexpectedEof);
+    }
+}
+
+/// Deterministic concurrency checks of the hand-over between submissions and a lane's
+/// submitter task ([`Submitter`]), with shuttle's schedulers (PCT and random): the
+/// engine's own `hand_over`, `run` and `close` on shuttle's atomics, around a model of
+/// the submission queue (entries pushed under a lock, as `Shared::start` does, and all
+/// of them taken by an enter, as the kernel does). Checked: every entry pushed is
+/// entered, by the task it was handed to while that task lives (no lost wake-up: with
+/// nobody closing it, the queue empties), by the task's last enter when the lane closes
+/// or its runtime drops it (before or after its first poll), or by the submitter
+/// itself. Run with `cargo nextest run -p storage-engine --features shuttle --lib
+/// submit_model`.
+#[cfg(all(test, feature = "shuttle"))]
+mod submit_model {
+    use std::sync::atomic::Ordering;
+
+    use shuttle::future;
+    use shuttle::sync::atomic::AtomicU32;
+    use shuttle::sync::{Arc, Mutex};
+
+    use super::Submitter;
+
+    const ITERATIONS: usize = 2000;
+
+    /// The submission queue: entries pushed and not entered yet, and entries entered.
+    #[derive(Default)]
+    struct Queue {
+        pushed: Mutex<u32>,
+        entered: AtomicU32,
+    }
+
+    impl Queue {
+        /// The kernel takes every entry in the queue.
+        fn enter(&self) {
+            let n = std::mem::take(&mut *self.pushed.lock().unwrap());
+            self.entered.fetch_add(n, Ordering::SeqCst);
+        }
+
+        fn waiting(&self) -> u32 {
+            *self.pushed.lock().unwrap()
+        }
+    }
+
+    /// `Shared::start` after its entry is built: push under the lock, then hand over
+    /// or enter.
+    fn submit(s: &Submitter, q: &Queue, on_lane: bool) {
+        *q.pushed.lock().unwrap() += 1;
+        if !s.hand_over(on_lane) {
+            q.enter();
+        }
+    }
+
+    fn task(s: &std::sync::Arc<Submitter>, q: &Arc<Queue>) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let q = q.clone();
+        s.clone().run(move || q.enter())
+    }
+
+    /// Two tasks of the lane's thread submit twice each, a plain thread once; with
+    /// nobody closing the task, it enters everything it was handed; then the lane
+    /// closes.
+    fn handed_entries_are_entered_while_the_task_lives() {
+        let s = std::sync::Arc::new(Submitter::new((1, 0)));
+        let q = Arc::new(Queue::default());
+        let t = future::spawn(task(&s, &q));
+        let lane: Vec<_> = (0..2)
+            .map(|_| {
+                let (s, q) = (s.clone(), q.clone());
+                future::spawn(async move {
+                    for _ in 0..2 {
+                        submit(&s, &q, true);
+                        future::yield_now().await;
+                    }
+                })
+            })
+            .collect();
+        let other = {
+            let (s, q) = (s.clone(), q.clone());
+            shuttle::thread::spawn(move || submit(&s, &q, false))
+        };
+        future::block_on(async {
+            for l in lane {
+                l.await.unwrap();
+            }
+        });
+        other.join().unwrap();
+        // Liveness: the task was woken for what it holds. A lost wake-up spins here
+        // until shuttle's step bound fails the test.
+        future::block_on(async {
+            while q.waiting() > 0 {
+                future::yield_now().await;
+            }
+        });
+        s.close();
+        future::block_on(t).unwrap();
+        assert_eq!(q.entered.load(Ordering::SeqCst), 5);
+        assert_eq!(q.waiting(), 0);
+    }
+
+    /// The lane's runtime shuts down (the task dropped, maybe before its first poll)
+    /// while the lane's tasks submit: what was handed over before is entered by the
+    /// task's last enter, what comes after by the submitters themselves.
+    fn a_task_dropped_by_its_runtime_leaves_nothing_behind() {
+        let s = std::sync::Arc::new(Submitter::new((1, 0)));
+        let q = Arc::new(Queue::default());
+        let t = future::spawn(task(&s, &q));
+        let lane: Vec<_> = (0..2)
+            .map(|_| {
+                let (s, q) = (s.clone(), q.clone());
+                future::spawn(async move {
+                    for _ in 0..2 {
+                        submit(&s, &q, true);
+                        future::yield_now().await;
+                    }
+                })
+            })
+            .collect();
+        t.abort();
+        future::block_on(async {
+            for l in lane {
+                l.await.unwrap();
+            }
+            let _ = t.await;
+        });
+        assert_eq!(q.waiting(), 0, "entries left in the queue with nobody to enter them");
+        assert_eq!(q.entered.load(Ordering::SeqCst), 4);
+    }
+
+    fn explore(f: fn()) {
+        let mut config = shuttle::Config::new();
+        config.max_steps = shuttle::MaxSteps::FailAfter(20_000);
+        config.silence_warnings = true;
+        shuttle::Runner::new(shuttle::scheduler::PctScheduler::new(3, ITERATIONS), config.clone()).run(f);
+        shuttle::Runner::new(shuttle::scheduler::RandomScheduler::new(ITERATIONS), config).run(f);
+    }
+
+    #[test]
+    fn submissions_handed_over_are_entered_while_the_task_lives() {
+        explore(handed_entries_are_entered_while_the_task_lives);
+    }
+
+    #[test]
+    fn a_submitter_task_dropped_by_its_runtime_leaves_nothing_in_the_queue() {
+        explore(a_task_dropped_by_its_runtime_leaves_nothing_behind);
     }
 }
