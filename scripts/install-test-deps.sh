@@ -3,13 +3,14 @@
 #   Debian packages: the NBD peers the tests drive (qemu-utils: qemu-io, qemu-img;
 #   libnbd-bin: nbdinfo, nbdcopy, nbdsh; python3-libnbd; fio with its nbd engine;
 #   nbdkit and nbd-server for the peer comparison; python3-venv for the manifests'
-#   validator), cargo-nextest, rustfmt and clippy,
+#   validator; libclang-dev, which the ublk frontend's libublk needs to build),
+#   cargo-nextest, rustfmt and clippy,
 #   and the kernel VM of ../shared/tools/nbd-vm (a stock Debian kernel with nbd.ko,
 #   booted in QEMU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SUDO=; [ "$(id -u)" = 0 ] || SUDO=sudo
-PKGS=(qemu-utils libnbd-bin python3-libnbd fio nbdkit nbd-server python3-venv)
+PKGS=(qemu-utils libnbd-bin python3-libnbd fio nbdkit nbd-server python3-venv libclang-dev)
 missing=()
 for p in "${PKGS[@]}"; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

@@ -12,12 +12,15 @@ cd "$(dirname "$0")/.."
 bash scripts/install-test-deps.sh
 export PATH=/usr/bin:$PATH   # nbdsh needs Debian's python3 (libnbd binding)
 cargo fmt --all -- --check
-cargo clippy --workspace --all-targets -- -D warnings
-cargo build --workspace --all-targets
+# The server with every frontend: the ublk one is a feature (libublk needs libclang to
+# build, which install-test-deps.sh installs).
+FEATURES=(--features ferrovol/ublk)
+cargo clippy --workspace --all-targets "${FEATURES[@]}" -- -D warnings
+cargo build --workspace --all-targets "${FEATURES[@]}"
 status=0
 # The Kubernetes manifests, offline (schemas, flags against the binary just built).
 bash scripts/validate-k8s.sh target/debug/ferrovol || status=$?
-cargo nextest run --workspace --profile ci --no-fail-fast "$@" || status=$?
+cargo nextest run --workspace "${FEATURES[@]}" --profile ci --no-fail-fast "$@" || status=$?
 # The deterministic concurrency checks of the sharing state machine and of the io_uring
 # submitter's hand-over: the engine built on shuttle's atomics (a build of its own),
 # explored by shuttle's schedulers.

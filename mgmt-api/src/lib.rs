@@ -312,6 +312,24 @@ impl Client {
         self.raw().set_volume_qos(req).await.map(|r| r.into_inner()).map_err(ApiError::from_status)
     }
 
+    /// Exposes a volume (a snapshot read-only) as a local block device on the storage
+    /// host, /dev/ublkbN (ManagementService.AttachLocal).
+    ///
+    /// Errors: [`ErrorKind::NotFound`], [`ErrorKind::AlreadyExists`] (it has one),
+    /// [`ErrorKind::FailedPrecondition`] (no ublk in this build, kernel or process).
+    pub async fn attach_local(&self, name: &str) -> Result<pb::LocalDevice> {
+        let req = pb::AttachLocalRequest { name: name.to_owned() };
+        self.raw().attach_local(req).await.map(|r| r.into_inner()).map_err(ApiError::from_status)
+    }
+
+    /// Removes a volume's local block device (ManagementService.DetachLocal).
+    ///
+    /// Errors: [`ErrorKind::NotFound`] when it has none.
+    pub async fn detach_local(&self, name: &str) -> Result<pb::LocalDevice> {
+        let req = pb::DetachLocalRequest { name: name.to_owned() };
+        self.raw().detach_local(req).await.map(|r| r.into_inner()).map_err(ApiError::from_status)
+    }
+
     /// Publishes a volume to a node (ManagementService.PublishVolume): the attachment,
     /// with the export name the node opens. Durable on return.
     ///

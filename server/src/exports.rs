@@ -229,7 +229,12 @@ impl PoolRegistry {
         self
     }
 
-    fn export(&self, vol: Volume, read_only: bool, fence: Option<watch::Receiver<bool>>) -> Arc<VolumeExport> {
+    pub(crate) fn export(
+        &self,
+        vol: Volume,
+        read_only: bool,
+        fence: Option<watch::Receiver<bool>>,
+    ) -> Arc<VolumeExport> {
         Arc::new(VolumeExport {
             m: self.metrics.volume(vol.name(), vol.id()),
             qos: self.limits.get(vol.name(), vol.id(), &vol.labels()),

@@ -69,10 +69,10 @@ pub struct HostOptions {
     /// Time each NBD request by stage (`ferrovol_nbd_request_stage_seconds`): three
     /// clock reads and three histogram updates per request. Off by default.
     pub request_timing: bool,
-    /// Enter the kernel once per turn of a data-plane thread for the I/O its requests
-    /// started, instead of once per request (`IoOptions::immediate_enter` off). Off by
-    /// default until measured to help reads as well as writes (BENCHMARKS.md).
-    pub io_batch_enter: bool,
+    /// Enter the kernel once per request for its storage I/O (`IoOptions::immediate_enter`),
+    /// instead of once per turn of a data-plane thread for every request that turn
+    /// started (the default: less CPU per I/O, BENCHMARKS.md). For comparing the two.
+    pub io_immediate_enter: bool,
     /// NBD data-plane threads (at least 1).
     pub dataplane_threads: usize,
     /// The NBD server's limits (timeouts, connections, memory budgets, shutdown grace).
@@ -104,7 +104,7 @@ impl HostOptions {
             nbd_tls: None,
             metrics_listen: None,
             request_timing: false,
-            io_batch_enter: false,
+            io_immediate_enter: false,
             dataplane_threads: 1,
             nbd: nbd::ServerConfig::default(),
         }
@@ -144,6 +144,8 @@ pub struct Host {
     tls: Option<Arc<MtlsAcceptor>>,
     metrics_task: Option<tokio::task::JoinHandle<()>>,
     dataplane: DataPlane,
+    /// Volumes served as local block devices.
+    local: Arc<crate::local::LocalDevices>,
     generation: CrashGenerationFile,
 }
 
@@ -213,7 +215,7 @@ impl Host {
             unit_size: opts.unit_size,
             io: storage_engine::IoOptions {
                 reaper: storage_engine::Reaper::PerRuntime(dataplane.handles.clone()),
-                immediate_enter: !opts.io_batch_enter,
+                immediate_enter: opts.io_immediate_enter,
                 ..Default::default()
             },
             accept_superblock_rollback: opts.accept_superblock_rollback,
@@ -286,13 +288,14 @@ impl Host {
             "serving"
         );
         let fences = Arc::new(Fences::default());
-        let identity = mgmt::HostIdentity {
+        let mut identity = mgmt::HostIdentity {
             endpoints,
             nbd_addresses,
             access: nbd_access,
             tls: opts.nbd_tls,
             fences: Arc::clone(&fences),
             limits: Arc::new(crate::qos::Limiters::default()),
+            local: Arc::new(crate::local::LocalDevices::none()),
         };
 
         let metrics = Arc::new(metrics::Metrics::with_request_timing(opts.request_timing));
@@ -307,6 +310,8 @@ impl Host {
                 .with_crash_generation(&generation.current),
         );
         tracing::info!(crash_generation = %generation.current, "pool generation");
+        let local = Arc::new(crate::local::LocalDevices::new(Arc::clone(&registry), dataplane.handles.clone()));
+        identity.local = Arc::clone(&local);
         let nbd_server = nbd::Server::new_on(registry, nbd_config, dataplane.handles.clone());
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
@@ -366,6 +371,7 @@ impl Host {
             metrics_task,
             dataplane,
             generation,
+            local,
         })
     }
 
@@ -438,6 +444,9 @@ impl Host {
         if let Some(t) = self.api_task {
             let _ = t.await;
         }
+        // Local devices go before the pool closes (their requests fail from then on).
+        let local = Arc::clone(&self.local);
+        let _ = tokio::task::spawn_blocking(move || local.remove_all()).await;
         if let Some(t) = self.metrics_task {
             let _ = t.await;
         }

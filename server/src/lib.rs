@@ -15,6 +15,7 @@ pub mod exports;
 #[cfg(any(test, feature = "test-utils"))]
 pub mod fuzzing;
 pub mod host;
+pub mod local;
 pub mod metrics;
 pub mod mgmt;
 pub mod qos;

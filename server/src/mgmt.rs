@@ -41,6 +41,8 @@ pub struct HostIdentity {
     pub fences: Arc<Fences>,
     /// The volumes' QoS limiters, shared with the NBD registry.
     pub limits: Arc<Limiters>,
+    /// The volumes served as local block devices (`volume attach-local`).
+    pub local: Arc<crate::local::LocalDevices>,
 }
 
 impl HostIdentity {
@@ -53,6 +55,7 @@ impl HostIdentity {
             tls: None,
             fences: Arc::new(Fences::default()),
             limits: Arc::new(Limiters::default()),
+            local: Arc::new(crate::local::LocalDevices::none()),
         }
     }
 
@@ -77,6 +80,14 @@ pub struct ManagementService {
 }
 
 impl ManagementService {
+    /// `v` with its local device, if it has one.
+    fn with_local(&self, mut v: pb::Volume) -> pb::Volume {
+        if let Some(d) = self.host.local.get(&v.name) {
+            v.local_device = d.path;
+        }
+        v
+    }
+
     /// A gRPC server for `pool`, reporting `host`.
     pub fn new(pool: Pool, host: HostIdentity) -> ManagementServer<ManagementService> {
         ManagementServer::new(ManagementService::service(pool, host))
@@ -113,6 +124,21 @@ fn volume(v: VolumeInfo) -> pb::Volume {
         pristine: v.pristine,
         labels: v.labels.into_iter().collect(),
         attachments: v.attachments.iter().map(attachment_info).collect(),
+        local_device: String::new(),
+    }
+}
+
+fn local_device(d: crate::local::LocalDevice) -> pb::LocalDevice {
+    pb::LocalDevice { name: d.name, path: d.path, read_only: d.read_only }
+}
+
+fn local_status(e: crate::local::LocalError) -> Status {
+    use crate::local::LocalError;
+    match e {
+        LocalError::NotFound(m) => Status::not_found(m),
+        LocalError::Exists(m) => Status::already_exists(m),
+        LocalError::Unavailable(m) => Status::failed_precondition(m),
+        LocalError::Failed(m) => Status::internal(m),
     }
 }
 
@@ -402,12 +428,17 @@ impl Management for ManagementService {
         req: Request<pb::DeleteVolumeRequest>,
     ) -> Result<Response<pb::DeleteVolumeResponse>, Status> {
         audited!(req, "DeleteVolume", |r| {
-            let id = self.pool.volume_info(&r.name).map(|v| v.id).ok();
-            let out = self.pool.delete_volume(&r.name).await;
-            if let (Ok(()), Some(id)) = (&out, id) {
-                self.host.limits.forget(&r.name, id);
+            if let Some(d) = self.host.local.get(&r.name) {
+                let m = format!("volume '{}' is attached locally as {}: detach it first (DetachLocal)", r.name, d.path);
+                Err(Status::failed_precondition(m))
+            } else {
+                let id = self.pool.volume_info(&r.name).map(|v| v.id).ok();
+                let out = self.pool.delete_volume(&r.name).await;
+                if let (Ok(()), Some(id)) = (&out, id) {
+                    self.host.limits.forget(&r.name, id);
+                }
+                out.map(|()| pb::DeleteVolumeResponse {}).map_err(|e| grpc_status(&e))
             }
-            out.map(|()| pb::DeleteVolumeResponse {}).map_err(|e| grpc_status(&e))
         })
     }
 
@@ -423,14 +454,14 @@ impl Management for ManagementService {
 
     async fn get_volume(&self, req: Request<pb::GetVolumeRequest>) -> Result<Response<pb::Volume>, Status> {
         let v = self.pool.volume_info(&req.into_inner().name).map_err(|e| grpc_status(&e))?;
-        Ok(Response::new(volume(v)))
+        Ok(Response::new(self.with_local(volume(v))))
     }
 
     async fn list_volumes(
         &self,
         _req: Request<pb::ListVolumesRequest>,
     ) -> Result<Response<pb::ListVolumesResponse>, Status> {
-        let volumes = self.pool.list_volumes().into_iter().map(volume).collect();
+        let volumes = self.pool.list_volumes().into_iter().map(|v| self.with_local(volume(v))).collect();
         Ok(Response::new(pb::ListVolumesResponse { volumes }))
     }
 
@@ -450,8 +481,14 @@ impl Management for ManagementService {
         req: Request<pb::DeleteSnapshotRequest>,
     ) -> Result<Response<pb::DeleteSnapshotResponse>, Status> {
         audited!(req, "DeleteSnapshot", |r| {
-            let r = self.pool.delete_snapshot(&r.volume, &r.snapshot).await;
-            r.map(|()| pb::DeleteSnapshotResponse {}).map_err(|e| grpc_status(&e))
+            let name = format!("{}@{}", r.volume, r.snapshot);
+            if let Some(d) = self.host.local.get(&name) {
+                let m = format!("snapshot '{name}' is attached locally as {}: detach it first (DetachLocal)", d.path);
+                Err(Status::failed_precondition(m))
+            } else {
+                let r = self.pool.delete_snapshot(&r.volume, &r.snapshot).await;
+                r.map(|()| pb::DeleteSnapshotResponse {}).map_err(|e| grpc_status(&e))
+            }
         })
     }
 
@@ -461,7 +498,7 @@ impl Management for ManagementService {
     ) -> Result<Response<pb::ListSnapshotsResponse>, Status> {
         let r = req.into_inner();
         let vol = (!r.volume.is_empty()).then_some(r.volume.as_str());
-        let snapshots: Vec<_> = self.pool.list_snapshots(vol).into_iter().map(volume).collect();
+        let snapshots: Vec<_> = self.pool.list_snapshots(vol).into_iter().map(|v| self.with_local(volume(v))).collect();
         // A deleted volume's snapshots stay listed under its name; a name that has
         // neither a volume nor snapshots is a mistake worth saying so.
         if let Some(v) = vol {
@@ -497,6 +534,30 @@ impl Management for ManagementService {
         req: Request<pb::UnpublishVolumeRequest>,
     ) -> Result<Response<pb::UnpublishVolumeResponse>, Status> {
         audited!(req, "UnpublishVolume", |r| self.do_unpublish(r).await)
+    }
+
+    async fn attach_local(&self, req: Request<pb::AttachLocalRequest>) -> Result<Response<pb::LocalDevice>, Status> {
+        audited!(req, "AttachLocal", |r| {
+            // The driver starts the device (and the kernel reads it) before this returns.
+            let (pool, local) = (self.pool.clone(), Arc::clone(&self.host.local));
+            match tokio::task::spawn_blocking(move || local.attach(&pool, &r.name)).await {
+                Ok(out) => out.map(local_device).map_err(local_status),
+                Err(e) => Err(Status::internal(format!("attaching locally failed: {e}"))),
+            }
+        })
+    }
+
+    async fn detach_local(&self, req: Request<pb::DetachLocalRequest>) -> Result<Response<pb::LocalDevice>, Status> {
+        audited!(req, "DetachLocal", |r| {
+            let local = Arc::clone(&self.host.local);
+            match tokio::task::spawn_blocking(move || local.detach(&r.name)).await {
+                Ok(out) => out.map(local_device).map_err(|e| match e {
+                    crate::local::LocalError::Exists(m) => Status::not_found(m),
+                    e => local_status(e),
+                }),
+                Err(e) => Err(Status::internal(format!("detaching locally failed: {e}"))),
+            }
+        })
     }
 
     async fn get_host_info(&self, _req: Request<pb::GetHostInfoRequest>) -> Result<Response<pb::HostInfo>, Status> {

@@ -141,7 +141,7 @@ fn request_timing_counts_every_request_in_each_stage() {
         let mut args = vec!["--metrics-listen", &listen, "--dataplane-threads", "2"];
         if timing {
             // And the storage I/O entered once per turn: the same requests, answered.
-            args.extend(["--request-timing", "--io-batch-enter"]);
+            args.extend(["--request-timing", "--io-immediate-enter"]);
         }
         let s = Server::start_with(&td.data(), "2GiB", &args);
         s.create_volume("t", "64MiB");

@@ -68,7 +68,7 @@ fn volume_json(v: &Volume) -> serde_json::Value {
         "name": v.name, "id": v.id, "size_bytes": v.size_bytes,
         "allocated_bytes": v.allocated_bytes, "created_unix": v.created_unix, "export_name": v.export_name,
         "snapshot": v.snapshot, "exclusive_bytes": v.exclusive_bytes, "shared_bytes": v.shared_bytes,
-        "pristine": v.pristine, "labels": v.labels,
+        "pristine": v.pristine, "labels": v.labels, "local_device": v.local_device,
         "attachments": v.attachments.iter().map(|a| serde_json::json!({
             "node_id": a.node_id, "read_only": a.read_only, "exclusive": a.exclusive, "created_unix": a.created_unix,
         })).collect::<Vec<_>>(),
@@ -157,6 +157,14 @@ pub(crate) async fn volume_cmd(target: &Target, cmd: VolumeCmd) -> anyhow::Resul
             let v = c.set_volume_qos(req).await?;
             out!("volume {}: QoS {}", v.name, qos_text(v.qos.as_ref()));
         }
+        VolumeCmd::AttachLocal { name } => {
+            let d = c.attach_local(&name).await?;
+            out!("{}", d.path);
+        }
+        VolumeCmd::DetachLocal { name } => {
+            let d = c.detach_local(&name).await?;
+            out!("detached {} from {}", d.name, d.path);
+        }
         VolumeCmd::List { json } => {
             let vs = c.list_volumes().await?;
             if json {
@@ -182,6 +190,9 @@ pub(crate) async fn volume_cmd(target: &Target, cmd: VolumeCmd) -> anyhow::Resul
                     v.export_name
                 );
                 out!("written: {}", if v.pristine { "never (created empty)" } else { "yes" });
+                if !v.local_device.is_empty() {
+                    out!("local device: {}", v.local_device);
+                }
                 if !v.snapshot {
                     out!("qos: {}", qos_text(v.qos.as_ref()));
                 }

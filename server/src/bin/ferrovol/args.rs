@@ -270,11 +270,11 @@ pub(crate) struct ServeArgs {
     /// three histogram updates per request. Off by default.
     #[arg(long)]
     pub(crate) request_timing: bool,
-    /// Enter the kernel once per turn of a data-plane thread for the storage I/O its
-    /// requests started, instead of once per request: less CPU per write at high
-    /// queue depth; off by default until measured to help reads too (BENCHMARKS.md).
+    /// Enter the kernel once per request for its storage I/O, instead of once per turn
+    /// of a data-plane thread for every request that turn started (the default, which
+    /// takes less CPU per I/O at queue depth; BENCHMARKS.md). For comparing the two.
     #[arg(long)]
-    pub(crate) io_batch_enter: bool,
+    pub(crate) io_immediate_enter: bool,
 }
 
 /// A volume's QoS limits (per volume, whatever the number of connections; a request
@@ -377,6 +377,18 @@ pub(crate) enum VolumeCmd {
         /// The node.
         #[arg(long)]
         node: String,
+    },
+    /// Expose a volume (or VOLUME@SNAPSHOT, read-only) on this storage host as a local
+    /// block device through Linux's ublk driver: prints /dev/ublkbN. Needs a server
+    /// built with the `ublk` feature, a kernel with ublk_drv, and CAP_SYS_ADMIN.
+    AttachLocal {
+        /// Volume name, or VOLUME@SNAPSHOT.
+        name: String,
+    },
+    /// Remove a volume's local block device (requests in flight on it fail).
+    DetachLocal {
+        /// Volume name, or VOLUME@SNAPSHOT.
+        name: String,
     },
     /// List volumes with virtual size and allocated bytes.
     List {
@@ -693,7 +705,7 @@ impl ServeArgs {
         o.mgmt_socket = Some(mgmt_socket);
         o.metrics_listen = self.metrics_listen;
         o.request_timing = self.request_timing;
-        o.io_batch_enter = self.io_batch_enter;
+        o.io_immediate_enter = self.io_immediate_enter;
         o.dataplane_threads = self.dataplane_threads as usize;
         o.nbd = nbd::ServerConfig {
             handshake_timeout: Duration::from_secs(self.handshake_timeout),

@@ -1,0 +1,209 @@
+//! Volumes served as local block devices on the storage host, `/dev/ublkbN`, through
+//! Linux's ublk driver (`volume attach-local`), beside NBD.
+//!
+//! Lives here: [`LocalDevices`], the host's devices by volume name, and (feature
+//! `ublk`) the `ublk::Backend` implementation over [`VolumeExport`], so that a local
+//! device goes through the same QoS limits, metrics and engine calls as an NBD
+//! connection. Not here: the driver protocol (the `ublk` crate), the management calls
+//! (mgmt.rs). Without the feature every attach answers that this build has no ublk.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use storage_engine::Pool;
+
+use crate::exports::PoolRegistry;
+
+/// The ublk target name of this server's devices.
+#[cfg(feature = "ublk")]
+const UBLK_TARGET: &str = "ferrovol";
+
+/// Why a local attach or detach failed, for the management API to map.
+#[derive(Debug, thiserror::Error)]
+pub enum LocalError {
+    /// No volume or snapshot of that name.
+    #[error("{0}")]
+    NotFound(String),
+    /// Attached already (attach), or not attached (detach).
+    #[error("{0}")]
+    Exists(String),
+    /// This build, this kernel or this process cannot make ublk devices.
+    #[error("{0}")]
+    Unavailable(String),
+    /// The driver failed.
+    #[error("{0}")]
+    Failed(String),
+}
+
+/// A volume's local device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocalDevice {
+    /// The volume (or snapshot, `VOLUME@SNAPSHOT`).
+    pub name: String,
+    /// `/dev/ublkbN`.
+    pub path: String,
+    /// Writes are refused (a snapshot).
+    pub read_only: bool,
+}
+
+struct Attached {
+    info: LocalDevice,
+    #[cfg(feature = "ublk")]
+    device: ublk::Device,
+}
+
+/// The host's local devices, by volume name; at most one per volume.
+pub struct LocalDevices {
+    /// Exports the devices' volumes as NBD connections get them.
+    registry: Option<Arc<PoolRegistry>>,
+    /// The data-plane runtimes the devices' requests run on.
+    #[cfg_attr(not(feature = "ublk"), allow(dead_code))]
+    runtimes: Vec<tokio::runtime::Handle>,
+    devices: Mutex<BTreeMap<String, Attached>>,
+}
+
+impl LocalDevices {
+    /// Devices served from `registry`'s volumes on `runtimes`.
+    /// Deletes first the devices a server killed before left behind
+    /// ([`ublk::remove_stale`]).
+    pub fn new(registry: Arc<PoolRegistry>, runtimes: Vec<tokio::runtime::Handle>) -> LocalDevices {
+        #[cfg(feature = "ublk")]
+        for id in ublk::remove_stale(UBLK_TARGET) {
+            tracing::info!(device = format!("/dev/ublkb{id}"), "deleted a local device a killed server left behind");
+        }
+        LocalDevices { registry: Some(registry), runtimes, devices: Mutex::new(BTreeMap::new()) }
+    }
+
+    /// No local devices (a management service without a data plane: tests, fuzzing).
+    pub fn none() -> LocalDevices {
+        LocalDevices { registry: None, runtimes: Vec::new(), devices: Mutex::new(BTreeMap::new()) }
+    }
+
+    fn devices(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Attached>> {
+        self.devices.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The device of volume `name`, if it has one.
+    pub fn get(&self, name: &str) -> Option<LocalDevice> {
+        self.devices().get(name).map(|a| a.info.clone())
+    }
+
+    /// Every device, by volume name.
+    pub fn list(&self) -> Vec<LocalDevice> {
+        self.devices().values().map(|a| a.info.clone()).collect()
+    }
+
+    /// Exposes volume `name` of `pool` as `/dev/ublkbN` (a snapshot read-only). Blocks
+    /// while the driver starts the device: call it off the data plane.
+    ///
+    /// Errors: [`LocalError::NotFound`], [`LocalError::Exists`] when it has a device
+    /// already, [`LocalError::Unavailable`] without ublk (this build, the kernel, or
+    /// the rights), [`LocalError::Failed`].
+    pub fn attach(&self, pool: &Pool, name: &str) -> Result<LocalDevice, LocalError> {
+        let vol = pool.volume(name).map_err(|e| LocalError::NotFound(e.to_string()))?;
+        let Some(registry) = &self.registry else {
+            return Err(LocalError::Unavailable("this service has no data plane to serve a device from".into()));
+        };
+        #[cfg_attr(not(feature = "ublk"), allow(unused_mut))]
+        let mut devices = self.devices();
+        if let Some(a) = devices.get(name) {
+            return Err(LocalError::Exists(format!("volume '{name}' is attached locally already, as {}", a.info.path)));
+        }
+        let read_only = vol.is_snapshot();
+        #[cfg(feature = "ublk")]
+        {
+            let export = registry.export(vol, read_only, None);
+            let opts = ublk::Options {
+                name: UBLK_TARGET.to_owned(),
+                queues: u16::try_from(self.runtimes.len().clamp(1, 32)).unwrap_or(1),
+                read_only,
+                ..Default::default()
+            };
+            // The device's requests enter the volume's export as an NBD request does.
+            let device =
+                ublk::Device::add(Arc::new(Local(export)), self.runtimes.clone(), &opts).map_err(|e| match e {
+                    ublk::Error::NotSupported | ublk::Error::Denied(_) => LocalError::Unavailable(e.to_string()),
+                    ublk::Error::Invalid(_) | ublk::Error::Driver(_) => LocalError::Failed(e.to_string()),
+                })?;
+            let info = LocalDevice { name: name.to_owned(), path: device.path().display().to_string(), read_only };
+            tracing::info!(volume = name, device = info.path, read_only, "attached locally");
+            devices.insert(name.to_owned(), Attached { info: info.clone(), device });
+            Ok(info)
+        }
+        #[cfg(not(feature = "ublk"))]
+        {
+            let _ = (registry, read_only);
+            Err(LocalError::Unavailable(
+                "this ferrovol was built without ublk (cargo build --features ublk, which needs libclang)".into(),
+            ))
+        }
+    }
+
+    /// Removes volume `name`'s device: requests in flight in the kernel fail, and a
+    /// file system still mounted on it sees I/O errors.
+    ///
+    /// Errors: [`LocalError::Exists`] when it has none.
+    pub fn detach(&self, name: &str) -> Result<LocalDevice, LocalError> {
+        let a = self
+            .devices()
+            .remove(name)
+            .ok_or_else(|| LocalError::Exists(format!("volume '{name}' is not attached locally")))?;
+        #[cfg(feature = "ublk")]
+        a.device.remove();
+        tracing::info!(volume = name, device = a.info.path, "detached locally");
+        Ok(a.info)
+    }
+
+    /// Removes every device (the host is stopping, before its data plane does).
+    pub fn remove_all(&self) {
+        let all = std::mem::take(&mut *self.devices());
+        for (name, a) in all {
+            #[cfg(feature = "ublk")]
+            a.device.remove();
+            tracing::info!(volume = name, device = a.info.path, "detached locally: the server is stopping");
+        }
+    }
+}
+
+/// A volume's export as a ublk backend.
+#[cfg(feature = "ublk")]
+struct Local(Arc<crate::exports::VolumeExport>);
+
+#[cfg(feature = "ublk")]
+impl ublk::Backend for Local {
+    type Buf = storage_engine::AlignedBuf;
+
+    fn size(&self) -> u64 {
+        nbd::Export::size(&*self.0)
+    }
+
+    fn alloc_buf(&self, offset: u64, len: usize) -> storage_engine::AlignedBuf {
+        nbd::Export::alloc_write_buf(&*self.0, offset, len as u32)
+    }
+
+    async fn read(&self, offset: u64, len: u32) -> Result<storage_engine::AlignedBuf, i32> {
+        nbd::Export::read(&*self.0, offset, len).await.map(|r| r.data).map_err(errno)
+    }
+
+    async fn write(&self, offset: u64, buf: storage_engine::AlignedBuf, fua: bool) -> Result<(), i32> {
+        nbd::Export::write(&*self.0, offset, buf, fua).await.map_err(errno)
+    }
+
+    async fn flush(&self) -> Result<(), i32> {
+        nbd::Export::flush(&*self.0).await.map_err(errno)
+    }
+
+    async fn discard(&self, offset: u64, len: u64) -> Result<(), i32> {
+        nbd::Export::trim(&*self.0, offset, len, false).await.map_err(errno)
+    }
+
+    async fn write_zeroes(&self, offset: u64, len: u64, may_unmap: bool, fua: bool) -> Result<(), i32> {
+        nbd::Export::write_zeroes(&*self.0, offset, len, may_unmap, false, fua).await.map_err(errno)
+    }
+}
+
+/// NBD's errno values are Linux's.
+#[cfg(feature = "ublk")]
+fn errno(e: nbd::Errno) -> i32 {
+    e.wire_value() as i32
+}
