@@ -52,6 +52,21 @@ struct Attached {
     device: ublk::Device,
 }
 
+/// A volume's place in the table: its device, or one being added (the driver starts
+/// it without the table's lock held, as that takes a while).
+#[cfg_attr(not(feature = "ublk"), allow(dead_code))]
+enum Slot {
+    Starting,
+    Attached(Attached),
+}
+
+#[derive(Default)]
+struct Table {
+    devices: BTreeMap<String, Slot>,
+    /// The host is stopping: an attach still starting removes its device again.
+    closed: bool,
+}
+
 /// The host's local devices, by volume name; at most one per volume.
 pub struct LocalDevices {
     /// Exports the devices' volumes as NBD connections get them.
@@ -59,7 +74,8 @@ pub struct LocalDevices {
     /// The data-plane runtimes the devices' requests run on.
     #[cfg_attr(not(feature = "ublk"), allow(dead_code))]
     runtimes: Vec<tokio::runtime::Handle>,
-    devices: Mutex<BTreeMap<String, Attached>>,
+    /// Held only to read or change the table, never while a device starts or stops.
+    table: Mutex<Table>,
 }
 
 impl LocalDevices {
@@ -71,47 +87,82 @@ impl LocalDevices {
         for id in ublk::remove_stale(UBLK_TARGET) {
             tracing::info!(device = format!("/dev/ublkb{id}"), "deleted a local device a killed server left behind");
         }
-        LocalDevices { registry: Some(registry), runtimes, devices: Mutex::new(BTreeMap::new()) }
+        LocalDevices { registry: Some(registry), runtimes, table: Mutex::default() }
     }
 
     /// No local devices (a management service without a data plane: tests, fuzzing).
     pub fn none() -> LocalDevices {
-        LocalDevices { registry: None, runtimes: Vec::new(), devices: Mutex::new(BTreeMap::new()) }
+        LocalDevices { registry: None, runtimes: Vec::new(), table: Mutex::default() }
     }
 
-    fn devices(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Attached>> {
-        self.devices.lock().unwrap_or_else(|p| p.into_inner())
+    fn table(&self) -> std::sync::MutexGuard<'_, Table> {
+        self.table.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The device of volume `name`, if it has one.
+    /// The device of volume `name`, if it has one (not while it is being added).
     pub fn get(&self, name: &str) -> Option<LocalDevice> {
-        self.devices().get(name).map(|a| a.info.clone())
+        match self.table().devices.get(name) {
+            Some(Slot::Attached(a)) => Some(a.info.clone()),
+            _ => None,
+        }
+    }
+
+    /// Whether volume `name` has a device, or one being added.
+    pub fn holds(&self, name: &str) -> bool {
+        self.table().devices.contains_key(name)
     }
 
     /// Every device, by volume name.
     pub fn list(&self) -> Vec<LocalDevice> {
-        self.devices().values().map(|a| a.info.clone()).collect()
+        let t = self.table();
+        t.devices
+            .values()
+            .filter_map(|s| match s {
+                Slot::Attached(a) => Some(a.info.clone()),
+                Slot::Starting => None,
+            })
+            .collect()
     }
 
     /// Exposes volume `name` of `pool` as `/dev/ublkbN` (a snapshot read-only). Blocks
-    /// while the driver starts the device: call it off the data plane.
+    /// while the driver starts the device: call it off the async runtimes.
     ///
     /// Errors: [`LocalError::NotFound`], [`LocalError::Exists`] when it has a device
-    /// already, [`LocalError::Unavailable`] without ublk (this build, the kernel, or
-    /// the rights), [`LocalError::Failed`].
+    /// already (or one being added), [`LocalError::Unavailable`] without ublk (this
+    /// build, the kernel, or the rights) or once the host is stopping,
+    /// [`LocalError::Failed`].
     pub fn attach(&self, pool: &Pool, name: &str) -> Result<LocalDevice, LocalError> {
         let vol = pool.volume(name).map_err(|e| LocalError::NotFound(e.to_string()))?;
         let Some(registry) = &self.registry else {
             return Err(LocalError::Unavailable("this service has no data plane to serve a device from".into()));
         };
-        #[cfg_attr(not(feature = "ublk"), allow(unused_mut))]
-        let mut devices = self.devices();
-        if let Some(a) = devices.get(name) {
-            return Err(LocalError::Exists(format!("volume '{name}' is attached locally already, as {}", a.info.path)));
-        }
         let read_only = vol.is_snapshot();
+        #[cfg(not(feature = "ublk"))]
+        {
+            let _ = (registry, read_only);
+            Err(LocalError::Unavailable(
+                "this ferrovol was built without ublk (cargo build --features ublk, which needs libclang)".into(),
+            ))
+        }
         #[cfg(feature = "ublk")]
         {
+            {
+                let mut t = self.table();
+                if t.closed {
+                    return Err(LocalError::Unavailable("the server is stopping".into()));
+                }
+                match t.devices.get(name) {
+                    Some(Slot::Attached(a)) => {
+                        let m = format!("volume '{name}' is attached locally already, as {}", a.info.path);
+                        return Err(LocalError::Exists(m));
+                    }
+                    Some(Slot::Starting) => {
+                        return Err(LocalError::Exists(format!("volume '{name}' is being attached locally")));
+                    }
+                    None => {}
+                }
+                t.devices.insert(name.to_owned(), Slot::Starting);
+            }
             let export = registry.export(vol, read_only, None);
             let opts = ublk::Options {
                 name: UBLK_TARGET.to_owned(),
@@ -120,47 +171,67 @@ impl LocalDevices {
                 ..Default::default()
             };
             // The device's requests enter the volume's export as an NBD request does.
-            let device =
-                ublk::Device::add(Arc::new(Local(export)), self.runtimes.clone(), &opts).map_err(|e| match e {
-                    ublk::Error::NotSupported | ublk::Error::Denied(_) => LocalError::Unavailable(e.to_string()),
-                    ublk::Error::Invalid(_) | ublk::Error::Driver(_) => LocalError::Failed(e.to_string()),
-                })?;
+            let added = ublk::Device::add(Arc::new(Local(export)), self.runtimes.clone(), &opts);
+            let mut t = self.table();
+            let device = match added {
+                Ok(d) if !t.closed => d,
+                Ok(d) => {
+                    t.devices.remove(name);
+                    drop(t);
+                    d.remove();
+                    return Err(LocalError::Unavailable("the server is stopping".into()));
+                }
+                Err(e) => {
+                    t.devices.remove(name);
+                    return Err(match e {
+                        ublk::Error::NotSupported | ublk::Error::Denied(_) => LocalError::Unavailable(e.to_string()),
+                        ublk::Error::Invalid(_) | ublk::Error::Driver(_) => LocalError::Failed(e.to_string()),
+                    });
+                }
+            };
             let info = LocalDevice { name: name.to_owned(), path: device.path().display().to_string(), read_only };
             tracing::info!(volume = name, device = info.path, read_only, "attached locally");
-            devices.insert(name.to_owned(), Attached { info: info.clone(), device });
+            t.devices.insert(name.to_owned(), Slot::Attached(Attached { info: info.clone(), device }));
             Ok(info)
-        }
-        #[cfg(not(feature = "ublk"))]
-        {
-            let _ = (registry, read_only);
-            Err(LocalError::Unavailable(
-                "this ferrovol was built without ublk (cargo build --features ublk, which needs libclang)".into(),
-            ))
         }
     }
 
     /// Removes volume `name`'s device: requests in flight in the kernel fail, and a
     /// file system still mounted on it sees I/O errors.
     ///
-    /// Errors: [`LocalError::Exists`] when it has none.
+    /// Errors: [`LocalError::Exists`] when it has none (or it is being added).
     pub fn detach(&self, name: &str) -> Result<LocalDevice, LocalError> {
-        let a = self
-            .devices()
-            .remove(name)
-            .ok_or_else(|| LocalError::Exists(format!("volume '{name}' is not attached locally")))?;
+        let a = {
+            let mut t = self.table();
+            match t.devices.remove(name) {
+                Some(Slot::Attached(a)) => a,
+                Some(Slot::Starting) => {
+                    t.devices.insert(name.to_owned(), Slot::Starting);
+                    return Err(LocalError::Exists(format!("volume '{name}' is being attached locally")));
+                }
+                None => return Err(LocalError::Exists(format!("volume '{name}' is not attached locally"))),
+            }
+        };
         #[cfg(feature = "ublk")]
         a.device.remove();
         tracing::info!(volume = name, device = a.info.path, "detached locally");
         Ok(a.info)
     }
 
-    /// Removes every device (the host is stopping, before its data plane does).
+    /// Removes every device (the host is stopping, before its data plane does); an
+    /// attach still starting removes its own when it ends.
     pub fn remove_all(&self) {
-        let all = std::mem::take(&mut *self.devices());
-        for (name, a) in all {
-            #[cfg(feature = "ublk")]
-            a.device.remove();
-            tracing::info!(volume = name, device = a.info.path, "detached locally: the server is stopping");
+        let all = {
+            let mut t = self.table();
+            t.closed = true;
+            std::mem::take(&mut t.devices)
+        };
+        for (name, slot) in all {
+            if let Slot::Attached(a) = slot {
+                #[cfg(feature = "ublk")]
+                a.device.remove();
+                tracing::info!(volume = name, device = a.info.path, "detached locally: the server is stopping");
+            }
         }
     }
 }

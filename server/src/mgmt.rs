@@ -428,8 +428,8 @@ impl Management for ManagementService {
         req: Request<pb::DeleteVolumeRequest>,
     ) -> Result<Response<pb::DeleteVolumeResponse>, Status> {
         audited!(req, "DeleteVolume", |r| {
-            if let Some(d) = self.host.local.get(&r.name) {
-                let m = format!("volume '{}' is attached locally as {}: detach it first (DetachLocal)", r.name, d.path);
+            if self.host.local.holds(&r.name) {
+                let m = format!("volume '{}' is attached locally: detach it first (DetachLocal)", r.name);
                 Err(Status::failed_precondition(m))
             } else {
                 let id = self.pool.volume_info(&r.name).map(|v| v.id).ok();
@@ -482,8 +482,8 @@ impl Management for ManagementService {
     ) -> Result<Response<pb::DeleteSnapshotResponse>, Status> {
         audited!(req, "DeleteSnapshot", |r| {
             let name = format!("{}@{}", r.volume, r.snapshot);
-            if let Some(d) = self.host.local.get(&name) {
-                let m = format!("snapshot '{name}' is attached locally as {}: detach it first (DetachLocal)", d.path);
+            if self.host.local.holds(&name) {
+                let m = format!("snapshot '{name}' is attached locally: detach it first (DetachLocal)");
                 Err(Status::failed_precondition(m))
             } else {
                 let r = self.pool.delete_snapshot(&r.volume, &r.snapshot).await;
