@@ -74,7 +74,8 @@ pub struct LocalDevices {
     /// The data-plane runtimes the devices' requests run on.
     #[cfg_attr(not(feature = "ublk"), allow(dead_code))]
     runtimes: Vec<tokio::runtime::Handle>,
-    /// Held only to read or change the table, never while a device starts or stops.
+    /// Held to read or change the table and through a resize's driver command (quick),
+    /// never while a device starts or stops.
     table: Mutex<Table>,
 }
 
@@ -185,7 +186,9 @@ impl LocalDevices {
                     t.devices.remove(name);
                     return Err(match e {
                         ublk::Error::NotSupported | ublk::Error::Denied(_) => LocalError::Unavailable(e.to_string()),
-                        ublk::Error::Invalid(_) | ublk::Error::Driver(_) => LocalError::Failed(e.to_string()),
+                        ublk::Error::Invalid(_) | ublk::Error::Driver(_) | ublk::Error::NoOnlineResize => {
+                            LocalError::Failed(e.to_string())
+                        }
                     });
                 }
             };
@@ -194,6 +197,27 @@ impl LocalDevices {
             t.devices.insert(name.to_owned(), Slot::Attached(Attached { info: info.clone(), device }));
             Ok(info)
         }
+    }
+
+    /// After volume `name` was resized to `size` bytes: its device, if it has one,
+    /// takes the new size online where the kernel allows it (Linux 6.16); elsewhere
+    /// it keeps the old one until attached again, which the log says. Blocks on the
+    /// driver: call it off the async runtimes.
+    pub fn resized(&self, name: &str, size: u64) {
+        let t = self.table();
+        let Some(Slot::Attached(a)) = t.devices.get(name) else { return };
+        #[cfg(feature = "ublk")]
+        match a.device.set_size(size) {
+            Ok(()) => tracing::info!(volume = name, device = a.info.path, size, "local device resized"),
+            Err(e) => tracing::warn!(
+                volume = name,
+                device = a.info.path,
+                error = %e,
+                "the local device keeps its old size until it is detached and attached again"
+            ),
+        }
+        #[cfg(not(feature = "ublk"))]
+        let _ = (a, size);
     }
 
     /// Removes volume `name`'s device: requests in flight in the kernel fail, and a

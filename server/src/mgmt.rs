@@ -448,7 +448,12 @@ impl Management for ManagementService {
 
     async fn resize_volume(&self, req: Request<pb::ResizeVolumeRequest>) -> Result<Response<pb::Volume>, Status> {
         audited!(req, "ResizeVolume", |r| {
-            self.pool.resize_volume(&r.name, r.size_bytes).await.map(volume).map_err(|e| grpc_status(&e))
+            let out = self.pool.resize_volume(&r.name, r.size_bytes).await.map(volume).map_err(|e| grpc_status(&e));
+            if out.is_ok() && self.host.local.holds(&r.name) {
+                let local = Arc::clone(&self.host.local);
+                let _ = tokio::task::spawn_blocking(move || local.resized(&r.name, r.size_bytes)).await;
+            }
+            out
         })
     }
 

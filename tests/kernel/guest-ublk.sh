@@ -3,7 +3,8 @@
 # volume as a local ublk device (/dev/ublkbN) beside NBD. Checked: a file system made
 # and written on the device passes fsck, and the device's bytes are the bytes NBD
 # serves for the volume; fstrim on it frees the volume's units; a snapshot attached
-# locally is read-only; a second attach, a delete while attached and a detach of what
+# locally is read-only; a resize grows the device where the kernel can; a second
+# attach, a delete while attached and a detach of what
 # is not attached are refused; detach removes the device, and a new attach sees the
 # data; the server's stop removes its devices. Then kill -9 under writes: the writer
 # gets errors rather than hanging, data flushed before is there after a restart, and
@@ -61,6 +62,18 @@ mount -t ext4 "$DEV" /mnt/u
 dd if=/dev/urandom of=/mnt/u/data bs=1M count=4 2>/dev/null
 SUM=$(md5sum /mnt/u/data | cut -d' ' -f1)
 umount /mnt/u
+
+# Online resize: the device follows where the driver can (Linux 6.16); on older
+# kernels it keeps its size, and the server says so.
+fv volume resize v --size 512MiB >/dev/null || fail "resize"
+size=$(blockdev --getsize64 "$DEV")
+if grep -q "local device resized" /tmp/serve.log; then
+  [ "$size" = 536870912 ] || fail "resized online, but the device has $size bytes"
+else
+  [ "$size" = 268435456 ] || fail "the device has $size bytes"
+  grep -q "keeps its old size" /tmp/serve.log || fail "no word of the device keeping its size"
+fi
+echo "resize: the device has $size bytes"
 
 # A snapshot attached locally is read-only.
 fv snapshot create v s >/dev/null

@@ -118,6 +118,23 @@ impl Device {
         PathBuf::from(format!("/dev/ublkb{}", self.id))
     }
 
+    /// Sets the device's size to `size` bytes (a multiple of 4096), online, after the
+    /// backend grew: the kernel sees it at once (and tells udev).
+    ///
+    /// Errors: [`Error::NoOnlineResize`] when the driver lacks UBLK_F_UPDATE_SIZE;
+    /// [`Error::Invalid`] for a size not a multiple of 4096; [`Error::Driver`].
+    pub fn set_size(&self, size: u64) -> Result<(), Error> {
+        if size == 0 || !size.is_multiple_of(4096) {
+            return Err(Error::Invalid(format!("a size of {size} bytes: a multiple of 4096, not 0")));
+        }
+        if UblkCtrl::get_features().is_none_or(|f| f & u64::from(sys::UBLK_F_UPDATE_SIZE) == 0) {
+            return Err(Error::NoOnlineResize);
+        }
+        let ctrl = UblkCtrl::new_simple(self.id as i32).map_err(|e| driver_error("open the device", e))?;
+        ctrl.update_size(size).map_err(|e| driver_error("change the device's size", e))?;
+        Ok(())
+    }
+
     /// Stops the device (requests in flight in the kernel fail), waits for its queue
     /// threads, and deletes it.
     pub fn remove(mut self) {

@@ -95,6 +95,10 @@ pub enum Error {
     /// Bad [`Options`] or backend size.
     #[error("invalid ublk device options: {0}")]
     Invalid(String),
+    /// The driver cannot change a device's size online (UBLK_F_UPDATE_SIZE, Linux
+    /// 6.16): the device keeps its size until it is added again.
+    #[error("this kernel's ublk driver cannot change a device's size online (needs Linux 6.16, UBLK_F_UPDATE_SIZE)")]
+    NoOnlineResize,
     /// The driver refused or failed a control command.
     #[error("ublk: {0}")]
     Driver(String),
