@@ -13,7 +13,7 @@
 # is served from memory), PORT, SERVER_CPUS and CLIENT_CPUS (taskset lists: the servers,
 # and every fio job, pinned to them), ARGS_A and ARGS_B (extra `serve` flags for each
 # side, to compare one build with and without a flag:
-#   ARGS_B=--io-batch-enter bash bench/ab.sh target/release/ferrovol target/release/ferrovol).
+#   ARGS_A=--io-immediate-enter bash bench/ab.sh target/release/ferrovol target/release/ferrovol).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . bench/common.sh

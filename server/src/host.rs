@@ -143,9 +143,10 @@ pub struct Host {
     api_addr: Option<SocketAddr>,
     tls: Option<Arc<MtlsAcceptor>>,
     metrics_task: Option<tokio::task::JoinHandle<()>>,
-    dataplane: DataPlane,
-    /// Volumes served as local block devices.
+    /// Volumes served as local block devices (before `dataplane`: dropped first, as
+    /// their requests run there).
     local: Arc<crate::local::LocalDevices>,
+    dataplane: DataPlane,
     generation: CrashGenerationFile,
 }
 

@@ -27,6 +27,9 @@ pub enum LocalError {
     /// Attached already (attach), or not attached (detach).
     #[error("{0}")]
     Exists(String),
+    /// Being attached or deleted by another call: retry.
+    #[error("{0}")]
+    Busy(String),
     /// This build, this kernel or this process cannot make ublk devices.
     #[error("{0}")]
     Unavailable(String),
@@ -57,6 +60,8 @@ struct Attached {
 #[cfg_attr(not(feature = "ublk"), allow(dead_code))]
 enum Slot {
     Starting,
+    /// The volume is being deleted: no attach may start.
+    Deleting,
     Attached(Attached),
 }
 
@@ -120,7 +125,7 @@ impl LocalDevices {
             .values()
             .filter_map(|s| match s {
                 Slot::Attached(a) => Some(a.info.clone()),
-                Slot::Starting => None,
+                Slot::Starting | Slot::Deleting => None,
             })
             .collect()
     }
@@ -133,14 +138,13 @@ impl LocalDevices {
     /// build, the kernel, or the rights) or once the host is stopping,
     /// [`LocalError::Failed`].
     pub fn attach(&self, pool: &Pool, name: &str) -> Result<LocalDevice, LocalError> {
-        let vol = pool.volume(name).map_err(|e| LocalError::NotFound(e.to_string()))?;
         let Some(registry) = &self.registry else {
             return Err(LocalError::Unavailable("this service has no data plane to serve a device from".into()));
         };
-        let read_only = vol.is_snapshot();
         #[cfg(not(feature = "ublk"))]
         {
-            let _ = (registry, read_only);
+            let vol = pool.volume(name).map_err(|e| LocalError::NotFound(e.to_string()))?;
+            let _ = (registry, vol);
             Err(LocalError::Unavailable(
                 "this ferrovol was built without ublk (cargo build --features ublk, which needs libclang)".into(),
             ))
@@ -158,12 +162,25 @@ impl LocalDevices {
                         return Err(LocalError::Exists(m));
                     }
                     Some(Slot::Starting) => {
-                        return Err(LocalError::Exists(format!("volume '{name}' is being attached locally")));
+                        return Err(LocalError::Busy(format!("volume '{name}' is being attached locally")));
+                    }
+                    Some(Slot::Deleting) => {
+                        return Err(LocalError::Busy(format!("volume '{name}' is being deleted")));
                     }
                     None => {}
                 }
                 t.devices.insert(name.to_owned(), Slot::Starting);
             }
+            // Looked up with its place held: a delete waits for the attach, or the
+            // attach for the delete (`reserve`).
+            let vol = match pool.volume(name) {
+                Ok(v) => v,
+                Err(e) => {
+                    self.table().devices.remove(name);
+                    return Err(LocalError::NotFound(e.to_string()));
+                }
+            };
+            let read_only = vol.is_snapshot();
             let export = registry.export(vol, read_only, None);
             let opts = ublk::Options {
                 name: UBLK_TARGET.to_owned(),
@@ -229,9 +246,9 @@ impl LocalDevices {
             let mut t = self.table();
             match t.devices.remove(name) {
                 Some(Slot::Attached(a)) => a,
-                Some(Slot::Starting) => {
-                    t.devices.insert(name.to_owned(), Slot::Starting);
-                    return Err(LocalError::Exists(format!("volume '{name}' is being attached locally")));
+                Some(other @ (Slot::Starting | Slot::Deleting)) => {
+                    t.devices.insert(name.to_owned(), other);
+                    return Err(LocalError::Busy(format!("volume '{name}' is being attached locally or deleted")));
                 }
                 None => return Err(LocalError::Exists(format!("volume '{name}' is not attached locally"))),
             }
@@ -240,6 +257,28 @@ impl LocalDevices {
         a.device.remove();
         tracing::info!(volume = name, device = a.info.path, "detached locally");
         Ok(a.info)
+    }
+
+    /// Holds volume (or snapshot) `name`'s place while it is deleted, so that no attach
+    /// starts meanwhile; released when the guard drops.
+    ///
+    /// Errors: [`LocalError::Exists`] when it has a device, [`LocalError::Busy`] when
+    /// one is being added or another delete holds it.
+    pub fn reserve(&self, name: &str) -> Result<Reserved<'_>, LocalError> {
+        let mut t = self.table();
+        match t.devices.get(name) {
+            Some(Slot::Attached(a)) => Err(LocalError::Exists(format!(
+                "'{name}' is attached locally as {}: detach it first (DetachLocal)",
+                a.info.path
+            ))),
+            Some(Slot::Starting | Slot::Deleting) => {
+                Err(LocalError::Busy(format!("'{name}' is being attached locally or deleted")))
+            }
+            None => {
+                t.devices.insert(name.to_owned(), Slot::Deleting);
+                Ok(Reserved { devices: self, name: name.to_owned() })
+            }
+        }
     }
 
     /// Removes every device (the host is stopping, before its data plane does); an
@@ -256,6 +295,21 @@ impl LocalDevices {
                 a.device.remove();
                 tracing::info!(volume = name, device = a.info.path, "detached locally: the server is stopping");
             }
+        }
+    }
+}
+
+/// A volume's place held through its delete ([`LocalDevices::reserve`]).
+pub struct Reserved<'a> {
+    devices: &'a LocalDevices,
+    name: String,
+}
+
+impl Drop for Reserved<'_> {
+    fn drop(&mut self) {
+        let mut t = self.devices.table();
+        if matches!(t.devices.get(&self.name), Some(Slot::Deleting)) {
+            t.devices.remove(&self.name);
         }
     }
 }

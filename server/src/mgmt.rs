@@ -137,6 +137,7 @@ fn local_status(e: crate::local::LocalError) -> Status {
     match e {
         LocalError::NotFound(m) => Status::not_found(m),
         LocalError::Exists(m) => Status::already_exists(m),
+        LocalError::Busy(m) => Status::aborted(m),
         LocalError::Unavailable(m) => Status::failed_precondition(m),
         LocalError::Failed(m) => Status::internal(m),
     }
@@ -428,9 +429,12 @@ impl Management for ManagementService {
         req: Request<pb::DeleteVolumeRequest>,
     ) -> Result<Response<pb::DeleteVolumeResponse>, Status> {
         audited!(req, "DeleteVolume", |r| {
-            if self.host.local.holds(&r.name) {
-                let m = format!("volume '{}' is attached locally: detach it first (DetachLocal)", r.name);
-                Err(Status::failed_precondition(m))
+            let reserved = self.host.local.reserve(&r.name);
+            if let Err(e) = reserved {
+                Err(match e {
+                    crate::local::LocalError::Busy(m) => Status::aborted(m),
+                    e => Status::failed_precondition(e.to_string()),
+                })
             } else {
                 let id = self.pool.volume_info(&r.name).map(|v| v.id).ok();
                 let out = self.pool.delete_volume(&r.name).await;
@@ -487,9 +491,12 @@ impl Management for ManagementService {
     ) -> Result<Response<pb::DeleteSnapshotResponse>, Status> {
         audited!(req, "DeleteSnapshot", |r| {
             let name = format!("{}@{}", r.volume, r.snapshot);
-            if self.host.local.holds(&name) {
-                let m = format!("snapshot '{name}' is attached locally: detach it first (DetachLocal)");
-                Err(Status::failed_precondition(m))
+            let reserved = self.host.local.reserve(&name);
+            if let Err(e) = reserved {
+                Err(match e {
+                    crate::local::LocalError::Busy(m) => Status::aborted(m),
+                    e => Status::failed_precondition(e.to_string()),
+                })
             } else {
                 let r = self.pool.delete_snapshot(&r.volume, &r.snapshot).await;
                 r.map(|()| pb::DeleteSnapshotResponse {}).map_err(|e| grpc_status(&e))

@@ -5,8 +5,8 @@
 # serves for the volume; fstrim on it frees the volume's units; a snapshot attached
 # locally is read-only; a resize grows the device where the kernel can; a second
 # attach, a delete while attached and a detach of what
-# is not attached are refused; detach removes the device, and a new attach sees the
-# data; the server's stop removes its devices. Then kill -9 under writes: the writer
+# is not attached are refused; detach removes the device (at once, even under a mounted
+# file system), and a new attach sees the data; the server's stop removes its devices. Then kill -9 under writes: the writer
 # gets errors rather than hanging, data flushed before is there after a restart, and
 # the restart deletes the device the killed server left.
 set -eu
@@ -95,6 +95,15 @@ mount -t ext4 -o ro "$DEV" /mnt/u
 [ "$(md5sum /mnt/u/data | cut -d' ' -f1)" = "$SUM" ] || fail "the data differs after a new attach"
 umount /mnt/u
 echo "attached again as $DEV: data intact"
+
+# A detach with the file system still mounted returns at once (the file system then
+# gets I/O errors), and the volume attaches again.
+mount -t ext4 -o ro "$DEV" /mnt/u
+timeout 60 ferrovol --data-dir "$D" volume detach-local v >/dev/null || fail "a detach under a mounted file system"
+[ ! -e "$DEV" ] || fail "$DEV is still there after a detach under a mounted file system"
+umount /mnt/u 2>/dev/null || umount -l /mnt/u
+DEV=$(fv volume attach-local v) || fail "attach-local after a detach under a mounted file system"
+echo "detached under a mounted file system without waiting; attached again as $DEV"
 
 kill "$SERVER"
 wait "$SERVER" || fail "the server's stop failed"

@@ -27,6 +27,9 @@ use crate::{Backend, Error, Options};
 /// The driver's control device: missing when the kernel has no ublk.
 const CONTROL: &str = "/dev/ublk-control";
 
+/// Longest [`Device::add`] waits for the driver to start a device.
+const START_LIMIT: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// The op byte of the target I/O that polls the wake-up socket (any value the driver's
 /// commands do not use; only told apart by the target bit).
 const WAKE_OP: u32 = 0xfe;
@@ -68,6 +71,40 @@ impl<B> Results<B> {
     }
 }
 
+/// One request's way back to its queue: [`Reply::send`] its outcome, or, if it is
+/// dropped unsent (its task panicked, or was dropped by a runtime shutting down),
+/// `EIO`. A request never answered would hang in the kernel, and the device's stop
+/// with it.
+struct Reply<B> {
+    tag: u16,
+    results: Arc<Results<B>>,
+    sent: bool,
+}
+
+impl<B> Reply<B> {
+    fn new(tag: u16, results: &Arc<Results<B>>) -> Reply<B> {
+        Reply { tag, results: Arc::clone(results), sent: false }
+    }
+
+    fn send(mut self, outcome: Outcome<B>) {
+        self.sent = true;
+        self.results.push(self.tag, outcome);
+    }
+
+    /// Answered on the queue's thread instead.
+    fn answered_here(mut self) {
+        self.sent = true;
+    }
+}
+
+impl<B> Drop for Reply<B> {
+    fn drop(&mut self) {
+        if !self.sent {
+            self.results.push(self.tag, Outcome::Done(Err(libc::EIO)));
+        }
+    }
+}
+
 impl Device {
     /// Adds a device serving `backend` and starts it: on return `/dev/ublkbN`
     /// ([`Device::path`]) exists and takes I/O. Queue `q`'s requests run on
@@ -94,14 +131,20 @@ impl Device {
             .name("ferrovol-ublk".into())
             .spawn(move || control(backend, runtimes, opts, ready_tx, stop_rx))
             .map_err(|e| Error::Driver(format!("start the control thread: {e}")))?;
-        match ready_rx.recv() {
+        // The driver starts a device in well under a second; a start that hangs (the
+        // kernel waiting for a queue that never fetched) must not hang the caller.
+        match ready_rx.recv_timeout(START_LIMIT) {
             Ok(Ok(id)) => Ok(Device { id, stop: Some(stop_tx), control: Some(control) }),
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                // The control thread is left behind, stuck in the driver.
+                Err(Error::Driver(format!("the device did not start in {} s", START_LIMIT.as_secs())))
+            }
             Ok(Err(e)) => {
                 drop(stop_tx);
                 let _ = control.join();
                 Err(e)
             }
-            Err(_) => {
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
                 let _ = control.join();
                 Err(Error::Driver("the control thread ended before the device started".to_owned()))
             }
@@ -270,9 +313,17 @@ fn control<B: Backend>(
         Ok(())
     };
     let runtimes = Arc::new(runtimes);
+    // A queue that could not be set up: why (the start then fails).
+    let queue_failed = Arc::new(Mutex::new(None::<String>));
+    let failed = Arc::clone(&queue_failed);
     let serve = move |qid: u16, dev: &UblkDev| {
         let rt = runtimes[usize::from(qid) % runtimes.len()].clone();
-        serve_queue(qid, dev, backend.clone(), rt);
+        if let Err(why) = serve_queue(qid, dev, backend.clone(), rt) {
+            tracing::error!(qid, error = why, "ublk: setting up a queue failed");
+            *failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(why);
+            // Ends the driver's wait for this queue's buffers: the start fails.
+            dev.notify_buffer_registration_complete(true);
+        }
     };
     let stop = Mutex::new(stop);
     let started = ready.clone();
@@ -285,35 +336,32 @@ fn control<B: Backend>(
         }
     });
     if let Err(e) = run {
-        let _ = ready.send(Err(driver_error("start the device", e)));
+        let why = queue_failed.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let _ = ready.send(Err(match why {
+            Some(why) => Error::Driver(format!("set up a queue: {why}")),
+            None => driver_error("start the device", e),
+        }));
+    }
+    // Deleted without waiting for the device's release: a file system still mounted
+    // on it (or any opener) holds that until it lets go, and a detach must not wait
+    // for it. Kernels without DEL_DEV_ASYNC delete it when `ctrl` drops, waiting.
+    if let Err(e) = ctrl.del_dev_async() {
+        tracing::debug!(error = ?e, "ublk: DEL_DEV_ASYNC refused; deleting and waiting for the release");
     }
 }
 
 /// One queue's thread: fetches the driver's requests, hands each to the backend on
 /// `rt`, and commits the results as they come back, until the device stops.
-fn serve_queue<B: Backend>(qid: u16, dev: &UblkDev, backend: Arc<B>, rt: tokio::runtime::Handle) {
-    let (woken, wake) = match UnixStream::pair() {
-        Ok(p) => p,
-        Err(e) => {
-            tracing::error!(qid, error = %e, "ublk: a socket pair for the queue");
-            return;
-        }
-    };
-    if let Err(e) = woken.set_nonblocking(true).and_then(|()| wake.set_nonblocking(true)) {
-        tracing::error!(qid, error = %e, "ublk: a socket pair for the queue");
-        return;
-    }
+///
+/// Errors: why the queue could not be set up (nothing served).
+fn serve_queue<B: Backend>(qid: u16, dev: &UblkDev, backend: Arc<B>, rt: tokio::runtime::Handle) -> Result<(), String> {
+    let (woken, wake) = UnixStream::pair().map_err(|e| format!("a socket pair: {e}"))?;
+    woken.set_nonblocking(true).and_then(|()| wake.set_nonblocking(true)).map_err(|e| format!("a socket pair: {e}"))?;
     let results = Arc::new(Results::<B::Buf> { finished: Mutex::new(Vec::new()), wake });
     let mut bufs = dev.alloc_queue_io_bufs();
-    let q = match UblkQueue::new(qid, dev)
+    let q = UblkQueue::new(qid, dev)
         .and_then(|q| q.submit_fetch_commands_unified(BufDescList::Slices(Some(&bufs))))
-    {
-        Ok(q) => q,
-        Err(e) => {
-            tracing::error!(qid, error = ?e, "ublk: setting up the queue failed");
-            return;
-        }
-    };
+        .map_err(|e| format!("{e:?}"))?;
     let poll_woken = |q: &UblkQueue| {
         let sqe = io_uring::opcode::PollAdd::new(io_uring::types::Fd(woken.as_raw_fd()), libc::POLLIN as u32)
             .build()
@@ -334,8 +382,15 @@ fn serve_queue<B: Backend>(qid: u16, dev: &UblkDev, backend: Arc<B>, rt: tokio::
                 let res = match outcome {
                     Outcome::Read(Ok(data), len) => {
                         let len = len as usize;
-                        buf.as_mut_slice()[..len].copy_from_slice(&data.as_ref()[..len]);
-                        len as i32
+                        match data.as_ref().get(..len) {
+                            Some(d) if len <= buf.len() => {
+                                buf.as_mut_slice()[..len].copy_from_slice(d);
+                                len as i32
+                            }
+                            // A backend that broke its contract fails the request,
+                            // not the queue.
+                            _ => -libc::EIO,
+                        }
                     }
                     Outcome::Read(Err(errno), _) | Outcome::Done(Err(errno)) => -errno,
                     Outcome::Done(Ok(n)) => n as i32,
@@ -352,35 +407,47 @@ fn serve_queue<B: Backend>(qid: u16, dev: &UblkDev, backend: Arc<B>, rt: tokio::
         let offset = iod.start_sector << 9;
         let len = iod.nr_sectors << 9;
         let fua = flags & sys::UBLK_IO_F_FUA != 0;
-        let (b, r) = (backend.clone(), results.clone());
+        let b = backend.clone();
+        // A runtime shut down drops the task at once: the reply sends EIO then.
+        let reply = Reply::new(tag, &results);
+        let refuse = |errno: i32| {
+            let buf = bufs[usize::from(tag)].as_slice();
+            let _ = q.complete_io_cmd_unified(tag, BufDesc::Slice(buf), Ok(UblkIORes::Result(-errno)));
+        };
         match op {
             sys::UBLK_IO_OP_READ => {
-                rt.spawn(async move { r.push(tag, Outcome::Read(b.read(offset, len).await, len)) });
+                rt.spawn(async move { reply.send(Outcome::Read(b.read(offset, len).await, len)) });
             }
             sys::UBLK_IO_OP_WRITE => {
                 let mut data = b.alloc_buf(offset, len as usize);
-                data.as_mut()[..len as usize].copy_from_slice(&bufs[usize::from(tag)].as_slice()[..len as usize]);
-                rt.spawn(async move { r.push(tag, Outcome::Done(b.write(offset, data, fua).await.map(|()| len))) });
+                let src = bufs[usize::from(tag)].as_slice().get(..len as usize);
+                let (Some(dst), Some(src)) = (data.as_mut().get_mut(..len as usize), src) else {
+                    reply.answered_here();
+                    return refuse(libc::EIO);
+                };
+                dst.copy_from_slice(src);
+                rt.spawn(async move { reply.send(Outcome::Done(b.write(offset, data, fua).await.map(|()| len))) });
             }
             sys::UBLK_IO_OP_FLUSH => {
-                rt.spawn(async move { r.push(tag, Outcome::Done(b.flush().await.map(|()| 0))) });
+                rt.spawn(async move { reply.send(Outcome::Done(b.flush().await.map(|()| 0))) });
             }
             sys::UBLK_IO_OP_DISCARD => {
-                rt.spawn(
-                    async move { r.push(tag, Outcome::Done(b.discard(offset, u64::from(len)).await.map(|()| 0))) },
-                );
+                rt.spawn(async move {
+                    reply.send(Outcome::Done(b.discard(offset, u64::from(len)).await.map(|()| 0)));
+                });
             }
             sys::UBLK_IO_OP_WRITE_ZEROES => {
                 let may_unmap = flags & sys::UBLK_IO_F_NOUNMAP == 0;
                 rt.spawn(async move {
                     let done = b.write_zeroes(offset, u64::from(len), may_unmap, fua).await;
-                    r.push(tag, Outcome::Done(done.map(|()| 0)));
+                    reply.send(Outcome::Done(done.map(|()| 0)));
                 });
             }
             _ => {
-                let buf = bufs[usize::from(tag)].as_slice();
-                let _ = q.complete_io_cmd_unified(tag, BufDesc::Slice(buf), Ok(UblkIORes::Result(-libc::EOPNOTSUPP)));
+                reply.answered_here();
+                refuse(libc::EOPNOTSUPP);
             }
         }
     });
+    Ok(())
 }

@@ -926,8 +926,11 @@ mod tests {
 /// entered, by the task it was handed to while that task lives (no lost wake-up: with
 /// nobody closing it, the queue empties), by the task's last enter when the lane closes
 /// or its runtime drops it (before or after its first poll), or by the submitter
-/// itself. Run with `cargo nextest run -p storage-engine --features shuttle --lib
-/// submit_model`.
+/// itself. Shuttle runs every atomic as sequentially consistent, so the model checks
+/// the protocol's interleavings, not the memory ordering: the fences of
+/// `Submitter::hand_over` and the task's end (against store buffering between the
+/// queue's tail and `alive`) are argued in their comments, not explored here. Run
+/// with `cargo nextest run -p storage-engine --features shuttle --lib submit_model`.
 #[cfg(all(test, feature = "shuttle"))]
 mod submit_model {
     use std::sync::atomic::Ordering;
