@@ -118,18 +118,6 @@ impl LocalDevices {
         self.table().devices.contains_key(name)
     }
 
-    /// Every device, by volume name.
-    pub fn list(&self) -> Vec<LocalDevice> {
-        let t = self.table();
-        t.devices
-            .values()
-            .filter_map(|s| match s {
-                Slot::Attached(a) => Some(a.info.clone()),
-                Slot::Starting | Slot::Deleting => None,
-            })
-            .collect()
-    }
-
     /// Exposes volume `name` of `pool` as `/dev/ublkbN` (a snapshot read-only). Blocks
     /// while the driver starts the device: call it off the async runtimes.
     ///

@@ -132,6 +132,15 @@ fn local_device(d: crate::local::LocalDevice) -> pb::LocalDevice {
     pb::LocalDevice { name: d.name, path: d.path, read_only: d.read_only }
 }
 
+/// A delete refused by a volume's local device ([`crate::local::LocalDevices::reserve`]):
+/// ABORTED while another call holds it (retry), else FAILED_PRECONDITION (detach first).
+fn delete_refused(e: crate::local::LocalError) -> Status {
+    match e {
+        crate::local::LocalError::Busy(m) => Status::aborted(m),
+        e => Status::failed_precondition(e.to_string()),
+    }
+}
+
 fn local_status(e: crate::local::LocalError) -> Status {
     use crate::local::LocalError;
     match e {
@@ -431,10 +440,7 @@ impl Management for ManagementService {
         audited!(req, "DeleteVolume", |r| {
             let reserved = self.host.local.reserve(&r.name);
             if let Err(e) = reserved {
-                Err(match e {
-                    crate::local::LocalError::Busy(m) => Status::aborted(m),
-                    e => Status::failed_precondition(e.to_string()),
-                })
+                Err(delete_refused(e))
             } else {
                 let id = self.pool.volume_info(&r.name).map(|v| v.id).ok();
                 let out = self.pool.delete_volume(&r.name).await;
@@ -493,10 +499,7 @@ impl Management for ManagementService {
             let name = format!("{}@{}", r.volume, r.snapshot);
             let reserved = self.host.local.reserve(&name);
             if let Err(e) = reserved {
-                Err(match e {
-                    crate::local::LocalError::Busy(m) => Status::aborted(m),
-                    e => Status::failed_precondition(e.to_string()),
-                })
+                Err(delete_refused(e))
             } else {
                 let r = self.pool.delete_snapshot(&r.volume, &r.snapshot).await;
                 r.map(|()| pb::DeleteSnapshotResponse {}).map_err(|e| grpc_status(&e))

@@ -167,9 +167,7 @@ impl Device {
     /// Errors: [`Error::NoOnlineResize`] when the driver lacks UBLK_F_UPDATE_SIZE;
     /// [`Error::Invalid`] for a size not a multiple of 4096; [`Error::Driver`].
     pub fn set_size(&self, size: u64) -> Result<(), Error> {
-        if size == 0 || !size.is_multiple_of(4096) {
-            return Err(Error::Invalid(format!("a size of {size} bytes: a multiple of 4096, not 0")));
-        }
+        check_size(size)?;
         if UblkCtrl::get_features().is_none_or(|f| f & u64::from(sys::UBLK_F_UPDATE_SIZE) == 0) {
             return Err(Error::NoOnlineResize);
         }
@@ -245,11 +243,17 @@ fn check(opts: &Options, size: u64, runtimes: usize) -> Result<(), Error> {
             opts.max_io_bytes
         )));
     }
-    if size == 0 || !size.is_multiple_of(4096) {
-        return Err(Error::Invalid(format!("a size of {size} bytes: a multiple of 4096, not 0")));
-    }
+    check_size(size)?;
     if runtimes == 0 {
         return Err(Error::Invalid("no runtime to serve requests on".to_owned()));
+    }
+    Ok(())
+}
+
+/// A device's size: a multiple of 4096 bytes, not 0.
+fn check_size(size: u64) -> Result<(), Error> {
+    if size == 0 || !size.is_multiple_of(4096) {
+        return Err(Error::Invalid(format!("a size of {size} bytes: a multiple of 4096, not 0")));
     }
     Ok(())
 }

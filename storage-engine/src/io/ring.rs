@@ -976,14 +976,9 @@ mod submit_model {
         s.clone().run(move || q.enter())
     }
 
-    /// Two tasks of the lane's thread submit twice each, a plain thread once; with
-    /// nobody closing the task, it enters everything it was handed; then the lane
-    /// closes.
-    fn handed_entries_are_entered_while_the_task_lives() {
-        let s = std::sync::Arc::new(Submitter::new((1, 0)));
-        let q = Arc::new(Queue::default());
-        let t = future::spawn(task(&s, &q));
-        let lane: Vec<_> = (0..2)
+    /// Two tasks of the lane's thread, each submitting twice.
+    fn lane_tasks(s: &std::sync::Arc<Submitter>, q: &Arc<Queue>) -> Vec<future::JoinHandle<()>> {
+        (0..2)
             .map(|_| {
                 let (s, q) = (s.clone(), q.clone());
                 future::spawn(async move {
@@ -993,7 +988,17 @@ mod submit_model {
                     }
                 })
             })
-            .collect();
+            .collect()
+    }
+
+    /// Two tasks of the lane's thread submit twice each, a plain thread once; with
+    /// nobody closing the task, it enters everything it was handed; then the lane
+    /// closes.
+    fn handed_entries_are_entered_while_the_task_lives() {
+        let s = std::sync::Arc::new(Submitter::new((1, 0)));
+        let q = Arc::new(Queue::default());
+        let t = future::spawn(task(&s, &q));
+        let lane = lane_tasks(&s, &q);
         let other = {
             let (s, q) = (s.clone(), q.clone());
             shuttle::thread::spawn(move || submit(&s, &q, false))
@@ -1024,17 +1029,7 @@ mod submit_model {
         let s = std::sync::Arc::new(Submitter::new((1, 0)));
         let q = Arc::new(Queue::default());
         let t = future::spawn(task(&s, &q));
-        let lane: Vec<_> = (0..2)
-            .map(|_| {
-                let (s, q) = (s.clone(), q.clone());
-                future::spawn(async move {
-                    for _ in 0..2 {
-                        submit(&s, &q, true);
-                        future::yield_now().await;
-                    }
-                })
-            })
-            .collect();
+        let lane = lane_tasks(&s, &q);
         t.abort();
         future::block_on(async {
             for l in lane {
