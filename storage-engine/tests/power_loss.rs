@@ -16,7 +16,11 @@
 //!   asked; a volume that counts as pristine reads as zeros, and a clone never does.
 //!
 //! `POWER_LOSS_CUTS` sets the cut points per seed (default 500); each run uses the
-//! fixed seed and one random seed, printed on failure. `POWER_LOSS_SEED` replays one.
+//! fixed seed and one random seed, printed on failure. `POWER_LOSS_SEED` replays one:
+//! the same operations (each workload's come from the seed and its number), though
+//! not always the same I/O log, whose order of completions and background commits
+//! depends on timing. `POWER_LOSS_DEBUG` prints the failing workload's history and
+//! `POWER_LOSS_KEEP=DIR` keeps the failing cut's image there.
 //! `scripts/power-loss-long.sh` runs 100,000 cut points.
 
 mod common;
@@ -516,8 +520,17 @@ fn second_cut(image: &Path, pool: Pool, log: &IoLog, rng: &mut Rng) {
     }
 }
 
+/// The generator of workload `w` of `seed` (its operations), or of its cuts: each
+/// depends on the seed and the workload's number only, so that a replay runs the same
+/// operations even though the I/O log (and so the cuts' draws) differ with timing.
+fn workload_rng(seed: u64, w: usize, cuts: bool) -> Rng {
+    let salt = (w as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ if cuts { 0xc0ff_ee00_c0ff_ee00 } else { 0 };
+    let mut rng = Rng::new(seed ^ salt);
+    rng.next_u64();
+    rng
+}
+
 fn run_seed(seed: u64, cuts: usize) {
-    let mut rng = Rng::new(seed);
     // The long mode (many cuts) spreads them over more workloads, 125 cuts each.
     let (workloads, per_workload, budget) = cut_plan(cuts, WORKLOADS_PER_SEED, 125);
     let started = std::time::Instant::now();
@@ -528,7 +541,8 @@ fn run_seed(seed: u64, cuts: usize) {
         }
         ran += 1;
         let dir = tempfile::tempdir().unwrap();
-        let (base, events, history) = workload(dir.path(), &mut rng);
+        let (base, events, history) = workload(dir.path(), &mut workload_rng(seed, w, false));
+        let mut rng = workload_rng(seed, w, true);
         let image = dir.path().join("cut.img");
         for i in 0..per_workload {
             // Spread the cuts over the whole log, plus the very end.
@@ -537,6 +551,12 @@ fn run_seed(seed: u64, cuts: usize) {
                 check_cut(&image, &base, &events, &history, cut, &mut rng)
             }));
             if let Err(e) = r {
+                if let Some(keep) = std::env::var_os("POWER_LOSS_KEEP") {
+                    // The image of the failing cut, for `ferrovol check` and a closer look.
+                    let kept = Path::new(&keep).join(format!("power-loss-{seed:x}-{w}-{cut}.img"));
+                    let _ = std::fs::copy(&image, &kept);
+                    let _ = writeln!(std::io::stderr(), "power-loss: the failing image is kept as {}", kept.display());
+                }
                 if std::env::var_os("POWER_LOSS_DEBUG").is_some() {
                     for d in &history {
                         let op = match &d.op {

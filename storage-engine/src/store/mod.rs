@@ -25,7 +25,8 @@
 //! A volume's *properties lock* (`VolState::props`, labels and attachments) is a leaf:
 //! held only to clone or replace the `Arc` it guards, with no other lock taken under
 //! it. Its value changes only under that volume's map lock (5) held for writing. The
-//! hole puncher's signal (`punch::Signal`, punch.rs) is a leaf too. A pool grow's
+//! hole puncher's signal (`punch::Signal`, punch.rs) is a leaf too, and so is its stop
+//! lock, held across one punch. A pool grow's
 //! *grow lock* (`grow_lock`, grow.rs) comes before all of them: taken with no lock held,
 //! it takes the log lock (3) to write the superblocks, and the allocator (6) under
 //! it to free the new units.

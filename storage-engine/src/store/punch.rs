@@ -9,6 +9,9 @@
 //! them in batches of [`PUNCH_BATCH`], punches them with no lock held, and then frees
 //! them. So no write to a unit taken again is ever punched away, and no lock of the
 //! data path waits for the host file system (a fragmented unit takes it some 45 µs).
+//! The thread holds the pool only to take and free a batch, and a close or the pool's
+//! drop waits for the punch in flight ([`Signal::stop`]): nothing is punched once
+//! either returned, whatever writes the file next.
 //! When room is needed now, the make-room protocol frees the queued units unpunched
 //! (room.rs). A block device gets the units as discards instead, when asked
 //! (`PoolOptions::discard`). Not done: on a preallocated pool file or a block device not
@@ -44,6 +47,11 @@ pub(crate) struct Signal {
     cv: Condvar,
     /// Notified when a batch is freed.
     punched: tokio::sync::Notify,
+    /// Held across each punch, and set once the pool stops punching: no punch reaches
+    /// the file after [`Signal::stop`] returns.
+    stopped: Mutex<bool>,
+    /// The punching thread, joined by [`Signal::stop`].
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 impl Signal {
@@ -54,9 +62,19 @@ impl Signal {
         self.cv.notify_all();
     }
 
-    /// Tells the punching thread to stop (after the batch it is punching).
+    /// Stops the punching thread (the pool's close, or its drop) and waits for it: a
+    /// punch in flight completes, none starts after, and the thread has let go of
+    /// the pool file when this returns (unless this runs on that thread, which
+    /// returns right after). So whatever writes the pool file next, a test building
+    /// a power-cut image in its place or another open, finds no punch of this pool
+    /// landing on it.
     pub(crate) fn stop(&self) {
         self.set(false, true);
+        *self.stopped.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        let handle = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(h) = handle.filter(|h| h.thread().id() != std::thread::current().id()) {
+            let _ = h.join();
+        }
     }
 }
 
@@ -86,16 +104,26 @@ impl Store {
         }
     }
 
-    /// Punches one batch of the queue and frees it. Returns false when the queue was
-    /// empty.
-    fn punch_batch(&self) -> bool {
-        let batch = self.alloc.lock().take_punch_batch(PUNCH_BATCH);
-        if batch.is_empty() {
-            return false;
+    /// Takes the next batch of queued units and the way they are given back, or None
+    /// when the queue is empty.
+    fn take_batch(&self) -> Option<Batch> {
+        let units = self.alloc.lock().take_punch_batch(PUNCH_BATCH);
+        if units.is_empty() {
+            return None;
         }
-        let mut sorted = batch.clone();
+        let mut sorted = units.clone();
         sorted.sort_unstable();
         let us = self.geo.unit_size;
+        let mut ranges = Vec::new();
+        let mut i = 0;
+        while i < sorted.len() {
+            let mut j = i + 1;
+            while j < sorted.len() && sorted[j] == sorted[j - 1] + 1 {
+                j += 1;
+            }
+            ranges.push((self.geo.unit_offset(u64::from(sorted[i])), (j - i) as u64 * us));
+            i = j;
+        }
         let (give_back, unsupported) = match self.discard_device {
             true => (crate::io::discard as GiveBack, "the device takes no discards: freed units are not passed down"),
             false => (
@@ -103,35 +131,19 @@ impl Store {
                 "the host file system does not punch holes: freed space stays in the pool file",
             ),
         };
-        let mut i = 0;
-        while i < sorted.len() && self.punches_holes() {
-            let mut j = i + 1;
-            while j < sorted.len() && sorted[j] == sorted[j - 1] + 1 {
-                j += 1;
-            }
-            let (off, len) = (self.geo.unit_offset(u64::from(sorted[i])), (j - i) as u64 * us);
-            match give_back(&self.file, off, len) {
-                Ok(()) => {}
-                Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {
-                    tracing::info!(error = %e, "{unsupported}");
-                    self.punch_holes.store(false, Ordering::Relaxed);
-                }
-                // The units are free all the same: only the host's space is not given back.
-                Err(e) => {
-                    tracing::warn!(error = %e, offset = off, len, "punching freed units out of the pool file failed")
-                }
-            }
-            i = j;
-        }
+        Some(Batch { units, ranges, give_back, unsupported })
+    }
+
+    /// Frees a batch once punched (or given up on), and wakes writers waiting for it.
+    fn finish_batch(&self, batch: &Batch) {
         {
             let mut a = self.alloc.lock();
-            a.finish_punch(&batch);
+            a.finish_punch(&batch.units);
             if !self.punches_holes() {
                 a.free_punch_queue();
             }
         }
         self.puncher.punched.notify_waiters();
-        true
     }
 
     /// Queues for their punch the free units that hold blocks of the pool file: units
@@ -185,16 +197,17 @@ impl Store {
     ///
     /// Errors: [`ErrorKind::Io`](crate::ErrorKind::Io) when the thread cannot be made.
     pub(crate) fn start_puncher(self: &Arc<Self>) -> Result<()> {
-        let (weak, signal) = (Arc::downgrade(self), Arc::clone(&self.puncher));
-        std::thread::Builder::new()
+        let (weak, signal, file) = (Arc::downgrade(self), Arc::clone(&self.puncher), Arc::clone(&self.file));
+        let handle = std::thread::Builder::new()
             .name("ferrovol-punch".into())
-            .spawn(move || puncher(weak, signal))
+            .spawn(move || puncher(weak, signal, file))
             .map_err(|e| Error::io("start the hole puncher", e))?;
+        *self.puncher.thread.lock().unwrap_or_else(|e| e.into_inner()) = Some(handle);
         Ok(())
     }
 
-    /// Stops the punching thread (the pool's close); units still queued are freed
-    /// unpunched.
+    /// Stops the punching thread (the pool's close) and waits for it; units still
+    /// queued are freed unpunched.
     pub(crate) fn stop_puncher(&self) {
         self.puncher.stop();
         self.alloc.lock().free_punch_queue();
@@ -221,9 +234,20 @@ impl Store {
     }
 }
 
+/// A batch of units to punch: the units, their contiguous byte ranges `(offset,
+/// length)` in the pool file, and how they are given back.
+struct Batch {
+    units: Vec<u32>,
+    ranges: Vec<(u64, u64)>,
+    give_back: GiveBack,
+    unsupported: &'static str,
+}
+
 /// The punching thread: waits for queued units and punches them batch after batch,
-/// until the pool closes or is dropped.
-fn puncher(store: Weak<Store>, signal: Arc<Signal>) {
+/// until the pool closes or is dropped. It holds the pool only to take a batch and to
+/// free it, never across a punch: a pool dropped while a batch is punched is dropped
+/// then, and its drop waits for the punch in flight ([`Signal::stop`]).
+fn puncher(store: Weak<Store>, signal: Arc<Signal>, file: Arc<std::fs::File>) {
     loop {
         {
             let st = signal.state.lock().unwrap_or_else(|e| e.into_inner());
@@ -236,19 +260,46 @@ fn puncher(store: Weak<Store>, signal: Arc<Signal>) {
             }
             st.0 = false;
         }
-        // The pool is held for one batch at a time, so that a pool dropped without a
-        // close is not kept open (nor its file lock held) by this thread.
         loop {
-            if signal.state.lock().unwrap_or_else(|e| e.into_inner()).1 {
-                return;
+            let batch = {
+                let Some(s) = store.upgrade() else { return };
+                if s.closed.load(Ordering::SeqCst) || s.failed.load(Ordering::SeqCst) {
+                    return;
+                }
+                match s.take_batch() {
+                    Some(b) => b,
+                    None => break,
+                }
+            };
+            for &(off, len) in &batch.ranges {
+                // Whether to go on asks the pool (the host file system may have filled);
+                // the pool is let go again before the punch.
+                let go_on = store.upgrade().is_some_and(|s| s.punches_holes());
+                let stopped = signal.stopped.lock().unwrap_or_else(|e| e.into_inner());
+                if !go_on || *stopped {
+                    break;
+                }
+                let punched = (batch.give_back)(&file, off, len);
+                // Let go before asking the pool again: a drop of the pool on this
+                // thread takes the lock.
+                drop(stopped);
+                match punched {
+                    Ok(()) => {}
+                    Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {
+                        tracing::info!(error = %e, "{}", batch.unsupported);
+                        if let Some(s) = store.upgrade() {
+                            s.punch_holes.store(false, Ordering::Relaxed);
+                        }
+                    }
+                    // The units are free all the same: only the host's space is not given back.
+                    Err(e) => {
+                        tracing::warn!(error = %e, offset = off, len, "punching freed units out of the pool file failed")
+                    }
+                }
             }
+            // Freed punched or not: a batch cut short by a stop or a full host is free.
             let Some(s) = store.upgrade() else { return };
-            if s.closed.load(Ordering::SeqCst) || s.failed.load(Ordering::SeqCst) {
-                return;
-            }
-            if !s.punch_batch() {
-                break;
-            }
+            s.finish_batch(&batch);
         }
     }
 }
