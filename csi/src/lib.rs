@@ -16,6 +16,7 @@ pub mod hosts;
 pub mod identity;
 pub mod ids;
 mod inflight;
+pub mod local;
 pub mod mounter;
 pub mod node;
 pub mod serve;

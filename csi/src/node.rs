@@ -11,6 +11,11 @@
 //! meanwhile. Every call checks its arguments first, and changes nothing when it fails.
 //! One call at a time per volume (`ABORTED` for a second).
 //!
+//! A volume of the storage host on the node's own machine (`AttachOptions::local`) is
+//! attached as that host's local ublk device instead, when it can make one
+//! ([`crate::local`]); the host knows which device serves it. Stage, publish, expand and
+//! stats treat both kinds of device alike.
+//!
 //! Not here: the OS tools ([`crate::mounter`]), the controller.
 
 use std::path::{Path, PathBuf};
@@ -21,6 +26,7 @@ use tonic::{Code, Request, Response, Status};
 
 use crate::controller::{publish_context, NODE_ID_PREFIX};
 use crate::inflight::InFlight;
+use crate::local::{is_ublk_device, kernel_resizes_ublk, LocalHost, LocalUblk, LocalVolume};
 use crate::mounter::{self, Mount, Probe, FS_TYPES};
 use crate::{pb, CsiError};
 
@@ -41,6 +47,9 @@ pub struct AttachOptions {
     /// hosts with `--nbd-tls required` are attached over TLS with them (and of hosts
     /// with `optional` too); without it, such hosts' volumes cannot be staged here.
     pub tls_dir: Option<PathBuf>,
+    /// The storage host on this machine, whose volumes are attached as its local ublk
+    /// devices ([`crate::local`]); None: every volume over NBD.
+    pub local: Option<LocalHost>,
 }
 
 impl Default for AttachOptions {
@@ -51,6 +60,7 @@ impl Default for AttachOptions {
             connections: 1,
             max_volumes: 0,
             tls_dir: None,
+            local: None,
         }
     }
 }
@@ -102,6 +112,86 @@ impl Node {
         self
     }
 
+    /// The local host's handle on volume `id`, when the volume lives there. A local
+    /// host that does not answer, or whose socket is not there, is taken as holding
+    /// nothing (logged when it does not answer): its volumes
+    /// cannot be attached locally then, and their NBD path answers for them.
+    fn local_volume(&self, id: &str) -> Option<LocalVolume> {
+        // No socket: no storage host runs on this machine (most nodes), quietly.
+        let local = self.attach.local.as_ref().filter(|l| l.socket.exists())?;
+        match local.volume(id) {
+            Ok(v) => v,
+            Err(e) => {
+                tracing::warn!(volume_id = id, error = %e, "the storage host on this machine does not answer");
+                None
+            }
+        }
+    }
+
+    /// The device volume `id` is attached as on this node, if any: its NBD device, or
+    /// the local device the storage host on this machine says serves it.
+    fn device_of(&self, id: &str) -> Result<Option<Device>, CsiError> {
+        if let Some(i) = nbd_device_of(id)? {
+            return Ok(Some(Device::Nbd(i)));
+        }
+        let Some(v) = self.local_volume(id) else { return Ok(None) };
+        match v.state() {
+            Ok((_, _, Some(dev))) if dev.exists() => Ok(Some(Device::Local(dev))),
+            Ok(_) => Ok(None),
+            Err(e) if e.kind() == mgmt_api::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(local_error(id, "read the local device", e)),
+        }
+    }
+
+    /// Attaches volume `id` as a local device of the storage host on this machine,
+    /// when it lives there, the attachment is writable, [`LocalUblk`] allows it and the
+    /// host can make one; None otherwise (NBD then).
+    fn attach_local(&self, id: &str, read_only: bool) -> Result<Option<(Device, Facts)>, CsiError> {
+        let Some(mode) = self.attach.local.as_ref().map(|l| l.ublk) else { return Ok(None) };
+        // A read-only attachment goes over NBD, whose export refuses writes; so does
+        // every one when the kernel could not resize the device and `auto` asks for that.
+        if read_only || mode == LocalUblk::Never || (mode == LocalUblk::Auto && !kernel_resizes_ublk()) {
+            return Ok(None);
+        }
+        let Some(v) = self.local_volume(id) else { return Ok(None) };
+        let (_, pristine, _) = match v.state() {
+            Ok(s) => s,
+            Err(e) if e.kind() == mgmt_api::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(local_error(id, "read", e)),
+        };
+        match v.attach() {
+            Ok(dev) => Ok(Some((Device::Local(dev), Facts { never_written: pristine, read_only: false }))),
+            Err(e) if e.kind() == mgmt_api::ErrorKind::FailedPrecondition => {
+                tracing::info!(volume_id = id, error = %e, "no local device: attaching over NBD");
+                Ok(None)
+            }
+            Err(e) => Err(local_error(id, "attach locally", e)),
+        }
+    }
+
+    /// Removes volume `id`'s local device (OK when it has none).
+    fn detach_local(&self, id: &str) -> Result<(), CsiError> {
+        match self.local_volume(id) {
+            Some(v) => v.detach().map_err(|e| local_error(id, "detach the local device", e)),
+            None => Ok(()),
+        }
+    }
+
+    /// Detaches `dev` of volume `id`, whatever its kind.
+    fn detach_device(&self, id: &str, dev: &Device) -> Result<(), CsiError> {
+        match dev {
+            Device::Nbd(i) => match attach::detach(&self.attach.run_dir, *i) {
+                // A fenced device goes away with its last user (an unmount before).
+                Ok(()) | Err(AttachError::Kernel(nbd::kernel::KernelError::NoDevice(_))) => {
+                    attach::Record::remove(&self.attach.run_dir, *i);
+                    Ok(())
+                }
+                Err(e) => Err(internal(format!("detach /dev/nbd{i}: {e}"))),
+            },
+            Device::Local(_) => self.detach_local(id),
+        }
+    }
+
     /// The node ID this node reports: [`NODE_ID_PREFIX`] and its name.
     pub fn node_id(&self) -> String {
         format!("{NODE_ID_PREFIX}{}", self.name)
@@ -148,6 +238,43 @@ pub fn backend_of(volume_id: &str) -> String {
 
 fn dev_path(index: u32) -> PathBuf {
     PathBuf::from(format!("/dev/nbd{index}"))
+}
+
+/// The block device a volume is attached as on this node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Device {
+    /// `/dev/nbdN`, attached by this node through the kernel's NBD client.
+    Nbd(u32),
+    /// A local device (`/dev/ublkbN`) the storage host on this machine made.
+    Local(PathBuf),
+}
+
+impl Device {
+    fn path(&self) -> PathBuf {
+        match self {
+            Device::Nbd(i) => dev_path(*i),
+            Device::Local(p) => p.clone(),
+        }
+    }
+
+    /// Its size in bytes as the kernel sees it (sysfs), 0 when unknown.
+    fn kernel_size(&self) -> u64 {
+        let path = self.path();
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+        std::fs::read_to_string(format!("/sys/block/{name}/size"))
+            .ok()
+            .and_then(|s| s.trim().parse::<u64>().ok())
+            .map_or(0, |sectors| sectors * 512)
+    }
+}
+
+/// What the node needs to know of an attached volume before it mounts it.
+#[derive(Debug, Clone, Copy)]
+struct Facts {
+    /// Never written since it was created: it may be formatted.
+    never_written: bool,
+    /// Writes are refused.
+    read_only: bool,
 }
 
 fn internal(m: impl Into<String>) -> CsiError {
@@ -262,14 +389,19 @@ fn attach_error(id: &str, e: AttachError) -> CsiError {
     }
 }
 
-/// The attached device of `volume_id`, if any (none on a kernel without the NBD
+/// The attached NBD device of `volume_id`, if any (none on a kernel without the NBD
 /// driver, where nothing can be attached).
-fn device_of(volume_id: &str) -> Result<Option<u32>, CsiError> {
+fn nbd_device_of(volume_id: &str) -> Result<Option<u32>, CsiError> {
     match attach::find(&backend_of(volume_id)) {
         Ok(d) => Ok(d),
         Err(AttachError::Kernel(nbd::kernel::KernelError::NoDriver)) => Ok(None),
         Err(e) => Err(internal(format!("volume {volume_id}: {e}"))),
     }
+}
+
+/// The CSI error of a failed call to the storage host on this machine.
+fn local_error(id: &str, what: &str, e: mgmt_api::ApiError) -> CsiError {
+    CsiError::from_api("on this machine", &format!("{what} of volume {id}"), e)
 }
 
 /// Mounts of `dev` other than at `except`.
@@ -299,12 +431,12 @@ impl Node {
         read_only |= r.publish_context.get(publish_context::READ_ONLY).is_some_and(|v| v == "true");
         let all = mounter::mounts().map_err(internal)?;
         let staged = mounter::mount_at(&all, &staging);
-        let existing = device_of(id)?;
-        if let Some(i) = existing {
+        let existing = self.device_of(id)?;
+        if let Some(Device::Nbd(i)) = existing {
             self.refuse_fenced(id, i)?;
         }
         if let Some(m) = &staged {
-            let same_dev = existing.is_some_and(|i| m.device() == Some(dev_path(i)));
+            let same_dev = existing.as_ref().is_some_and(|d| m.device() == Some(d.path()));
             let same = match &cap {
                 Cap::Mount { fs, .. } => same_dev && m.fs_type == *fs && m.read_only() == read_only,
                 Cap::Block => false,
@@ -337,15 +469,35 @@ impl Node {
                 staging.display()
             )));
         }
-        let (index, info, attached_now) = match existing {
-            Some(i) => {
+        // A volume of the storage host on this machine: its local device, if it makes one.
+        let local = if existing.is_none() { self.attach_local(id, read_only)? } else { None };
+        let (device, facts, attached_now) = match (existing, local) {
+            (Some(d), _) => {
                 if cap == Cap::Block {
                     return Ok(());
                 }
-                let info = attach::export_info(&self.attach.run_dir, i).map_err(|e| attach_error(id, e))?;
-                (i, info, false)
+                let facts = match &d {
+                    Device::Nbd(i) => {
+                        let info = attach::export_info(&self.attach.run_dir, *i).map_err(|e| attach_error(id, e))?;
+                        Facts { never_written: info.never_written(), read_only: info.read_only() }
+                    }
+                    Device::Local(_) => {
+                        let v = self.local_volume(id).ok_or_else(|| {
+                            CsiError::unavailable(format!(
+                                "volume {id}: the storage host on this machine does not answer"
+                            ))
+                        })?;
+                        let (_, pristine, _) = v.state().map_err(|e| local_error(id, "read", e))?;
+                        Facts { never_written: pristine, read_only: false }
+                    }
+                };
+                (d, facts, false)
             }
-            None => {
+            (None, Some((d, facts))) => {
+                tracing::info!(volume_id = id, device = %d.path().display(), "attached locally");
+                (d, facts, true)
+            }
+            (None, None) => {
                 let mut last = None;
                 let mut done = None;
                 for uri in &uris {
@@ -375,17 +527,21 @@ impl Node {
                 }
                 let Some(a) = done else { return Err(last.unwrap_or_else(|| internal("no NBD address"))) };
                 tracing::info!(volume_id = id, device = a.index, "attached");
-                (a.index, a.info, true)
+                (
+                    Device::Nbd(a.index),
+                    Facts { never_written: a.info.never_written(), read_only: a.info.read_only() },
+                    true,
+                )
             }
         };
         let Cap::Mount { fs, flags } = cap else { return Ok(()) };
         let undo = |e: CsiError| {
             if attached_now {
-                let _ = attach::detach(&self.attach.run_dir, index);
+                let _ = self.detach_device(id, &device);
             }
             e
         };
-        let dev = dev_path(index);
+        let dev = device.path();
         match mounter::probe(&dev).map_err(internal).map_err(undo)? {
             Probe::FileSystem(t) if t == fs => {}
             Probe::FileSystem(t) => {
@@ -400,7 +556,7 @@ impl Node {
                     format!("volume {id} holds {what}: not formatted"),
                 )))
             }
-            Probe::Empty if !info.never_written() => {
+            Probe::Empty if !facts.never_written => {
                 return Err(undo(CsiError::new(
                     Code::FailedPrecondition,
                     format!(
@@ -409,7 +565,7 @@ impl Node {
                     ),
                 )))
             }
-            Probe::Empty if read_only || info.read_only() => {
+            Probe::Empty if read_only || facts.read_only => {
                 return Err(undo(CsiError::new(
                     Code::FailedPrecondition,
                     format!("volume {id} is empty and attached read-only: nothing to mount"),
@@ -421,7 +577,7 @@ impl Node {
             }
         }
         let mut options = flags;
-        if read_only || info.read_only() {
+        if read_only || facts.read_only {
             options.push("ro".into());
         }
         if fs == "xfs" {
@@ -436,21 +592,27 @@ impl Node {
         let id = r.volume_id.as_str();
         let staging = PathBuf::from(&r.staging_target_path);
         let all = mounter::mounts().map_err(internal)?;
-        let device = device_of(id)?;
-        if let Some(i) = device {
-            let others = other_mounts(&all, &dev_path(i), &staging);
+        let device = self.device_of(id)?;
+        if let Some(d) = &device {
+            let others = other_mounts(&all, &d.path(), &staging);
             if !others.is_empty() {
                 return Err(CsiError::new(
                     Code::FailedPrecondition,
                     format!(
-                        "volume {id} (/dev/nbd{i}) is still mounted at {}: unpublish it first",
+                        "volume {id} ({}) is still mounted at {}: unpublish it first",
+                        d.path().display(),
                         others.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
                     ),
                 ));
             }
         }
         if let Some(m) = mounter::mount_at(&all, &staging) {
-            if device.is_none_or(|i| m.device() != Some(dev_path(i))) {
+            // A local device its host no longer names for any volume (the host
+            // restarted and removed it) left this mount: it is the volume's, stale.
+            let stale_local = device.is_none()
+                && self.attach.local.is_some()
+                && m.device().is_some_and(|d| is_ublk_device(&d) && !d.exists());
+            if !stale_local && device.as_ref().is_none_or(|d| m.device() != Some(d.path())) {
                 return Err(CsiError::new(
                     Code::FailedPrecondition,
                     format!("{} holds {} ({}), not volume {id}", staging.display(), m.source, m.fs_type),
@@ -460,15 +622,9 @@ impl Node {
                 CsiError::new(Code::FailedPrecondition, format!("volume {id} is in use at {}: {e}", staging.display()))
             })?;
         }
-        if let Some(i) = device {
-            match attach::detach(&self.attach.run_dir, i) {
-                // A fenced device goes away with its last user (the unmount above).
-                Ok(()) | Err(AttachError::Kernel(nbd::kernel::KernelError::NoDevice(_))) => {
-                    attach::Record::remove(&self.attach.run_dir, i)
-                }
-                Err(e) => return Err(internal(format!("detach /dev/nbd{i}: {e}"))),
-            }
-            tracing::info!(volume_id = id, device = i, "detached");
+        if let Some(d) = device {
+            self.detach_device(id, &d)?;
+            tracing::info!(volume_id = id, device = %d.path().display(), "detached");
         }
         Ok(())
     }
@@ -479,11 +635,13 @@ impl Node {
         let staging = PathBuf::from(&r.staging_target_path);
         let (cap, read_only) = capability(r.volume_capability.as_ref())?;
         let read_only = read_only || r.readonly;
-        let Some(index) = device_of(id)? else {
+        let Some(device) = self.device_of(id)? else {
             return Err(CsiError::new(Code::FailedPrecondition, format!("volume {id} is not staged on this node")));
         };
-        self.refuse_fenced(id, index)?;
-        let dev = dev_path(index);
+        if let Device::Nbd(i) = device {
+            self.refuse_fenced(id, i)?;
+        }
+        let dev = device.path();
         let all = mounter::mounts().map_err(internal)?;
         if let Some(m) = mounter::mount_at(&all, &target) {
             if m.device() == Some(dev.clone()) && m.read_only() == read_only {
@@ -549,13 +707,13 @@ impl Node {
 
     /// The device and the mount (if a file system) behind a volume path: a publish
     /// target, a staging path, or the device.
-    fn behind(&self, id: &str, path: &Path) -> Result<(u32, Option<Mount>), CsiError> {
-        let Some(index) = device_of(id)? else {
+    fn behind(&self, id: &str, path: &Path) -> Result<(Device, Option<Mount>), CsiError> {
+        let Some(device) = self.device_of(id)? else {
             return Err(CsiError::not_found(format!("volume {id} is not attached on this node")));
         };
-        let dev = dev_path(index);
+        let dev = device.path();
         if mounter::resolve(path) == dev {
-            return Ok((index, None));
+            return Ok((device, None));
         }
         if !path.exists() {
             return Err(CsiError::not_found(format!("{} does not exist", path.display())));
@@ -564,7 +722,7 @@ impl Node {
         match mounter::mount_at(&all, path) {
             Some(m) if m.device() == Some(dev.clone()) => {
                 let fs = (m.fs_type != "devtmpfs").then_some(m);
-                Ok((index, fs))
+                Ok((device, fs))
             }
             _ => Err(CsiError::not_found(format!("{} is not where volume {id} is mounted", path.display()))),
         }
@@ -572,11 +730,34 @@ impl Node {
 
     fn expand(&self, r: pb::NodeExpandVolumeRequest) -> Result<i64, CsiError> {
         let id = r.volume_id.as_str();
-        let (index, mount) = self.behind(id, Path::new(&r.volume_path))?;
-        let size = attach::resize(&self.attach.run_dir, index).map_err(|e| match e {
-            AttachError::Export(m) => CsiError::new(Code::FailedPrecondition, format!("volume {id}: {m}")),
-            other => attach_error(id, other),
-        })?;
+        let (device, mount) = self.behind(id, Path::new(&r.volume_path))?;
+        let size = match &device {
+            Device::Nbd(i) => attach::resize(&self.attach.run_dir, *i).map_err(|e| match e {
+                AttachError::Export(m) => CsiError::new(Code::FailedPrecondition, format!("volume {id}: {m}")),
+                other => attach_error(id, other),
+            })?,
+            // The host resized the device with the volume (ControllerExpandVolume),
+            // where the kernel can.
+            Device::Local(path) => {
+                let v = self.local_volume(id).ok_or_else(|| {
+                    CsiError::unavailable(format!("volume {id}: the storage host on this machine does not answer"))
+                })?;
+                let (size, _, _) = v.state().map_err(|e| local_error(id, "read", e))?;
+                let seen = device.kernel_size();
+                if seen < size {
+                    return Err(CsiError::new(
+                        Code::FailedPrecondition,
+                        format!(
+                            "volume {id} is {size} bytes but its local device {} shows {seen}: this kernel does not \
+                             resize ublk devices online (Linux 6.16 does); the volume shows its new size once \
+                             staged again",
+                            path.display()
+                        ),
+                    ));
+                }
+                size
+            }
+        };
         let required = r.capacity_range.as_ref().map_or(0, |c| c.required_bytes.max(0) as u64);
         if size < required {
             return Err(CsiError::new(
@@ -589,7 +770,7 @@ impl Node {
             Some(pb::volume_capability::AccessType::Block(_))
         );
         if let (Some(m), false) = (mount, block) {
-            mounter::grow(&dev_path(index), &m.target, &m.fs_type).map_err(internal)?;
+            mounter::grow(&device.path(), &m.target, &m.fs_type).map_err(internal)?;
         }
         Ok(size as i64)
     }
@@ -597,7 +778,7 @@ impl Node {
     fn stats(&self, r: pb::NodeGetVolumeStatsRequest) -> Result<pb::NodeGetVolumeStatsResponse, CsiError> {
         use pb::volume_usage::Unit;
         let id = r.volume_id.as_str();
-        let (index, mount) = self.behind(id, Path::new(&r.volume_path))?;
+        let (device, mount) = self.behind(id, Path::new(&r.volume_path))?;
         let usage = match mount {
             Some(m) => {
                 let (b, i) = mounter::usage(&m.target).map_err(internal)?;
@@ -616,12 +797,21 @@ impl Node {
                     },
                 ]
             }
-            None => {
-                let sectors: u64 = std::fs::read_to_string(format!("/sys/block/nbd{index}/size"))
-                    .ok()
-                    .and_then(|s| s.trim().parse().ok())
-                    .unwrap_or(0);
-                vec![pb::VolumeUsage { total: (sectors * 512) as i64, unit: Unit::Bytes as i32, ..Default::default() }]
+            None => vec![pb::VolumeUsage {
+                total: device.kernel_size() as i64,
+                unit: Unit::Bytes as i32,
+                ..Default::default()
+            }],
+        };
+        let index = match device {
+            Device::Nbd(i) => i,
+            // Found through the host, which names it as the volume's device: it serves.
+            Device::Local(path) => {
+                let message = format!("attached as the local device {}", path.display());
+                return Ok(pb::NodeGetVolumeStatsResponse {
+                    usage,
+                    volume_condition: Some(pb::VolumeCondition { abnormal: false, message }),
+                });
             }
         };
         let condition = match attach::health(&self.attach.run_dir, index) {

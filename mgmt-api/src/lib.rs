@@ -91,7 +91,9 @@ impl ApiError {
         &self.message
     }
 
-    fn new(kind: ErrorKind, message: impl Into<String>) -> ApiError {
+    /// An error of `kind` with `message`: for a caller's own failures around a call
+    /// (a timeout it sets, say), told apart by kind as the call's are.
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> ApiError {
         ApiError { kind, message: message.into() }
     }
 

@@ -1,7 +1,9 @@
 //! The CSI node plugin on the stock Debian kernel of ../shared/tools/nbd-vm: the storage
 //! host and the CSI controller run here, the node plugin (`ferrovol csi node`) and the
 //! reconnect watcher in the guest, where volumes really attach as /dev/nbdN, get a file
-//! system and are mounted. Guest scripts: tests/kernel/guest-csi-*.sh.
+//! system and are mounted. Guest scripts: tests/kernel/guest-csi-*.sh. With the `ublk`
+//! feature, one more run puts the storage host in the guest beside the node plugin,
+//! whose volumes are then staged as the host's local ublk devices.
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -260,6 +262,36 @@ fn csi_node_keeps_volumes_through_restarts_in_the_kernel_vm() {
     };
     assert!(status.success(), "guest-csi-flow.sh (restarts) failed with {status} (see above)");
     assert_eq!(n, 5, "the guest asked for {} server actions, not 4", n - 1);
+}
+
+/// The node plugin on a storage host (guest-csi-local.sh: host, controller and node all
+/// in the guest, the node given the host's management socket): the host's volumes are
+/// staged as its local ublk devices, and everything else works as over NBD
+/// (`guest_side::guest_side_local`).
+#[cfg(feature = "ublk")]
+#[test]
+fn csi_node_attaches_local_volumes_as_ublk_devices_in_the_kernel_vm() {
+    assert!(nbd_vm().exists(), "{} is missing", nbd_vm().display());
+    let tmp = tempfile::tempdir().unwrap();
+    let bin = tmp.path().join("ferrovol");
+    let me = tmp.path().join("csi-flow");
+    for (from, to) in [(Path::new(BIN).to_path_buf(), &bin), (std::env::current_exe().unwrap(), &me)] {
+        let st = Command::new("objcopy").arg("--strip-debug").arg(&from).arg(to).status().unwrap();
+        assert!(st.success(), "objcopy --strip-debug");
+    }
+    let out = Command::new("bash")
+        .arg(nbd_vm())
+        .args(["-t", "900"])
+        .args(["-f", &format!("{}:/usr/bin/ferrovol", bin.display())])
+        .args(["-f", &format!("{}:/usr/bin/csi-flow", me.display())])
+        .arg(guest("guest-csi-local.sh"))
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    print!("{stdout}");
+    eprint!("{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "guest-csi-local.sh failed with {} (see above)", out.status);
+    assert!(stdout.contains("CSI LOCAL OK"), "guest-csi-local.sh did not finish");
 }
 
 mod guest_side {
@@ -846,6 +878,163 @@ mod guest_side {
         verify(&v, &synced);
         co.down(&v).await;
         eprintln!("restarts ok");
+    }
+
+    /// The device mounted at `path` (/proc/mounts), if any.
+    fn mounted_device(path: &str) -> Option<String> {
+        let mounts = std::fs::read_to_string("/proc/mounts").unwrap();
+        mounts.lines().map(|l| l.split(' ').collect::<Vec<_>>()).find(|f| f[1] == path).map(|f| f[0].to_string())
+    }
+
+    /// The ublk block devices there are (`ublkbN`).
+    fn ublk_devices() -> Vec<String> {
+        let mut d: Vec<String> = std::fs::read_dir("/dev")
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|n| n.starts_with("ublkb"))
+            .collect();
+        d.sort();
+        d
+    }
+
+    async fn expand(co: &mut Co, v: &Vol, size: i64) -> Result<i64, tonic::Status> {
+        co.ctl
+            .controller_expand_volume(pb::ControllerExpandVolumeRequest {
+                volume_id: v.id.clone(),
+                capacity_range: Some(pb::CapacityRange { required_bytes: size, limit_bytes: 0 }),
+                volume_capability: Some(v.cap.clone()),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        co.node
+            .node_expand_volume(pb::NodeExpandVolumeRequest {
+                volume_id: v.id.clone(),
+                volume_path: v.target.clone(),
+                capacity_range: Some(pb::CapacityRange { required_bytes: size, limit_bytes: 0 }),
+                staging_target_path: v.staging.clone(),
+                volume_capability: Some(v.cap.clone()),
+                ..Default::default()
+            })
+            .await
+            .map(|r| r.into_inner().capacity_bytes)
+    }
+
+    async fn stats(co: &mut Co, v: &Vol) -> pb::NodeGetVolumeStatsResponse {
+        co.node
+            .node_get_volume_stats(pb::NodeGetVolumeStatsRequest {
+                volume_id: v.id.clone(),
+                volume_path: v.target.clone(),
+                staging_target_path: v.staging.clone(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+    }
+
+    /// Everything on one machine: the node plugin knows the storage host there
+    /// (guest-csi-local.sh). Its volumes are staged as the host's local ublk devices:
+    /// formatted once, written, unstaged (the device removed) and staged again with
+    /// their data; stats name the local device; online expansion grows the file system
+    /// where the kernel resizes ublk devices (6.16), and on older kernels is refused
+    /// clearly until the volume is staged again, after which it grows; a block volume is
+    /// written and read back through its target file; a read-only publish goes over NBD.
+    #[tokio::test(flavor = "current_thread")]
+    #[ignore = "runs inside the kernel VM, started by csi_node_attaches_local_volumes_as_ublk_devices_in_the_kernel_vm"]
+    async fn guest_side_local() {
+        let mut co = Co::connect().await;
+        let data = pattern(3, 8 << 20);
+        let resizes = csi::local::kernel_resizes_ublk();
+
+        eprintln!("== a mount volume of the host on this machine is staged as its ublk device");
+        let mut a = co.create("local-a", 256 * MIB, mount_cap("ext4"), None).await;
+        co.up(&mut a).await;
+        let dev = mounted_device(&a.staging).expect("staged");
+        assert!(dev.starts_with("/dev/ublkb"), "staged on {dev}, not on a local ublk device");
+        assert_eq!(ublk_devices().len(), 1, "{:?}", ublk_devices());
+        write_file(&format!("{}/f", a.target), &data);
+        let st = stats(&mut co, &a).await;
+        let cond = st.volume_condition.unwrap();
+        assert!(!cond.abnormal && cond.message.contains(&dev), "{cond:?}");
+        // The calls are idempotent.
+        co.stage(&a).await.unwrap();
+        co.publish(&a).await;
+        co.down(&a).await;
+        assert!(ublk_devices().is_empty(), "unstage left {:?}", ublk_devices());
+        co.up(&mut a).await;
+        assert_eq!(std::fs::read(format!("{}/f", a.target)).unwrap(), data, "data after a second stage");
+
+        eprintln!("== online expansion (this kernel resizes ublk devices online: {resizes})");
+        match expand(&mut co, &a, 512 * MIB).await {
+            Ok(cap) => {
+                assert!(resizes, "NodeExpandVolume succeeded on a kernel that cannot resize the device");
+                assert_eq!(cap, 512 * MIB);
+            }
+            Err(e) => {
+                assert!(!resizes, "{e:?}");
+                assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+                assert!(e.message().contains("staged again"), "{e:?}");
+                co.down(&a).await;
+                co.up(&mut a).await;
+                let cap = expand(&mut co, &a, 512 * MIB).await.unwrap();
+                assert_eq!(cap, 512 * MIB);
+            }
+        }
+        let st = stats(&mut co, &a).await;
+        let bytes = st.usage.iter().find(|u| u.unit == pb::volume_usage::Unit::Bytes as i32).unwrap();
+        assert!(bytes.total > 400 * MIB, "the file system did not grow: {bytes:?}");
+        assert_eq!(std::fs::read(format!("{}/f", a.target)).unwrap(), data, "data after the expansion");
+        co.down(&a).await;
+
+        eprintln!("== a block volume written and read through its target file");
+        let mut b = co.create("local-block", 64 * MIB, block_cap(), None).await;
+        co.up(&mut b).await;
+        assert_eq!(ublk_devices().len(), 1, "{:?}", ublk_devices());
+        {
+            let mut f = std::fs::OpenOptions::new().write(true).open(&b.target).unwrap();
+            f.seek(std::io::SeekFrom::Start(1 << 20)).unwrap();
+            f.write_all(&data[..1 << 20]).unwrap();
+            f.sync_all().unwrap();
+        }
+        let st = stats(&mut co, &b).await;
+        assert_eq!(st.usage[0].total, 64 * MIB, "{st:?}");
+        co.down(&b).await;
+        co.up(&mut b).await;
+        let mut back = vec![0u8; 1 << 20];
+        let mut f = std::fs::File::open(&b.target).unwrap();
+        f.seek(std::io::SeekFrom::Start(1 << 20)).unwrap();
+        f.read_exact(&mut back).unwrap();
+        assert_eq!(back, &data[..1 << 20], "block volume data");
+        drop(f);
+        co.down(&b).await;
+
+        eprintln!("== a read-only publish goes over NBD");
+        let mut ro = co.create("local-ro", 64 * MIB, mount_cap("ext4"), None).await;
+        co.up(&mut ro).await;
+        write_file(&format!("{}/f", ro.target), &data[..1 << 20]);
+        co.down(&ro).await;
+        ro.ctx = co
+            .ctl
+            .controller_publish_volume(pb::ControllerPublishVolumeRequest {
+                volume_id: ro.id.clone(),
+                node_id: co.node_id.clone(),
+                volume_capability: Some(ro.cap.clone()),
+                readonly: true,
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .publish_context;
+        co.stage(&ro).await.unwrap();
+        let dev = mounted_device(&ro.staging).expect("staged");
+        assert!(dev.starts_with("/dev/nbd"), "read-only, staged on {dev}");
+        assert_eq!(devices_of(&ro.id).len(), 1);
+        assert_eq!(std::fs::read(format!("{}/f", ro.staging)).unwrap(), &data[..1 << 20]);
+        co.unstage(&ro).await;
+        co.detach(&ro).await;
+        assert!(devices_of(&ro.id).is_empty() && ublk_devices().is_empty());
+        eprintln!("local ok");
     }
 
     /// NBD devices attached for CSI volume `id`.

@@ -107,7 +107,8 @@ impl<B> Drop for Reply<B> {
 
 impl Device {
     /// Adds a device serving `backend` and starts it: on return `/dev/ublkbN`
-    /// ([`Device::path`]) exists and takes I/O. Queue `q`'s requests run on
+    /// ([`Device::path`]) exists and takes I/O, in 4096-byte logical blocks (as the
+    /// kernel's NBD client's for the same volume). Queue `q`'s requests run on
     /// `runtimes[q % runtimes.len()]`. Blocks while the driver starts the device (the
     /// kernel reads its partition table), so call it off the data plane.
     ///
@@ -300,6 +301,14 @@ fn control<B: Backend>(
     let set_params = move |dev: &mut UblkDev| {
         dev.set_default_params(size);
         let p = &mut dev.tgt.params;
+        // 4096-byte logical blocks (sizes are multiples of 4096), as the kernel's NBD
+        // client takes for an export that prefers them: a file system made through
+        // either device mounts through the other (ext4 makes 1 KiB blocks on a small
+        // device of 512-byte sectors, which a device of 4096-byte sectors cannot mount).
+        p.basic.logical_bs_shift = 12;
+        p.basic.physical_bs_shift = 12;
+        p.basic.io_min_shift = 12;
+        p.basic.io_opt_shift = 12;
         // A volatile write cache (the kernel sends FLUSH) that takes FUA writes.
         p.basic.attrs = sys::UBLK_ATTR_VOLATILE_CACHE | sys::UBLK_ATTR_FUA;
         if read_only {

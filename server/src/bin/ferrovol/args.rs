@@ -625,6 +625,17 @@ pub(crate) enum CsiCmd {
         /// optional); the files are read at each attach and reconnect.
         #[arg(long, env = "FERROVOL_NBD_TLS_DIR")]
         nbd_tls_dir: Option<PathBuf>,
+        /// The management socket of the storage host on this machine, if one runs here
+        /// (its --data-dir/ferrovol.sock): its volumes are attached as its local ublk
+        /// devices (/dev/ublkbN) instead of over NBD, as --local-ublk says.
+        #[arg(long, env = "FERROVOL_LOCAL_HOST_SOCKET")]
+        local_host_socket: Option<PathBuf>,
+        /// When the local host's volumes get ublk devices: auto (when the kernel resizes
+        /// them online, Linux 6.16 and later), always (NodeExpandVolume then fails on older
+        /// kernels until the volume is staged again), or never. Read-only attachments go
+        /// over NBD.
+        #[arg(long, default_value = "auto", requires = "local_host_socket")]
+        local_ublk: csi::local::LocalUblk,
     },
 }
 

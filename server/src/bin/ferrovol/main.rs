@@ -122,7 +122,18 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Cmd::Csi {
             cmd:
-                CsiCmd::Node { endpoint, node_name, zone, run_dir, dead_timeout, connections, max_volumes, nbd_tls_dir },
+                CsiCmd::Node {
+                    endpoint,
+                    node_name,
+                    zone,
+                    run_dir,
+                    dead_timeout,
+                    connections,
+                    max_volumes,
+                    nbd_tls_dir,
+                    local_host_socket,
+                    local_ublk,
+                },
         } => {
             if let Some(d) = &nbd_tls_dir {
                 if d.join(nbd::client::ClientTls::CERT).exists() {
@@ -143,6 +154,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     connections,
                     max_volumes: i64::from(max_volumes),
                     tls_dir: nbd_tls_dir,
+                    local: local_host_socket.map(|socket| csi::local::LocalHost { socket, ublk: local_ublk }),
                 },
             );
             csi::serve::serve_node(node, &endpoint, stop_signal()?).await?;
