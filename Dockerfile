@@ -2,9 +2,15 @@
 # controller and node plugin (`ferrovol csi controller|node`) and the NBD reconnect
 # watcher (`ferrovol nbd watch`). Build: docker build -t ferrovol:0.1.0 .
 FROM rust:1.95-bookworm AS build
+# libclang for the ublk frontend's bindings (libublk runs bindgen at build time).
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends libclang-dev \
+    && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
-RUN cargo build --release --locked --bin ferrovol \
+# With the ublk frontend: a storage host's own volumes can be local devices
+# (`volume attach-local`, and the node plugin's --local-host-socket).
+RUN cargo build --release --locked --bin ferrovol --features ublk \
     && strip target/release/ferrovol
 
 FROM debian:bookworm-slim
