@@ -12,6 +12,7 @@
 
 use std::future::Future;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use mgmt_api::{ApiError, Client, ErrorKind};
@@ -55,6 +56,9 @@ pub struct LocalHost {
     pub socket: PathBuf,
     /// When its volumes are attached as ublk devices.
     pub ublk: LocalUblk,
+    /// The host's short id once read (its pool's UUID does not change): volumes of
+    /// other hosts are told apart without a call.
+    short_id: Arc<Mutex<Option<String>>>,
 }
 
 /// A volume of the local host: a client connected to it and the volume's name there.
@@ -86,18 +90,41 @@ pub fn block_on<T>(what: &str, f: impl Future<Output = Result<T, ApiError>>) -> 
 }
 
 impl LocalHost {
+    /// The storage host whose management socket is `socket`.
+    pub fn new(socket: PathBuf, ublk: LocalUblk) -> LocalHost {
+        LocalHost { socket, ublk, short_id: Arc::default() }
+    }
+
+    /// The host's short id, if read before.
+    fn known_id(&self) -> Option<String> {
+        self.short_id.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
     /// The local host's client and the volume's name when volume `volume_id` lives on
-    /// that host (its ID names the host's pool), `None` when it lives elsewhere.
+    /// that host (its ID names the host's pool); `None` when it lives elsewhere, or
+    /// when no socket is there (no storage host runs on this machine). A volume of
+    /// another host is told apart without a call once the host's id was read.
     ///
-    /// Errors: the host does not answer ([`ErrorKind::Unavailable`]), or fails.
+    /// Errors: the host does not answer ([`ErrorKind::Unavailable`]), or fails; a
+    /// host whose id was never read cannot say whether the volume is its own.
     pub fn volume(&self, volume_id: &str) -> Result<Option<LocalVolume>, ApiError> {
         let Some(vid) = parse_volume_id(volume_id) else { return Ok(None) };
+        let known = self.known_id();
+        if known.as_ref().is_some_and(|id| *id != vid.host) || !self.socket.exists() {
+            return Ok(None);
+        }
         let socket = self.socket.clone();
-        block_on("connect to the storage host on this machine", async move {
+        let client = block_on("connect to the storage host on this machine", async move {
             let client = Client::connect_unix(&socket).await?;
-            let info = client.host_info().await?;
-            Ok((short_host_id(&info.host_id) == vid.host).then(|| LocalVolume { client, name: vid.name }))
-        })
+            let id = match known {
+                Some(id) => id,
+                None => short_host_id(&client.host_info().await?.host_id),
+            };
+            Ok((client, id))
+        });
+        let (client, id) = client?;
+        *self.short_id.lock().unwrap_or_else(|p| p.into_inner()) = Some(id.clone());
+        Ok((id == vid.host).then(|| LocalVolume { client, name: vid.name }))
     }
 }
 
@@ -112,13 +139,15 @@ impl LocalVolume {
         Ok((v.size_bytes, v.pristine, dev))
     }
 
-    /// Asks the host for the volume's local device and returns its path; the device the
-    /// volume has already if another call made it.
+    /// Asks the host for the volume's local device for node `node_id` (the host
+    /// removes it when the volume is unpublished from the node) and returns its path;
+    /// the device the volume has already if another call made it.
     ///
     /// Errors: [`ErrorKind::FailedPrecondition`] when the host can make no ublk device
-    /// (its build, the kernel or its rights); [`ErrorKind::NotFound`]; the call's.
-    pub fn attach(&self) -> Result<PathBuf, ApiError> {
-        match block_on("attach the volume locally", self.client.attach_local(&self.name)) {
+    /// (its build, the kernel or its rights) or the volume is not published to the
+    /// node writable; [`ErrorKind::NotFound`]; the call's.
+    pub fn attach(&self, node_id: &str) -> Result<PathBuf, ApiError> {
+        match block_on("attach the volume locally", self.client.attach_local_for(&self.name, node_id)) {
             Ok(d) => Ok(PathBuf::from(d.path)),
             Err(e) if e.kind() == ErrorKind::AlreadyExists => match self.state()? {
                 (_, _, Some(dev)) => Ok(dev),

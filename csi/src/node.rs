@@ -112,20 +112,13 @@ impl Node {
         self
     }
 
-    /// The local host's handle on volume `id`, when the volume lives there. A local
-    /// host that does not answer, or whose socket is not there, is taken as holding
-    /// nothing (logged when it does not answer): its volumes
-    /// cannot be attached locally then, and their NBD path answers for them.
-    fn local_volume(&self, id: &str) -> Option<LocalVolume> {
-        // No socket: no storage host runs on this machine (most nodes), quietly.
-        let local = self.attach.local.as_ref().filter(|l| l.socket.exists())?;
-        match local.volume(id) {
-            Ok(v) => v,
-            Err(e) => {
-                tracing::warn!(volume_id = id, error = %e, "the storage host on this machine does not answer");
-                None
-            }
-        }
+    /// The local host's handle on volume `id`, when the volume lives there
+    /// ([`LocalHost::volume`]).
+    ///
+    /// Errors: UNAVAILABLE when the host does not answer.
+    fn local_volume(&self, id: &str) -> Result<Option<LocalVolume>, CsiError> {
+        let Some(local) = self.attach.local.as_ref() else { return Ok(None) };
+        local.volume(id).map_err(|e| local_error(id, "look up", e))
     }
 
     /// The device volume `id` is attached as on this node, if any: its NBD device, or
@@ -134,7 +127,7 @@ impl Node {
         if let Some(i) = nbd_device_of(id)? {
             return Ok(Some(Device::Nbd(i)));
         }
-        let Some(v) = self.local_volume(id) else { return Ok(None) };
+        let Some(v) = self.local_volume(id)? else { return Ok(None) };
         match v.state() {
             Ok((_, _, Some(dev))) if dev.exists() => Ok(Some(Device::Local(dev))),
             Ok(_) => Ok(None),
@@ -153,13 +146,22 @@ impl Node {
         if read_only || mode == LocalUblk::Never || (mode == LocalUblk::Auto && !kernel_resizes_ublk()) {
             return Ok(None);
         }
-        let Some(v) = self.local_volume(id) else { return Ok(None) };
+        // A host that does not answer cannot serve the volume over NBD either: the NBD
+        // attach reports it.
+        let v = match self.local_volume(id) {
+            Ok(Some(v)) => v,
+            Ok(None) => return Ok(None),
+            Err(e) => {
+                tracing::warn!(volume_id = id, error = %e.message, "the storage host on this machine does not answer");
+                return Ok(None);
+            }
+        };
         let (_, pristine, _) = match v.state() {
             Ok(s) => s,
             Err(e) if e.kind() == mgmt_api::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(local_error(id, "read", e)),
         };
-        match v.attach() {
+        match v.attach(&self.node_id()) {
             Ok(dev) => Ok(Some((Device::Local(dev), Facts { never_written: pristine, read_only: false }))),
             Err(e) if e.kind() == mgmt_api::ErrorKind::FailedPrecondition => {
                 tracing::info!(volume_id = id, error = %e, "no local device: attaching over NBD");
@@ -171,7 +173,7 @@ impl Node {
 
     /// Removes volume `id`'s local device (OK when it has none).
     fn detach_local(&self, id: &str) -> Result<(), CsiError> {
-        match self.local_volume(id) {
+        match self.local_volume(id)? {
             Some(v) => v.detach().map_err(|e| local_error(id, "detach the local device", e)),
             None => Ok(()),
         }
@@ -482,11 +484,8 @@ impl Node {
                         Facts { never_written: info.never_written(), read_only: info.read_only() }
                     }
                     Device::Local(_) => {
-                        let v = self.local_volume(id).ok_or_else(|| {
-                            CsiError::unavailable(format!(
-                                "volume {id}: the storage host on this machine does not answer"
-                            ))
-                        })?;
+                        let v =
+                            self.local_volume(id)?.ok_or_else(|| internal(format!("volume {id}: lost its host")))?;
                         let (_, pristine, _) = v.state().map_err(|e| local_error(id, "read", e))?;
                         Facts { never_written: pristine, read_only: false }
                     }
@@ -607,11 +606,12 @@ impl Node {
             }
         }
         if let Some(m) = mounter::mount_at(&all, &staging) {
-            // A local device its host no longer names for any volume (the host
-            // restarted and removed it) left this mount: it is the volume's, stale.
-            let stale_local = device.is_none()
-                && self.attach.local.is_some()
-                && m.device().is_some_and(|d| is_ublk_device(&d) && !d.exists());
+            // A ublk mount on the staging path of a volume whose host names no device
+            // for it: its device was removed (the host restarted, or unpublished the
+            // volume from this node); the mount is the volume's, stale. (Its device
+            // number may serve another volume by now, so the path alone cannot tell.)
+            let stale_local =
+                device.is_none() && self.attach.local.is_some() && m.device().is_some_and(|d| is_ublk_device(&d));
             if !stale_local && device.as_ref().is_none_or(|d| m.device() != Some(d.path())) {
                 return Err(CsiError::new(
                     Code::FailedPrecondition,
@@ -739,9 +739,7 @@ impl Node {
             // The host resized the device with the volume (ControllerExpandVolume),
             // where the kernel can.
             Device::Local(path) => {
-                let v = self.local_volume(id).ok_or_else(|| {
-                    CsiError::unavailable(format!("volume {id}: the storage host on this machine does not answer"))
-                })?;
+                let v = self.local_volume(id)?.ok_or_else(|| internal(format!("volume {id}: lost its host")))?;
                 let (size, _, _) = v.state().map_err(|e| local_error(id, "read", e))?;
                 let seen = device.kernel_size();
                 if seen < size {
@@ -778,7 +776,26 @@ impl Node {
     fn stats(&self, r: pb::NodeGetVolumeStatsRequest) -> Result<pb::NodeGetVolumeStatsResponse, CsiError> {
         use pb::volume_usage::Unit;
         let id = r.volume_id.as_str();
-        let (device, mount) = self.behind(id, Path::new(&r.volume_path))?;
+        let (device, mount) = match self.behind(id, Path::new(&r.volume_path)) {
+            Err(e) if e.code == Code::NotFound && self.attach.local.is_some() => {
+                // A local device its host removed leaves the file system's mount behind.
+                let all = mounter::mounts().map_err(internal)?;
+                let gone = mounter::mount_at(&all, Path::new(&r.volume_path))
+                    .and_then(|m| m.device())
+                    .filter(|d| is_ublk_device(d));
+                let Some(dev) = gone else { return Err(e) };
+                let message = format!(
+                    "the local device {} is gone (the storage host on this machine restarted, or unpublished the \
+                     volume): its pods must be restarted for it to be staged again",
+                    dev.display()
+                );
+                return Ok(pb::NodeGetVolumeStatsResponse {
+                    usage: Vec::new(),
+                    volume_condition: Some(pb::VolumeCondition { abnormal: true, message }),
+                });
+            }
+            other => other?,
+        };
         let usage = match mount {
             Some(m) => {
                 let (b, i) = mounter::usage(&m.target).map_err(internal)?;

@@ -320,7 +320,17 @@ impl Client {
     /// Errors: [`ErrorKind::NotFound`], [`ErrorKind::AlreadyExists`] (it has one),
     /// [`ErrorKind::FailedPrecondition`] (no ublk in this build, kernel or process).
     pub async fn attach_local(&self, name: &str) -> Result<pb::LocalDevice> {
-        let req = pb::AttachLocalRequest { name: name.to_owned() };
+        self.attach_local_for(name, "").await
+    }
+
+    /// [`Client::attach_local`] for node `node_id` (AttachLocalRequest.node_id): the
+    /// volume must be published to that node writable, and unpublishing it from the
+    /// node removes the device.
+    ///
+    /// Errors: as [`Client::attach_local`]; [`ErrorKind::FailedPrecondition`] also when
+    /// the volume is not published to the node writable.
+    pub async fn attach_local_for(&self, name: &str, node_id: &str) -> Result<pb::LocalDevice> {
+        let req = pb::AttachLocalRequest { name: name.to_owned(), node_id: node_id.to_owned() };
         self.raw().attach_local(req).await.map(|r| r.into_inner()).map_err(ApiError::from_status)
     }
 

@@ -51,6 +51,9 @@ pub struct LocalDevice {
 
 struct Attached {
     info: LocalDevice,
+    /// The node it was made for (AttachLocal's node_id), which unpublishing the
+    /// volume from removes it ([`LocalDevices::detach_for`]).
+    node: Option<String>,
     #[cfg(feature = "ublk")]
     device: ublk::Device,
 }
@@ -118,21 +121,23 @@ impl LocalDevices {
         self.table().devices.contains_key(name)
     }
 
-    /// Exposes volume `name` of `pool` as `/dev/ublkbN` (a snapshot read-only). Blocks
-    /// while the driver starts the device: call it off the async runtimes.
+    /// Exposes volume `name` of `pool` as `/dev/ublkbN` (a snapshot read-only), for
+    /// node `node` if given (removed when the volume is unpublished from it,
+    /// [`Self::detach_for`]). Blocks while the driver starts the device: call it off
+    /// the async runtimes.
     ///
     /// Errors: [`LocalError::NotFound`], [`LocalError::Exists`] when it has a device
     /// already (or one being added), [`LocalError::Unavailable`] without ublk (this
     /// build, the kernel, or the rights) or once the host is stopping,
     /// [`LocalError::Failed`].
-    pub fn attach(&self, pool: &Pool, name: &str) -> Result<LocalDevice, LocalError> {
+    pub fn attach(&self, pool: &Pool, name: &str, node: Option<&str>) -> Result<LocalDevice, LocalError> {
         let Some(registry) = &self.registry else {
             return Err(LocalError::Unavailable("this service has no data plane to serve a device from".into()));
         };
         #[cfg(not(feature = "ublk"))]
         {
             let vol = pool.volume(name).map_err(|e| LocalError::NotFound(e.to_string()))?;
-            let _ = (registry, vol);
+            let _ = (registry, vol, node);
             Err(LocalError::Unavailable(
                 "this ferrovol was built without ublk (cargo build --features ublk, which needs libclang)".into(),
             ))
@@ -199,7 +204,8 @@ impl LocalDevices {
             };
             let info = LocalDevice { name: name.to_owned(), path: device.path().display().to_string(), read_only };
             tracing::info!(volume = name, device = info.path, read_only, "attached locally");
-            t.devices.insert(name.to_owned(), Slot::Attached(Attached { info: info.clone(), device }));
+            let node = node.map(str::to_owned);
+            t.devices.insert(name.to_owned(), Slot::Attached(Attached { info: info.clone(), node, device }));
             Ok(info)
         }
     }
@@ -245,6 +251,27 @@ impl LocalDevices {
         a.device.remove();
         tracing::info!(volume = name, device = a.info.path, "detached locally");
         Ok(a.info)
+    }
+
+    /// Removes volume `name`'s device if it was made for node `node` (the volume is
+    /// unpublished from that node: fencing, as its NBD connections are closed); the
+    /// device removed, if any.
+    pub fn detach_for(&self, name: &str, node: &str) -> Option<LocalDevice> {
+        let a = {
+            let mut t = self.table();
+            match t.devices.get(name) {
+                Some(Slot::Attached(a)) if a.node.as_deref() == Some(node) => {}
+                _ => return None,
+            }
+            match t.devices.remove(name) {
+                Some(Slot::Attached(a)) => a,
+                _ => unreachable!("checked under the same lock"),
+            }
+        };
+        #[cfg(feature = "ublk")]
+        a.device.remove();
+        tracing::info!(volume = name, device = a.info.path, node, "detached locally: unpublished from the node");
+        Some(a.info)
     }
 
     /// Holds volume (or snapshot) `name`'s place while it is deleted, so that no attach

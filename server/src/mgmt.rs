@@ -390,8 +390,13 @@ impl ManagementService {
     /// earlier that have not closed (an unpublish that timed out, retried).
     async fn do_unpublish(&self, r: pb::UnpublishVolumeRequest) -> Result<pb::UnpublishVolumeResponse, Status> {
         let (pool, fences) = (self.pool.clone(), Arc::clone(&self.host.fences));
+        let local = Arc::clone(&self.host.local);
         let task = tokio::spawn(async move {
             let gone = pool.detach(&r.volume, &r.node_id).await.map_err(|e| grpc_status(&e))?;
+            // The node's local device goes too (after the attachment: an attach that
+            // checks it afterwards removes its own device).
+            let (l, v, n) = (Arc::clone(&local), r.volume.clone(), r.node_id.clone());
+            let _ = tokio::task::spawn_blocking(move || l.detach_for(&v, &n)).await;
             let mut keys = fences.pending(&r.volume, &r.node_id);
             if let Some(a) = &gone {
                 keys.push(a.key);
@@ -553,12 +558,39 @@ impl Management for ManagementService {
 
     async fn attach_local(&self, req: Request<pb::AttachLocalRequest>) -> Result<Response<pb::LocalDevice>, Status> {
         audited!(req, "AttachLocal", |r| {
-            // The driver starts the device (and the kernel reads it) before this returns.
-            let (pool, local) = (self.pool.clone(), Arc::clone(&self.host.local));
-            match tokio::task::spawn_blocking(move || local.attach(&pool, &r.name)).await {
-                Ok(out) => out.map(local_device).map_err(local_status),
-                Err(e) => Err(Status::internal(format!("attaching locally failed: {e}"))),
+            // A node's device: only while the volume is published to it writable.
+            let node = (!r.node_id.is_empty()).then_some(r.node_id.clone());
+            let published_to = |pool: &storage_engine::Pool, node: &str| {
+                pool.volume_info(&r.name).is_ok_and(|v| v.attachments.iter().any(|a| a.node_id == node && !a.read_only))
+            };
+            if let Some(n) = &node {
+                if !published_to(&self.pool, n) {
+                    return Err(Status::failed_precondition(format!(
+                        "'{}' is not published to node '{n}' writable: no local device for it",
+                        r.name
+                    )));
+                }
             }
+            // The driver starts the device (and the kernel reads it) before this returns.
+            let (pool, local, name) = (self.pool.clone(), Arc::clone(&self.host.local), r.name.clone());
+            let n = node.clone();
+            let d = match tokio::task::spawn_blocking(move || local.attach(&pool, &name, n.as_deref())).await {
+                Ok(out) => out.map_err(local_status)?,
+                Err(e) => return Err(Status::internal(format!("attaching locally failed: {e}"))),
+            };
+            // An unpublish that ran while the device started found none to remove:
+            // the device, in the table now, goes if the attachment went.
+            if let Some(n) = &node {
+                if !published_to(&self.pool, n) {
+                    let (local, name, node) = (Arc::clone(&self.host.local), r.name.clone(), n.clone());
+                    let _ = tokio::task::spawn_blocking(move || local.detach_for(&name, &node)).await;
+                    return Err(Status::failed_precondition(format!(
+                        "'{}' was unpublished from node '{}' while its local device started: removed",
+                        r.name, n
+                    )));
+                }
+            }
+            Ok(local_device(d))
         })
     }
 

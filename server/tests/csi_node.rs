@@ -1034,7 +1034,47 @@ mod guest_side {
         co.unstage(&ro).await;
         co.detach(&ro).await;
         assert!(devices_of(&ro.id).is_empty() && ublk_devices().is_empty());
+
+        eprintln!("== ControllerUnpublish removes the node's local device (fencing)");
+        let mut f = co.create("local-fenced", 64 * MIB, mount_cap("ext4"), None).await;
+        co.up(&mut f).await;
+        let dev = mounted_device(&f.staging).expect("staged");
+        assert!(dev.starts_with("/dev/ublkb"), "staged on {dev}");
+        write_file(&format!("{}/f", f.target), &data[..1 << 20]);
+        co.detach(&f).await;
+        assert!(ublk_devices().is_empty(), "the device outlived the unpublish: {:?}", ublk_devices());
+        let write = std::fs::File::create(format!("{}/g", f.target)).and_then(|mut w| {
+            w.write_all(&data[..1 << 20])?;
+            w.sync_all()
+        });
+        assert!(write.is_err(), "a write after the unpublish reached the volume");
+        let cond = stats(&mut co, &f).await.volume_condition.unwrap();
+        assert!(cond.abnormal && cond.message.contains("gone"), "{cond:?}");
+        // The kubelet's clean-up still works: unpublish, then unstage of the stale mount.
+        co.unpublish(&f).await;
+        co.unstage(&f).await;
+        assert!(mounted_device(&f.staging).is_none(), "the stale mount stayed");
+        // Published again, the volume holds what was flushed before.
+        co.up(&mut f).await;
+        assert_eq!(std::fs::read(format!("{}/f", f.target)).unwrap(), &data[..1 << 20]);
+        co.down(&f).await;
         eprintln!("local ok");
+    }
+
+    /// The node plugin with `--local-ublk auto` on a kernel that does not resize ublk
+    /// devices online (6.12): the host's volumes go over NBD (guest-csi-local.sh, after
+    /// guest_side_local).
+    #[tokio::test(flavor = "current_thread")]
+    #[ignore = "runs inside the kernel VM, started by csi_node_attaches_local_volumes_as_ublk_devices_in_the_kernel_vm"]
+    async fn guest_side_local_auto() {
+        let mut co = Co::connect().await;
+        let mut v = co.create("local-auto", 64 * MIB, mount_cap("ext4"), None).await;
+        co.up(&mut v).await;
+        let dev = mounted_device(&v.staging).expect("staged");
+        let want = if csi::local::kernel_resizes_ublk() { "/dev/ublkb" } else { "/dev/nbd" };
+        assert!(dev.starts_with(want), "auto staged on {dev}, not {want}N");
+        co.down(&v).await;
+        eprintln!("auto ok");
     }
 
     /// NBD devices attached for CSI volume `id`.

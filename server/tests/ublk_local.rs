@@ -43,6 +43,44 @@ fn an_attach_without_ublk_is_refused_clearly_and_nbd_keeps_serving() {
     s.cli_ok(&["volume", "delete", "v"]);
 }
 
+/// A local device made for a node (AttachLocal with node_id, as the CSI node plugin on
+/// a storage host asks) needs the volume published to that node writable: refused
+/// before it, and with a read-only attachment, before any device is tried; once
+/// published writable, the attach gets as far as the driver (which this kernel lacks).
+#[test]
+fn a_nodes_local_device_needs_the_volume_published_to_it_writable() {
+    let td = TestDir::new();
+    let s = Server::start(&td.data());
+    s.create_volume("v", "64MiB");
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let c = rt.block_on(mgmt_api::Client::connect_unix(&td.data().join("ferrovol.sock"))).unwrap();
+    let refused = |c: &mgmt_api::Client| rt.block_on(c.attach_local_for("v", "node-a")).unwrap_err();
+    let e = refused(&c);
+    assert_eq!(e.kind(), mgmt_api::ErrorKind::FailedPrecondition, "{e}");
+    assert!(e.message().contains("not published to node 'node-a' writable"), "{e}");
+    let publish = |read_only: bool| mgmt_api::pb::PublishVolumeRequest {
+        volume: "v".into(),
+        node_id: "node-a".into(),
+        read_only,
+        exclusive: false,
+    };
+    rt.block_on(c.publish(publish(true))).unwrap();
+    let e = refused(&c);
+    assert!(e.message().contains("not published to node 'node-a' writable"), "read-only attachment: {e}");
+    rt.block_on(c.unpublish("v", "node-a")).unwrap();
+    rt.block_on(c.publish(publish(false))).unwrap();
+    let e = rt.block_on(c.attach_local_for("v", "node-b")).unwrap_err();
+    assert!(e.message().contains("not published to node 'node-b'"), "another node: {e}");
+    if Path::new("/dev/ublk-control").exists() {
+        return;
+    }
+    let e = refused(&c);
+    assert_eq!(e.kind(), mgmt_api::ErrorKind::FailedPrecondition, "{e}");
+    assert!(e.message().contains("ublk"), "published writable, the driver is tried: {e}");
+    let info = s.cli_ok(&["volume", "info", "v"]);
+    assert!(!info.contains("local device"), "{info}");
+}
+
 /// guest-ublk.sh in the kernel VM: see the module docs.
 #[cfg(feature = "ublk")]
 #[test]

@@ -154,7 +154,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     connections,
                     max_volumes: i64::from(max_volumes),
                     tls_dir: nbd_tls_dir,
-                    local: local_host_socket.map(|socket| csi::local::LocalHost { socket, ublk: local_ublk }),
+                    local: local_host_socket.map(|socket| csi::local::LocalHost::new(socket, local_ublk)),
                 },
             );
             csi::serve::serve_node(node, &endpoint, stop_signal()?).await?;
