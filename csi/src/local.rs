@@ -19,8 +19,10 @@ use mgmt_api::{ApiError, Client, ErrorKind};
 
 use crate::ids::{parse_volume_id, short_host_id};
 
-/// How long one call to the local host may take (connecting included).
-pub const LOCAL_CALL_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long one call to the local host may take (connecting included): longer than
+/// the host waits for the driver to start a device (60 s), so that a slow start
+/// answers rather than times out while the device is made.
+pub const LOCAL_CALL_TIMEOUT: Duration = Duration::from_secs(75);
 
 /// When the node attaches a local host's volumes as ublk devices.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
