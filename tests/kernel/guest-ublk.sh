@@ -30,6 +30,7 @@ DEV=$(fv volume attach-local v) || fail "attach-local"
 echo "attached v as $DEV"
 [ -b "$DEV" ] || fail "$DEV is not a block device"
 fv volume info v | grep -q "local device: $DEV" || fail "volume info does not show $DEV"
+fv volume list | grep -q "^v .* $DEV *\$" || fail "volume list does not show $DEV: $(fv volume list)"
 fv volume attach-local v >/dev/null 2>/tmp/err && fail "a second attach succeeded"
 grep -q "already" /tmp/err || fail "second attach: $(cat /tmp/err)"
 

@@ -78,15 +78,25 @@ fn volume_json(v: &Volume) -> serde_json::Value {
 /// One row per volume; the NAME column is as wide as the longest name (at least 24).
 fn print_table(vs: &[Volume]) {
     let w = vs.iter().map(|v| v.name.chars().count()).max().unwrap_or(0).max(24);
-    out!("{:<w$} {:>12} {:>12} {:>12} {:>12}", "NAME", "SIZE", "ALLOCATED", "EXCLUSIVE", "SHARED");
+    let d = vs.iter().map(|v| v.local_device.chars().count()).max().unwrap_or(0).max(12);
+    out!(
+        "{:<w$} {:>12} {:>12} {:>12} {:>12}  {:<d$}",
+        "NAME",
+        "SIZE",
+        "ALLOCATED",
+        "EXCLUSIVE",
+        "SHARED",
+        "LOCAL DEVICE"
+    );
     for v in vs {
         out!(
-            "{:<w$} {:>12} {:>12} {:>12} {:>12}",
+            "{:<w$} {:>12} {:>12} {:>12} {:>12}  {:<d$}",
             v.name,
             human(v.size_bytes),
             human(v.allocated_bytes),
             human(v.exclusive_bytes),
-            human(v.shared_bytes)
+            human(v.shared_bytes),
+            if v.local_device.is_empty() { "-" } else { &v.local_device }
         );
     }
 }
