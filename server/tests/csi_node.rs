@@ -389,12 +389,18 @@ mod guest_side {
         }
 
         async fn attach(&mut self, v: &mut Vol) {
+            self.attach_as(v, false).await;
+        }
+
+        /// ControllerPublish, read-only when asked.
+        async fn attach_as(&mut self, v: &mut Vol, readonly: bool) {
             v.ctx = self
                 .ctl
                 .controller_publish_volume(pb::ControllerPublishVolumeRequest {
                     volume_id: v.id.clone(),
                     node_id: self.node_id.clone(),
                     volume_capability: Some(v.cap.clone()),
+                    readonly,
                     ..Default::default()
                 })
                 .await
@@ -489,6 +495,23 @@ mod guest_side {
             .collect()
     }
 
+    /// Writes `data` at byte `at` of the file or device `path`, and syncs it.
+    fn write_at(path: &str, at: u64, data: &[u8]) {
+        let mut f = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+        f.seek(std::io::SeekFrom::Start(at)).unwrap();
+        f.write_all(data).unwrap();
+        f.sync_all().unwrap();
+    }
+
+    /// `len` bytes at byte `at` of the file or device `path`.
+    fn read_at(path: &str, at: u64, len: usize) -> Vec<u8> {
+        let mut back = vec![0u8; len];
+        let mut f = std::fs::File::open(path).unwrap();
+        f.seek(std::io::SeekFrom::Start(at)).unwrap();
+        f.read_exact(&mut back).unwrap();
+        back
+    }
+
     fn write_file(path: &str, data: &[u8]) {
         let mut f = std::fs::File::create(path).unwrap();
         f.write_all(data).unwrap();
@@ -514,47 +537,13 @@ mod guest_side {
         assert_eq!(std::fs::read(format!("{}/f", a.target)).unwrap(), data, "data after a second stage");
 
         eprintln!("== online expansion with the file system mounted");
-        let got = co
-            .ctl
-            .controller_expand_volume(pb::ControllerExpandVolumeRequest {
-                volume_id: a.id.clone(),
-                capacity_range: Some(pb::CapacityRange { required_bytes: 512 * MIB, limit_bytes: 0 }),
-                volume_capability: Some(a.cap.clone()),
-                ..Default::default()
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        assert!(got.node_expansion_required);
-        let cap = co
-            .node
-            .node_expand_volume(pb::NodeExpandVolumeRequest {
-                volume_id: a.id.clone(),
-                volume_path: a.target.clone(),
-                capacity_range: Some(pb::CapacityRange { required_bytes: 512 * MIB, limit_bytes: 0 }),
-                staging_target_path: a.staging.clone(),
-                volume_capability: Some(a.cap.clone()),
-                ..Default::default()
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .capacity_bytes;
+        let cap = expand(&mut co, &a, 512 * MIB).await.unwrap();
         assert_eq!(cap, 512 * MIB);
-        let stats = co
-            .node
-            .node_get_volume_stats(pb::NodeGetVolumeStatsRequest {
-                volume_id: a.id.clone(),
-                volume_path: a.target.clone(),
-                staging_target_path: a.staging.clone(),
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        let bytes = stats.usage.iter().find(|u| u.unit == pb::volume_usage::Unit::Bytes as i32).unwrap();
+        let st = stats(&mut co, &a).await;
+        let bytes = st.usage.iter().find(|u| u.unit == pb::volume_usage::Unit::Bytes as i32).unwrap();
         assert!(bytes.total > 400 * MIB, "the file system did not grow: {bytes:?}");
         assert!(bytes.used >= 8 * MIB, "{bytes:?}");
-        assert!(!stats.volume_condition.unwrap().abnormal);
+        assert!(!st.volume_condition.unwrap().abnormal);
         write_file(&format!("{}/g", a.target), &pattern(2, 1 << 20));
 
         eprintln!("== a restored snapshot and a clone keep their data and are never formatted");
@@ -593,19 +582,7 @@ mod guest_side {
         co.up(&mut ro).await;
         write_file(&format!("{}/f", ro.target), &data[..1 << 20]);
         co.down(&ro).await;
-        ro.ctx = co
-            .ctl
-            .controller_publish_volume(pb::ControllerPublishVolumeRequest {
-                volume_id: ro.id.clone(),
-                node_id: co.node_id.clone(),
-                volume_capability: Some(ro.cap.clone()),
-                readonly: true,
-                ..Default::default()
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .publish_context;
+        co.attach_as(&mut ro, true).await;
         co.stage(&ro).await.unwrap();
         co.node
             .node_publish_volume(pb::NodePublishVolumeRequest {
@@ -634,20 +611,10 @@ mod guest_side {
         co.down(&x).await;
         let mut b = co.create("flow-block", 64 * MIB, block_cap(), None).await;
         co.up(&mut b).await;
-        {
-            let mut f = std::fs::OpenOptions::new().write(true).open(&b.target).unwrap();
-            f.seek(std::io::SeekFrom::Start(1 << 20)).unwrap();
-            f.write_all(&data[..1 << 20]).unwrap();
-            f.sync_all().unwrap();
-        }
+        write_at(&b.target, 1 << 20, &data[..1 << 20]);
         co.down(&b).await;
         co.up(&mut b).await;
-        let mut back = vec![0u8; 1 << 20];
-        let mut f = std::fs::File::open(&b.target).unwrap();
-        f.seek(std::io::SeekFrom::Start(1 << 20)).unwrap();
-        f.read_exact(&mut back).unwrap();
-        assert_eq!(back, &data[..1 << 20], "block volume data");
-        drop(f);
+        assert_eq!(read_at(&b.target, 1 << 20, 1 << 20), &data[..1 << 20], "block volume data");
 
         co.down(&b).await;
 
@@ -795,17 +762,7 @@ mod guest_side {
     }
 
     async fn condition(co: &mut Co, v: &Vol) -> pb::VolumeCondition {
-        co.node
-            .node_get_volume_stats(pb::NodeGetVolumeStatsRequest {
-                volume_id: v.id.clone(),
-                volume_path: v.target.clone(),
-                staging_target_path: v.staging.clone(),
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .volume_condition
-            .unwrap()
+        stats(co, v).await.volume_condition.unwrap()
     }
 
     fn verify(v: &Vol, files: &[(String, Vec<u8>)]) {
@@ -897,8 +854,11 @@ mod guest_side {
         d
     }
 
+    /// ControllerExpandVolume (which must ask for the node's part), then
+    /// NodeExpandVolume on the publish target; the size the node reports.
     async fn expand(co: &mut Co, v: &Vol, size: i64) -> Result<i64, tonic::Status> {
-        co.ctl
+        let got = co
+            .ctl
             .controller_expand_volume(pb::ControllerExpandVolumeRequest {
                 volume_id: v.id.clone(),
                 capacity_range: Some(pb::CapacityRange { required_bytes: size, limit_bytes: 0 }),
@@ -906,7 +866,9 @@ mod guest_side {
                 ..Default::default()
             })
             .await
-            .unwrap();
+            .unwrap()
+            .into_inner();
+        assert!(got.node_expansion_required);
         co.node
             .node_expand_volume(pb::NodeExpandVolumeRequest {
                 volume_id: v.id.clone(),
@@ -990,22 +952,12 @@ mod guest_side {
         let mut b = co.create("local-block", 64 * MIB, block_cap(), None).await;
         co.up(&mut b).await;
         assert_eq!(ublk_devices().len(), 1, "{:?}", ublk_devices());
-        {
-            let mut f = std::fs::OpenOptions::new().write(true).open(&b.target).unwrap();
-            f.seek(std::io::SeekFrom::Start(1 << 20)).unwrap();
-            f.write_all(&data[..1 << 20]).unwrap();
-            f.sync_all().unwrap();
-        }
+        write_at(&b.target, 1 << 20, &data[..1 << 20]);
         let st = stats(&mut co, &b).await;
         assert_eq!(st.usage[0].total, 64 * MIB, "{st:?}");
         co.down(&b).await;
         co.up(&mut b).await;
-        let mut back = vec![0u8; 1 << 20];
-        let mut f = std::fs::File::open(&b.target).unwrap();
-        f.seek(std::io::SeekFrom::Start(1 << 20)).unwrap();
-        f.read_exact(&mut back).unwrap();
-        assert_eq!(back, &data[..1 << 20], "block volume data");
-        drop(f);
+        assert_eq!(read_at(&b.target, 1 << 20, 1 << 20), &data[..1 << 20], "block volume data");
         co.down(&b).await;
 
         eprintln!("== a read-only publish goes over NBD");
@@ -1013,19 +965,7 @@ mod guest_side {
         co.up(&mut ro).await;
         write_file(&format!("{}/f", ro.target), &data[..1 << 20]);
         co.down(&ro).await;
-        ro.ctx = co
-            .ctl
-            .controller_publish_volume(pb::ControllerPublishVolumeRequest {
-                volume_id: ro.id.clone(),
-                node_id: co.node_id.clone(),
-                volume_capability: Some(ro.cap.clone()),
-                readonly: true,
-                ..Default::default()
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .publish_context;
+        co.attach_as(&mut ro, true).await;
         co.stage(&ro).await.unwrap();
         let dev = mounted_device(&ro.staging).expect("staged");
         assert!(dev.starts_with("/dev/nbd"), "read-only, staged on {dev}");
