@@ -129,7 +129,7 @@ impl Node {
         }
         let Some(v) = self.local_volume(id)? else { return Ok(None) };
         match v.state() {
-            Ok((_, _, Some(dev))) if dev.exists() => Ok(Some(Device::Local(dev))),
+            Ok((size, pristine, Some(path))) if path.exists() => Ok(Some(Device::Local { path, size, pristine })),
             Ok(_) => Ok(None),
             Err(e) if e.kind() == mgmt_api::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(local_error(id, "read the local device", e)),
@@ -139,7 +139,7 @@ impl Node {
     /// Attaches volume `id` as a local device of the storage host on this machine,
     /// when it lives there, the attachment is writable, [`LocalUblk`] allows it and the
     /// host can make one; None otherwise (NBD then).
-    fn attach_local(&self, id: &str, read_only: bool) -> Result<Option<(Device, Facts)>, CsiError> {
+    fn attach_local(&self, id: &str, read_only: bool) -> Result<Option<Device>, CsiError> {
         let Some(mode) = self.attach.local.as_ref().map(|l| l.ublk) else { return Ok(None) };
         // A read-only attachment goes over NBD, whose export refuses writes; so does
         // every one when the kernel could not resize the device and `auto` asks for that.
@@ -156,13 +156,13 @@ impl Node {
                 return Ok(None);
             }
         };
-        let (_, pristine, _) = match v.state() {
+        let (size, pristine, _) = match v.state() {
             Ok(s) => s,
             Err(e) if e.kind() == mgmt_api::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(local_error(id, "read", e)),
         };
         match v.attach(&self.node_id()) {
-            Ok(dev) => Ok(Some((Device::Local(dev), Facts { never_written: pristine, read_only: false }))),
+            Ok(path) => Ok(Some(Device::Local { path, size, pristine })),
             Err(e) if e.kind() == mgmt_api::ErrorKind::FailedPrecondition => {
                 tracing::info!(volume_id = id, error = %e, "no local device: attaching over NBD");
                 Ok(None)
@@ -190,7 +190,7 @@ impl Node {
                 }
                 Err(e) => Err(internal(format!("detach /dev/nbd{i}: {e}"))),
             },
-            Device::Local(_) => self.detach_local(id),
+            Device::Local { .. } => self.detach_local(id),
         }
     }
 
@@ -247,15 +247,17 @@ fn dev_path(index: u32) -> PathBuf {
 enum Device {
     /// `/dev/nbdN`, attached by this node through the kernel's NBD client.
     Nbd(u32),
-    /// A local device (`/dev/ublkbN`) the storage host on this machine made.
-    Local(PathBuf),
+    /// A local device (`/dev/ublkbN`) the storage host on this machine made, with
+    /// what the host said of the volume when it was found: its size in bytes, and
+    /// whether it was never written.
+    Local { path: PathBuf, size: u64, pristine: bool },
 }
 
 impl Device {
     fn path(&self) -> PathBuf {
         match self {
             Device::Nbd(i) => dev_path(*i),
-            Device::Local(p) => p.clone(),
+            Device::Local { path, .. } => path.clone(),
         }
     }
 
@@ -277,6 +279,19 @@ struct Facts {
     never_written: bool,
     /// Writes are refused.
     read_only: bool,
+}
+
+impl Facts {
+    /// Of an NBD export, from its handshake (or reconnect record).
+    fn of_export(info: &nbd::client::ExportInfo) -> Facts {
+        Facts { never_written: info.never_written(), read_only: info.read_only() }
+    }
+
+    /// Of a local device (writable: read-only attachments go over NBD), whose volume
+    /// the host says is `pristine` or not.
+    fn of_local(pristine: bool) -> Facts {
+        Facts { never_written: pristine, read_only: false }
+    }
 }
 
 fn internal(m: impl Into<String>) -> CsiError {
@@ -472,31 +487,21 @@ impl Node {
             )));
         }
         // A volume of the storage host on this machine: its local device, if it makes one.
+        if existing.is_some() && cap == Cap::Block {
+            return Ok(());
+        }
         let local = if existing.is_none() { self.attach_local(id, read_only)? } else { None };
         let (device, facts, attached_now) = match (existing, local) {
-            (Some(d), _) => {
-                if cap == Cap::Block {
-                    return Ok(());
-                }
-                let facts = match &d {
-                    Device::Nbd(i) => {
-                        let info = attach::export_info(&self.attach.run_dir, *i).map_err(|e| attach_error(id, e))?;
-                        Facts { never_written: info.never_written(), read_only: info.read_only() }
-                    }
-                    Device::Local(_) => {
-                        let v =
-                            self.local_volume(id)?.ok_or_else(|| internal(format!("volume {id}: lost its host")))?;
-                        let (_, pristine, _) = v.state().map_err(|e| local_error(id, "read", e))?;
-                        Facts { never_written: pristine, read_only: false }
-                    }
-                };
-                (d, facts, false)
+            (Some(Device::Nbd(i)), _) => {
+                let info = attach::export_info(&self.attach.run_dir, i).map_err(|e| attach_error(id, e))?;
+                (Device::Nbd(i), Facts::of_export(&info), false)
             }
-            (None, Some((d, facts))) => {
+            (Some(d @ Device::Local { pristine, .. }), _) => (d, Facts::of_local(pristine), false),
+            (None, Some(d @ Device::Local { pristine, .. })) => {
                 tracing::info!(volume_id = id, device = %d.path().display(), "attached locally");
-                (d, facts, true)
+                (d, Facts::of_local(pristine), true)
             }
-            (None, None) => {
+            (None, _) => {
                 let mut last = None;
                 let mut done = None;
                 for uri in &uris {
@@ -526,11 +531,7 @@ impl Node {
                 }
                 let Some(a) = done else { return Err(last.unwrap_or_else(|| internal("no NBD address"))) };
                 tracing::info!(volume_id = id, device = a.index, "attached");
-                (
-                    Device::Nbd(a.index),
-                    Facts { never_written: a.info.never_written(), read_only: a.info.read_only() },
-                    true,
-                )
+                (Device::Nbd(a.index), Facts::of_export(&a.info), true)
             }
         };
         let Cap::Mount { fs, flags } = cap else { return Ok(()) };
@@ -738,9 +739,7 @@ impl Node {
             })?,
             // The host resized the device with the volume (ControllerExpandVolume),
             // where the kernel can.
-            Device::Local(path) => {
-                let v = self.local_volume(id)?.ok_or_else(|| internal(format!("volume {id}: lost its host")))?;
-                let (size, _, _) = v.state().map_err(|e| local_error(id, "read", e))?;
+            &Device::Local { ref path, size, .. } => {
                 let seen = device.kernel_size();
                 if seen < size {
                     return Err(CsiError::new(
@@ -823,7 +822,7 @@ impl Node {
         let index = match device {
             Device::Nbd(i) => i,
             // Found through the host, which names it as the volume's device: it serves.
-            Device::Local(path) => {
+            Device::Local { path, .. } => {
                 let message = format!("attached as the local device {}", path.display());
                 return Ok(pb::NodeGetVolumeStatsResponse {
                     usage,

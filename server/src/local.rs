@@ -259,14 +259,11 @@ impl LocalDevices {
     pub fn detach_for(&self, name: &str, node: &str) -> Option<LocalDevice> {
         let a = {
             let mut t = self.table();
-            match t.devices.get(name) {
-                Some(Slot::Attached(a)) if a.node.as_deref() == Some(node) => {}
-                _ => return None,
+            if !matches!(t.devices.get(name), Some(Slot::Attached(a)) if a.node.as_deref() == Some(node)) {
+                return None;
             }
-            match t.devices.remove(name) {
-                Some(Slot::Attached(a)) => a,
-                _ => unreachable!("checked under the same lock"),
-            }
+            let Some(Slot::Attached(a)) = t.devices.remove(name) else { return None };
+            a
         };
         #[cfg(feature = "ublk")]
         a.device.remove();
