@@ -92,11 +92,16 @@ impl HostSide {
 
     /// The ferrovol binary without its debug info, for the guest's RAM.
     fn stripped_bin(&self) -> PathBuf {
-        let bin = self.dir.with_file_name("ferrovol");
-        let st = Command::new("objcopy").args(["--strip-debug", BIN, bin.to_str().unwrap()]).status().unwrap();
-        assert!(st.success(), "objcopy --strip-debug");
-        bin
+        stripped(Path::new(BIN), &self.dir.with_file_name("ferrovol"))
     }
+}
+
+/// `from` copied to `to` without its debug info (the guest's RAM holds what it runs);
+/// returns `to`.
+fn stripped(from: &Path, to: &Path) -> PathBuf {
+    let st = Command::new("objcopy").arg("--strip-debug").arg(from).arg(to).status().unwrap();
+    assert!(st.success(), "objcopy --strip-debug {}", from.display());
+    to.to_path_buf()
 }
 
 /// `ferrovol serve` on `dir`: NBD on `port`, advertised to the guest as 10.0.2.2, keys
@@ -183,12 +188,7 @@ fn csi_sanity_passes_the_node_cases_in_the_kernel_vm() {
 fn csi_node_flow_in_the_kernel_vm() {
     let host = HostSide::start();
     let bin = host.stripped_bin();
-    let me = host.dir.with_file_name("csi-flow");
-    let st = Command::new("objcopy")
-        .args(["--strip-debug", std::env::current_exe().unwrap().to_str().unwrap(), me.to_str().unwrap()])
-        .status()
-        .unwrap();
-    assert!(st.success(), "objcopy --strip-debug");
+    let me = stripped(&std::env::current_exe().unwrap(), &host.dir.with_file_name("csi-flow"));
     let out = Command::new("bash")
         .arg(nbd_vm())
         .args(["-t", "1200"])
@@ -218,12 +218,7 @@ fn csi_node_keeps_volumes_through_restarts_in_the_kernel_vm() {
     let share = host.dir.with_file_name("share");
     std::fs::create_dir_all(&share).unwrap();
     let bin = host.stripped_bin();
-    let me = host.dir.with_file_name("csi-flow");
-    let st = Command::new("objcopy")
-        .args(["--strip-debug", std::env::current_exe().unwrap().to_str().unwrap(), me.to_str().unwrap()])
-        .status()
-        .unwrap();
-    assert!(st.success(), "objcopy --strip-debug");
+    let me = stripped(&std::env::current_exe().unwrap(), &host.dir.with_file_name("csi-flow"));
     let mut vm = Command::new("bash")
         .arg(nbd_vm())
         .args(["-t", "1200", "-s", share.to_str().unwrap()])
@@ -273,12 +268,8 @@ fn csi_node_keeps_volumes_through_restarts_in_the_kernel_vm() {
 fn csi_node_attaches_local_volumes_as_ublk_devices_in_the_kernel_vm() {
     assert!(nbd_vm().exists(), "{} is missing", nbd_vm().display());
     let tmp = tempfile::tempdir().unwrap();
-    let bin = tmp.path().join("ferrovol");
-    let me = tmp.path().join("csi-flow");
-    for (from, to) in [(Path::new(BIN).to_path_buf(), &bin), (std::env::current_exe().unwrap(), &me)] {
-        let st = Command::new("objcopy").arg("--strip-debug").arg(&from).arg(to).status().unwrap();
-        assert!(st.success(), "objcopy --strip-debug");
-    }
+    let bin = stripped(Path::new(BIN), &tmp.path().join("ferrovol"));
+    let me = stripped(&std::env::current_exe().unwrap(), &tmp.path().join("csi-flow"));
     let out = Command::new("bash")
         .arg(nbd_vm())
         .args(["-t", "900"])
