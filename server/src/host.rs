@@ -10,7 +10,7 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use storage_engine::{Pool, PoolOptions};
@@ -75,6 +75,9 @@ pub struct HostOptions {
     pub io_immediate_enter: bool,
     /// NBD data-plane threads (at least 1).
     pub dataplane_threads: usize,
+    /// How long a data-plane thread keeps polling its sockets and ring after its last
+    /// work before it sleeps ([`busy_poll`]); zero (the default) sleeps at once.
+    pub busy_poll: Duration,
     /// The NBD server's limits (timeouts, connections, memory budgets, shutdown grace).
     pub nbd: nbd::ServerConfig,
 }
@@ -106,6 +109,7 @@ impl HostOptions {
             request_timing: false,
             io_immediate_enter: false,
             dataplane_threads: 1,
+            busy_poll: Duration::ZERO,
             nbd: nbd::ServerConfig::default(),
         }
     }
@@ -210,7 +214,8 @@ impl Host {
         }
         let data_dir = &opts.data_dir;
         std::fs::create_dir_all(data_dir).with_context(|| format!("create data dir {}", data_dir.display()))?;
-        let dataplane = DataPlane::start(opts.dataplane_threads).context("start the NBD data-plane threads")?;
+        let dataplane =
+            DataPlane::start(opts.dataplane_threads, opts.busy_poll).context("start the NBD data-plane threads")?;
         let pool_opts = PoolOptions {
             size: opts.pool_size,
             unit_size: opts.unit_size,
@@ -632,6 +637,36 @@ fn bind_unix(path: &Path) -> anyhow::Result<tokio::net::UnixListener> {
     tokio::net::UnixListener::bind(path).with_context(|| format!("bind {}", path.display()))
 }
 
+/// A turn of [`busy_poll`]'s loop longer than this ran other tasks: work, which starts
+/// its window again. An idle turn (the scheduler finding nothing, one `epoll_wait` with
+/// no timeout) takes 1 to 2 µs.
+const POLL_TURN_WITH_WORK: Duration = Duration::from_micros(5);
+
+/// Keeps its data-plane thread from sleeping for `window` after the thread's last work:
+/// the task yields in a loop, so that the runtime, having a task to come back to, polls
+/// its sockets and the ring's eventfd without a timeout instead of parking in
+/// `epoll_wait`. A request or completion arriving meanwhile is then picked up without
+/// the thread's sleep and wake-up, which on a virtual machine whose idle vCPU exits to
+/// its host is the largest part of a QD1 round trip (BENCHMARKS.md). After `window`
+/// with no work the task waits on `woke`, which the runtime's unpark hook signals, so an
+/// idle thread sleeps as before and spins `window` once per wake-up. The cost: the
+/// thread's core is busy while it polls, up to `window` after each burst.
+async fn busy_poll(window: Duration, woke: Arc<tokio::sync::Notify>) {
+    loop {
+        woke.notified().await;
+        let mut last = Instant::now();
+        let mut until = last + window;
+        while last < until {
+            tokio::task::yield_now().await;
+            let now = Instant::now();
+            if now - last > POLL_TURN_WITH_WORK {
+                until = now + window;
+            }
+            last = now;
+        }
+    }
+}
+
 /// The NBD data plane: threads each driving a current-thread tokio runtime that reaps
 /// one of the pool's io_urings and serves the NBD connections placed on it, so that a
 /// request is received, submitted, completed and answered on one thread with no
@@ -645,17 +680,28 @@ struct DataPlane {
 }
 
 impl DataPlane {
-    /// Starts `n` (at least 1) threads: `ferrovol-nbd`, then `ferrovol-nbd-1` and on.
-    fn start(n: usize) -> std::io::Result<DataPlane> {
+    /// Starts `n` (at least 1) threads: `ferrovol-nbd`, then `ferrovol-nbd-1` and on;
+    /// each polls for `poll` after its last work before it sleeps ([`busy_poll`]).
+    fn start(n: usize, poll: Duration) -> std::io::Result<DataPlane> {
         let (mut handles, mut stops, mut threads) = (Vec::new(), Vec::new(), Vec::new());
         for i in 0..n.max(1) {
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            let woke = Arc::new(tokio::sync::Notify::new());
+            let mut builder = tokio::runtime::Builder::new_current_thread();
+            builder.enable_all();
+            if !poll.is_zero() {
+                let woke = Arc::clone(&woke);
+                builder.on_thread_unpark(move || woke.notify_one());
+            }
+            let rt = builder.build()?;
             handles.push(rt.handle().clone());
             let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
             stops.push(stop);
             let name = if i == 0 { "ferrovol-nbd".to_owned() } else { format!("ferrovol-nbd-{i}") };
             threads.push(std::thread::Builder::new().name(name).spawn(move || {
                 rt.block_on(async {
+                    if !poll.is_zero() {
+                        tokio::spawn(busy_poll(poll, woke));
+                    }
                     let _ = stopped.await;
                 });
             })?);

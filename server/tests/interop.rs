@@ -1,5 +1,6 @@
 //! The shared NBD interoperability checklist (../shared/tools/nbd-interop.sh) against a
-//! fresh 1 GiB volume, over TCP (one data-plane thread) and over the unix socket (two).
+//! fresh 1 GiB volume, over TCP (one data-plane thread) and over the unix socket (two,
+//! busy-polling); and a busy-polling server going back to sleep once idle.
 
 mod common;
 
@@ -57,13 +58,53 @@ fn interop_checklist_tcp() {
 fn interop_checklist_unix() {
     // Every check of the shared NBD checklist passes over the unix socket, with two
     // data-plane threads (connections placed on both, two io_urings; the TCP test
-    // covers the default of one).
+    // covers the default of one), each polling before it sleeps (the TCP test covers
+    // sleeping at once).
     let td = TestDir::new();
-    let mut s = Server::start_with(&td.data(), "2GiB", &["--dataplane-threads", "2"]);
+    let mut s = Server::start_with(&td.data(), "2GiB", &["--dataplane-threads", "2", "--busy-poll-us", "200"]);
     s.create_volume("interop", "1GiB");
     let scratch = td.path().join("scratch");
     run_checklist(&s.unix_uri("interop"), &scratch);
     // what the checklist left behind is a consistent pool
     s.stop();
     check_clean(&td.data());
+}
+
+/// CPU time (user and system) `pid` has used, in clock ticks (/proc/PID/stat).
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // The fields after the command name, which is in parentheses: utime is the 14th
+    // field of the line, stime the 15th.
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = rest.split(' ').collect();
+    f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
+}
+
+#[test]
+fn a_busy_polling_server_sleeps_again_when_idle() {
+    // `--busy-poll-us` keeps a data-plane thread polling after work, not forever: once
+    // the client is done, the server's CPU use falls back to about nothing (a thread
+    // that never stopped polling would use a whole core).
+    require_python_nbd();
+    let td = TestDir::new();
+    let s = Server::start_with(&td.data(), "2GiB", &["--busy-poll-us", "1000", "--dataplane-threads", "2"]);
+    s.create_volume("p", "64MiB");
+    let code = r#"
+import sys, nbd
+h = nbd.NBD(); h.connect_uri(sys.argv[1])
+for i in range(200):
+    h.pwrite(bytes([i % 251]) * 4096, i * 4096)
+for i in range(200):
+    assert h.pread(4096, i * 4096) == bytes([i % 251]) * 4096, i
+h.flush()
+h.shutdown()
+"#;
+    let out = Command::new(PYTHON).args(["-c", code, &s.uri("p")]).env("PATH", peer_path()).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let hz = 100.0; // USER_HZ, the unit of /proc/PID/stat on Linux
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let (t0, c0) = (std::time::Instant::now(), cpu_ticks(s.pid()));
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    let used = (cpu_ticks(s.pid()) - c0) as f64 / hz / t0.elapsed().as_secs_f64();
+    assert!(used < 0.25, "an idle busy-polling server used {:.0}% of a core", used * 100.0);
 }

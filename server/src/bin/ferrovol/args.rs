@@ -275,6 +275,11 @@ pub(crate) struct ServeArgs {
     /// takes less CPU per I/O at queue depth; BENCHMARKS.md). For comparing the two.
     #[arg(long)]
     pub(crate) io_immediate_enter: bool,
+    /// Microseconds a data-plane thread keeps polling its connections and io_uring
+    /// after its last work before it sleeps: lower latency for a core kept busy while
+    /// it polls (BENCHMARKS.md). 0, the default, sleeps at once.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=1_000_000))]
+    pub(crate) busy_poll_us: u64,
 }
 
 /// A volume's QoS limits (per volume, whatever the number of connections; a request
@@ -718,6 +723,7 @@ impl ServeArgs {
         o.request_timing = self.request_timing;
         o.io_immediate_enter = self.io_immediate_enter;
         o.dataplane_threads = self.dataplane_threads as usize;
+        o.busy_poll = Duration::from_micros(self.busy_poll_us);
         o.nbd = nbd::ServerConfig {
             handshake_timeout: Duration::from_secs(self.handshake_timeout),
             idle_timeout: (self.idle_timeout > 0).then(|| Duration::from_secs(self.idle_timeout)),
