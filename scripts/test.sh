@@ -4,7 +4,7 @@
 # tests against qemu-io/qemu-img/nbdinfo/nbdcopy/nbdsh/fio, kill -9 crash tests, the
 # shared NBD interoperability checklist, and the Linux kernel NBD client in a VM), then
 # the deterministic concurrency checks of the engine's sharing state machine and of its
-# io_uring submitter hand-over (shuttle),
+# io_uring submitter hand-over (shuttle, and loom for its fences),
 # and the Kubernetes manifests checked offline (scripts/validate-k8s.sh).
 # Formatting (rustfmt) and lints (clippy, warnings as errors) are checked first.
 set -euo pipefail
@@ -26,4 +26,8 @@ cargo nextest run --workspace "${FEATURES[@]}" --profile ci --no-fail-fast "$@" 
 # explored by shuttle's schedulers.
 cargo nextest run -p storage-engine --features shuttle --test sharing_model --lib --profile ci --no-fail-fast \
   -E 'binary(sharing_model) | test(/submit_model/)' || status=$?
+# The memory ordering of that hand-over (its fences): the engine's lib tests built on
+# loom's atomics (a build of its own), explored by loom's checker.
+cargo nextest run -p storage-engine --features loom --lib --profile ci --no-fail-fast \
+  -E 'test(/fence_model/)' || status=$?
 exit $status

@@ -394,11 +394,15 @@ struct State {
 
 /// The atomics of the hand-over between submissions and a lane's submitter task: std's,
 /// or shuttle's when the engine is built for the deterministic concurrency checks
-/// (feature `shuttle`), so that its schedulers interleave threads at each of them.
+/// (feature `shuttle`), so that its schedulers interleave threads at each of them, or
+/// loom's (feature `loom`), so that its checker also lets a load read an older store
+/// where the memory model allows it (`fence_model`).
 mod hand_over {
+    #[cfg(all(feature = "loom", not(feature = "shuttle")))]
+    pub use loom::sync::atomic::{fence, AtomicBool};
     #[cfg(feature = "shuttle")]
     pub use shuttle::sync::atomic::{fence, AtomicBool};
-    #[cfg(not(feature = "shuttle"))]
+    #[cfg(not(any(feature = "shuttle", feature = "loom")))]
     pub use std::sync::atomic::{fence, AtomicBool};
 }
 
@@ -409,7 +413,8 @@ mod hand_over {
 /// The promise kept: every entry pushed into the submission queue is entered by the
 /// submitter that was handed it, or by the one that pushed it, or by the task's last
 /// enter when it ends (the lane closing, or its runtime shutting down). Checked over
-/// explored schedules by `submit_model` (feature `shuttle`).
+/// explored schedules by `submit_model` (feature `shuttle`), and its fences against
+/// store buffering by `fence_model` (feature `loom`).
 pub(crate) struct Submitter {
     /// The lane whose reaper runs on that thread ([`LANE`]).
     lane: (u64, usize),
@@ -929,7 +934,7 @@ mod tests {
 /// itself. Shuttle runs every atomic as sequentially consistent, so the model checks
 /// the protocol's interleavings, not the memory ordering: the fences of
 /// `Submitter::hand_over` and the task's end (against store buffering between the
-/// queue's tail and `alive`) are argued in their comments, not explored here. Run
+/// queue's tail and `alive`) are explored by `fence_model` under loom instead. Run
 /// with `cargo nextest run -p storage-engine --features shuttle --lib submit_model`.
 #[cfg(all(test, feature = "shuttle"))]
 mod submit_model {
@@ -1057,5 +1062,54 @@ mod submit_model {
     #[test]
     fn a_submitter_task_dropped_by_its_runtime_leaves_nothing_in_the_queue() {
         explore(a_task_dropped_by_its_runtime_leaves_nothing_behind);
+    }
+}
+
+/// The memory ordering of the hand-over, under loom's checker (which, unlike shuttle,
+/// lets a load read an older store wherever the C++/Rust memory model allows it): a
+/// submission pushes an entry (the submission queue's tail stored with `Release`, as
+/// the io-uring crate stores it) and hands it to the task, while the task ends (its
+/// runtime dropping it) and enters once more (the kernel reading the tail with
+/// `Acquire`). Checked in every execution: an entry the submission handed over (it saw
+/// the task alive) is seen by the task's last enter. Without the two `SeqCst` fences
+/// both sides may read the other's old value (store buffering) and the entry is left in
+/// the queue with nobody to enter it; loom finds that execution. Run with
+/// `cargo nextest run -p storage-engine --features loom --lib fence_model`.
+#[cfg(all(test, feature = "loom", not(feature = "shuttle")))]
+mod fence_model {
+    use std::sync::atomic::Ordering;
+
+    use loom::sync::atomic::{AtomicBool, AtomicU32};
+    use loom::sync::Arc;
+
+    use super::Submitter;
+
+    #[test]
+    fn an_entry_handed_to_an_ending_task_is_entered() {
+        loom::model(|| {
+            let s = std::sync::Arc::new(Submitter::new((1, 0)));
+            // The submission queue's tail, and whether the task's last enter took it.
+            let tail = Arc::new(AtomicU32::new(0));
+            let entered = Arc::new(AtomicBool::new(false));
+            let task = {
+                let (tail, entered) = (tail.clone(), entered.clone());
+                s.clone().run(move || {
+                    if tail.load(Ordering::Acquire) == 1 {
+                        entered.store(true, Ordering::Relaxed);
+                    }
+                })
+            };
+            let submission = {
+                let (s, tail) = (s.clone(), tail.clone());
+                loom::thread::spawn(move || {
+                    tail.store(1, Ordering::Release);
+                    s.hand_over(true)
+                })
+            };
+            // The runtime drops the task before its first poll: its last enter runs.
+            drop(task);
+            let handed = submission.join().unwrap();
+            assert!(!handed || entered.load(Ordering::Relaxed), "an entry handed to the ending task was never entered");
+        });
     }
 }
