@@ -32,7 +32,8 @@ build
 D=$WORK/queue
 rm -rf "$D" "$WORK/queue.raw"
 mkdir -p "$WORK"
-trap 'stop_server; rm -rf "$D" "$WORK/queue.raw" "$WORK/queue.json"' EXIT
+PID=
+trap '[ -z "$PID" ] || stop_server; rm -rf "$D" "$WORK/queue.raw" "$WORK/queue.json"' EXIT
 DEV=${DEV:-$(basename "$(df --output=source "$WORK" | tail -1)")}
 grep -q " $DEV " /proc/diskstats || { echo "no /proc/diskstats line for $DEV; set DEV" >&2; exit 2; }
 CLIENT=${CLIENT_CPUS:+taskset -c $CLIENT_CPUS}

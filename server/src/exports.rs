@@ -17,6 +17,7 @@ use tokio::sync::watch;
 use crate::access::{ExportName, Fences, NbdAccess};
 
 use crate::errors::nbd_errno;
+use crate::host::Working;
 use crate::metrics::{Metrics, VolumeMetrics};
 use crate::qos::{Direction, Limiter, Limiters};
 
@@ -100,6 +101,7 @@ impl Export for VolumeExport {
     }
 
     async fn read(&self, offset: u64, len: u32) -> Result<ReadData<AlignedBuf>, Errno> {
+        let _working = Working::begin();
         self.admit(Direction::Read, u64::from(len)).await?;
         let t = std::time::Instant::now();
         let r = self.vol.read(offset, u64::from(len)).await;
@@ -114,6 +116,7 @@ impl Export for VolumeExport {
     }
 
     async fn write(&self, offset: u64, buf: AlignedBuf, fua: bool) -> Result<(), Errno> {
+        let _working = Working::begin();
         let len = buf.as_ref().len() as u64;
         self.admit(Direction::Write, len).await?;
         self.check_fence()?;
@@ -132,12 +135,14 @@ impl Export for VolumeExport {
     }
 
     async fn flush(&self) -> Result<(), Errno> {
+        let _working = Working::begin();
         let r = self.vol.flush().await;
         self.m.flush(r.is_ok());
         r.map_err(|e| log_err("flush", e))
     }
 
     async fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<(), Errno> {
+        let _working = Working::begin();
         self.admit(Direction::Write, 0).await?;
         self.check_fence()?;
         let r = self.vol.trim(offset, len, fua).await;
@@ -153,6 +158,7 @@ impl Export for VolumeExport {
         fast_only: bool,
         fua: bool,
     ) -> Result<(), Errno> {
+        let _working = Working::begin();
         // Zeroing by unmapping is a metadata change (fast); NO_HOLE writes real zeros.
         if fast_only && !may_unmap {
             return Err(Errno::Enotsup);

@@ -76,7 +76,9 @@ pub struct HostOptions {
     /// NBD data-plane threads (at least 1).
     pub dataplane_threads: usize,
     /// How long a data-plane thread keeps polling its sockets and ring after its last
-    /// work before it sleeps ([`busy_poll`]); zero (the default) sleeps at once.
+    /// work before it sleeps ([`busy_poll`]); zero (the default) sleeps at once. At
+    /// most a millisecond is useful: it is the time a lone request waits for its
+    /// thread's wake-up that polling saves, at the price of a busy core.
     pub busy_poll: Duration,
     /// The NBD server's limits (timeouts, connections, memory budgets, shutdown grace).
     pub nbd: nbd::ServerConfig,
@@ -214,8 +216,9 @@ impl Host {
         }
         let data_dir = &opts.data_dir;
         std::fs::create_dir_all(data_dir).with_context(|| format!("create data dir {}", data_dir.display()))?;
-        let dataplane =
-            DataPlane::start(opts.dataplane_threads, opts.busy_poll).context("start the NBD data-plane threads")?;
+        let metrics = Arc::new(metrics::Metrics::with_request_timing(opts.request_timing));
+        let dataplane = DataPlane::start(opts.dataplane_threads, opts.busy_poll, &metrics.busy_poll_seconds())
+            .context("start the NBD data-plane threads")?;
         let pool_opts = PoolOptions {
             size: opts.pool_size,
             unit_size: opts.unit_size,
@@ -304,7 +307,6 @@ impl Host {
             local: Arc::new(crate::local::LocalDevices::none()),
         };
 
-        let metrics = Arc::new(metrics::Metrics::with_request_timing(opts.request_timing));
         if opts.metrics_listen.is_some() {
             // Dropped with the runtimes when they stop.
             for h in &dataplane.handles {
@@ -637,33 +639,62 @@ fn bind_unix(path: &Path) -> anyhow::Result<tokio::net::UnixListener> {
     tokio::net::UnixListener::bind(path).with_context(|| format!("bind {}", path.display()))
 }
 
-/// A turn of [`busy_poll`]'s loop longer than this ran other tasks: work, which starts
-/// its window again. An idle turn (the scheduler finding nothing, one `epoll_wait` with
-/// no timeout) takes 1 to 2 µs.
-const POLL_TURN_WITH_WORK: Duration = Duration::from_micros(5);
+thread_local! {
+    /// Requests started and finished on this thread: the work [`busy_poll`] watches for.
+    static WORK: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
 
-/// Keeps its data-plane thread from sleeping for `window` after the thread's last work:
-/// the task yields in a loop, so that the runtime, having a task to come back to, polls
-/// its sockets and the ring's eventfd without a timeout instead of parking in
-/// `epoll_wait`. A request or completion arriving meanwhile is then picked up without
-/// the thread's sleep and wake-up, which on a virtual machine whose idle vCPU exits to
-/// its host is the largest part of a QD1 round trip (BENCHMARKS.md). After `window`
-/// with no work the task waits on `woke`, which the runtime's unpark hook signals, so an
-/// idle thread sleeps as before and spins `window` once per wake-up. The cost: the
-/// thread's core is busy while it polls, up to `window` after each burst.
-async fn busy_poll(window: Duration, woke: Arc<tokio::sync::Notify>) {
+/// Counts one NBD request started or finished on the calling thread, for its
+/// [`busy_poll`] task: a guard that counts once when made and once when dropped (the
+/// request answered or abandoned). Costs two thread-local increments.
+pub(crate) struct Working;
+
+impl Working {
+    pub(crate) fn begin() -> Working {
+        WORK.with(|w| w.set(w.get().wrapping_add(1)));
+        Working
+    }
+}
+
+impl Drop for Working {
+    fn drop(&mut self) {
+        WORK.with(|w| w.set(w.get().wrapping_add(1)));
+    }
+}
+
+/// Keeps its data-plane thread from sleeping for `window` after the thread's last NBD
+/// request started or finished ([`Working`]): the task yields in a loop, so that the
+/// runtime, having a task to come back to, polls its sockets and the ring's eventfd
+/// with a zero timeout instead of sleeping in `epoll_wait`. A request or completion
+/// arriving meanwhile is then picked up without the thread's sleep and wake-up, which
+/// on a virtual machine whose idle vCPU exits to its host is a large part of a QD1
+/// round trip (BENCHMARKS.md). After `window` with no request started or finished the
+/// task waits on `woke`, which the runtime's unpark hook signals after each sleep, so
+/// an idle thread sleeps as before; a wake-up that started or finished no request (a
+/// timer, such as the metrics' 10 ms lag probe) polls not at all. The time spent
+/// polling is added to `polled` (seconds). The cost: the thread's core stays busy while
+/// it polls.
+async fn busy_poll(window: Duration, woke: Arc<tokio::sync::Notify>, polled: metrics::Seconds) {
+    let work = || WORK.with(std::cell::Cell::get);
+    let mut seen = work();
     loop {
         woke.notified().await;
-        let mut last = Instant::now();
-        let mut until = last + window;
-        while last < until {
+        if work() == seen {
+            continue;
+        }
+        let start = Instant::now();
+        let mut until = start + window;
+        let mut now = start;
+        while now < until {
+            seen = work();
             tokio::task::yield_now().await;
-            let now = Instant::now();
-            if now - last > POLL_TURN_WITH_WORK {
+            now = Instant::now();
+            if work() != seen {
                 until = now + window;
             }
-            last = now;
         }
+        seen = work();
+        polled.inc_by((now - start).as_secs_f64());
     }
 }
 
@@ -681,8 +712,9 @@ struct DataPlane {
 
 impl DataPlane {
     /// Starts `n` (at least 1) threads: `ferrovol-nbd`, then `ferrovol-nbd-1` and on;
-    /// each polls for `poll` after its last work before it sleeps ([`busy_poll`]).
-    fn start(n: usize, poll: Duration) -> std::io::Result<DataPlane> {
+    /// each polls for `poll` after its last work before it sleeps ([`busy_poll`]),
+    /// counting the time in `polled`.
+    fn start(n: usize, poll: Duration, polled: &metrics::Seconds) -> std::io::Result<DataPlane> {
         let (mut handles, mut stops, mut threads) = (Vec::new(), Vec::new(), Vec::new());
         for i in 0..n.max(1) {
             let woke = Arc::new(tokio::sync::Notify::new());
@@ -692,6 +724,7 @@ impl DataPlane {
                 let woke = Arc::clone(&woke);
                 builder.on_thread_unpark(move || woke.notify_one());
             }
+            let polled = polled.clone();
             let rt = builder.build()?;
             handles.push(rt.handle().clone());
             let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -700,7 +733,7 @@ impl DataPlane {
             threads.push(std::thread::Builder::new().name(name).spawn(move || {
                 rt.block_on(async {
                     if !poll.is_zero() {
-                        tokio::spawn(busy_poll(poll, woke));
+                        tokio::spawn(busy_poll(poll, woke, polled));
                     }
                     let _ = stopped.await;
                 });

@@ -36,6 +36,9 @@ fn latency_histogram() -> Histogram {
 
 type LatencyFamily = Family<VolumeLabel, Histogram, fn() -> Histogram>;
 
+/// A counter of seconds (a handle: clones add to the same series).
+pub type Seconds = Counter<f64, std::sync::atomic::AtomicU64>;
+
 /// Labels of the per-stage request times: the command (`read`, `write`, `other`) and
 /// the stage (`receive`, `serve`, `reply`: [`nbd::RequestTimes`]).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -101,6 +104,8 @@ pub struct Metrics {
     /// How late each data-plane thread's 10 ms tick ran ([`Metrics::dataplane_lag`]).
     dataplane_lag: Histogram,
     dataplane_lag_max: Gauge<f64, std::sync::atomic::AtomicU64>,
+    /// Time the data-plane threads spent polling instead of sleeping (`--busy-poll-us`).
+    busy_poll_seconds: Seconds,
     /// Names that have series, so that those of deleted volumes can be dropped.
     labelled: std::sync::Mutex<std::collections::BTreeMap<String, u64>>,
 }
@@ -161,6 +166,7 @@ impl Metrics {
             stages,
             dataplane_lag: Histogram::new(exponential_buckets(0.000_1, 2.0, 16)),
             dataplane_lag_max: Gauge::default(),
+            busy_poll_seconds: Counter::default(),
             labelled: Default::default(),
             registry: Registry::default(),
         };
@@ -240,7 +246,18 @@ impl Metrics {
             "the latest a data-plane thread ran its 10 ms tick since the server started",
             m.dataplane_lag_max.clone(),
         );
+        r.register(
+            "dataplane_busy_poll_seconds",
+            "time the data-plane threads polled for work instead of sleeping (serve --busy-poll-us)",
+            m.busy_poll_seconds.clone(),
+        );
         Metrics { registry: r, ..m }
+    }
+
+    /// The counter of the time data-plane threads spend polling (`--busy-poll-us`),
+    /// exported as `ferrovol_dataplane_busy_poll_seconds_total`: a handle to add to.
+    pub fn busy_poll_seconds(&self) -> Seconds {
+        self.busy_poll_seconds.clone()
     }
 
     /// Ticks every 10 ms on the calling runtime until dropped, recording how late each

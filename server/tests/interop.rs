@@ -81,14 +81,25 @@ fn cpu_ticks(pid: u32) -> u64 {
 }
 
 #[test]
-fn a_busy_polling_server_sleeps_again_when_idle() {
-    // `--busy-poll-us` keeps a data-plane thread polling after work, not forever: once
-    // the client is done, the server's CPU use falls back to about nothing (a thread
-    // that never stopped polling would use a whole core).
-    require_python_nbd();
+fn a_busy_polling_server_polls_after_work_and_sleeps_when_idle() {
+    // `--busy-poll-us` keeps a data-plane thread polling after work (the time shows in
+    // ferrovol_dataplane_busy_poll_seconds_total), not forever: once the client is done
+    // the server's CPU use falls back to about nothing, even with the metrics' 10 ms
+    // lag probe waking each thread (a thread that polled after every tick would poll a
+    // tenth of the time; one that never stopped would use a whole core).
     let td = TestDir::new();
-    let s = Server::start_with(&td.data(), "2GiB", &["--busy-poll-us", "1000", "--dataplane-threads", "2"]);
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let s = Server::start_with(
+        &td.data(),
+        "2GiB",
+        &["--busy-poll-us", "1000", "--dataplane-threads", "2", "--metrics-listen", &listen],
+    );
     s.create_volume("p", "64MiB");
+    let polled = || {
+        let text = scrape(port);
+        sample(&text, "ferrovol_dataplane_busy_poll_seconds_total").unwrap_or_else(|| panic!("no series:\n{text}"))
+    };
     let code = r#"
 import sys, nbd
 h = nbd.NBD(); h.connect_uri(sys.argv[1])
@@ -99,12 +110,15 @@ for i in range(200):
 h.flush()
 h.shutdown()
 "#;
-    let out = Command::new(PYTHON).args(["-c", code, &s.uri("p")]).env("PATH", peer_path()).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let hz = 100.0; // USER_HZ, the unit of /proc/PID/stat on Linux
+    python_ok(code, &[&s.uri("p")]);
+    let after_work = polled();
+    assert!(after_work > 0.0, "400 requests one at a time, and no polling after any of them");
     std::thread::sleep(std::time::Duration::from_millis(200));
-    let (t0, c0) = (std::time::Instant::now(), cpu_ticks(s.pid()));
+    let hz = 100.0; // USER_HZ, the unit of /proc/PID/stat on Linux
+    let (t0, c0, p0) = (std::time::Instant::now(), cpu_ticks(s.pid()), polled());
     std::thread::sleep(std::time::Duration::from_secs(2));
-    let used = (cpu_ticks(s.pid()) - c0) as f64 / hz / t0.elapsed().as_secs_f64();
+    let secs = t0.elapsed().as_secs_f64();
+    let (used, idle_polled) = ((cpu_ticks(s.pid()) - c0) as f64 / hz / secs, (polled() - p0) / secs);
+    assert!(idle_polled < 0.02, "an idle server polled {:.1}% of the time", idle_polled * 100.0);
     assert!(used < 0.25, "an idle busy-polling server used {:.0}% of a core", used * 100.0);
 }

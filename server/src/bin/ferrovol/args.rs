@@ -275,10 +275,11 @@ pub(crate) struct ServeArgs {
     /// takes less CPU per I/O at queue depth; BENCHMARKS.md). For comparing the two.
     #[arg(long)]
     pub(crate) io_immediate_enter: bool,
-    /// Microseconds a data-plane thread keeps polling its connections and io_uring
-    /// after its last work before it sleeps: lower latency for a core kept busy while
-    /// it polls (BENCHMARKS.md). 0, the default, sleeps at once.
-    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=1_000_000))]
+    /// Microseconds (0 to 1000) a data-plane thread keeps polling its connections and
+    /// io_uring after its last work before it sleeps: lower latency for a lone request,
+    /// for a core kept busy while it polls (BENCHMARKS.md). 0, the default, sleeps at
+    /// once.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=1000))]
     pub(crate) busy_poll_us: u64,
 }
 
