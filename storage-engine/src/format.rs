@@ -335,9 +335,9 @@ const _: () = assert!(size_of::<VolumeRec>() == 24);
 /// [`VolumeRec::flags`]: a read-only snapshot rather than a writable volume.
 pub const VOLUME_FLAG_SNAPSHOT: u16 = 1;
 /// [`VolumeRec::flags`], in checkpoints: the volume is not *pristine*: it was made by
-/// sharing (a clone or snapshot of a written one) or has had a unit mapped since it was
-/// created empty. In the log a [`REC_MAP`] record implies it, and a [`REC_SHARE`]
-/// record sets it for a clone (a snapshot takes its source's).
+/// sharing a written one (a clone or snapshot of it) or has had a unit mapped since it
+/// was created. In the log a [`REC_MAP`] record implies it, and a [`REC_SHARE`] record
+/// gives the new volume its source's.
 pub const VOLUME_FLAG_WRITTEN: u16 = 2;
 
 /// Head of a [`REC_PROPS`] body (16 bytes), followed by `labels` labels (each a

@@ -26,8 +26,8 @@ pub struct VolumeInfo {
     /// Creation time, seconds since the Unix epoch.
     pub created: u64,
     /// Created empty and never written since: no unit was ever mapped, so every block
-    /// reads as zeros and no file system can be on it. A clone is never pristine, nor is
-    /// a snapshot of a volume that was not.
+    /// reads as zeros and no file system can be on it. A clone or snapshot is pristine
+    /// when its source was at that moment (it shares nothing mapped).
     pub pristine: bool,
     /// Its labels, sorted by key.
     pub labels: Labels,

@@ -1261,3 +1261,64 @@ fn an_open_after_a_torn_batch_numbers_past_it() {
     assert!(rt.block_on(read(&pool.volume("v").unwrap(), 0, 4096)).iter().all(|&b| b == 0x22));
     pool.close().unwrap();
 }
+
+/// A snapshot or clone counts as pristine (nothing ever written: a CSI node may format
+/// it) exactly when its source did: one of a volume never written shares nothing
+/// mapped and reads as zeros; one of a written volume does not. The same after a
+/// crash-style reopen (the log replayed) and after a checkpoint and a clean reopen.
+#[test]
+fn snapshots_and_clones_are_pristine_when_their_source_is() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = pool_path(dir.path());
+    let rt = rt();
+    let pool = create(dir.path(), 64 * MIB);
+    for name in ["empty", "data"] {
+        rt.block_on(pool.create_volume(name, 4 * MIB)).unwrap();
+    }
+    rt.block_on(write(&pool.volume("data").unwrap(), 0, &[0x5a; 4096], false)).unwrap();
+    for source in ["empty", "data"] {
+        rt.block_on(pool.create_snapshot(source, "s")).unwrap();
+        rt.block_on(pool.clone_volume(source, &format!("{source}-clone"))).unwrap();
+        rt.block_on(pool.clone_volume(&format!("{source}@s"), &format!("{source}-restore"))).unwrap();
+    }
+    // Written after its snapshot and clone: those keep what they were.
+    rt.block_on(pool.create_volume("later", 4 * MIB)).unwrap();
+    rt.block_on(pool.create_snapshot("later", "s")).unwrap();
+    rt.block_on(pool.clone_volume("later", "later-clone")).unwrap();
+    rt.block_on(write(&pool.volume("later").unwrap(), 0, &[1; 4096], false)).unwrap();
+    // A pristine clone written becomes written; its source stays pristine.
+    rt.block_on(pool.clone_volume("empty", "used")).unwrap();
+    rt.block_on(write(&pool.volume("used").unwrap(), 4096, &[2; 4096], false)).unwrap();
+    rt.block_on(pool.flush()).unwrap();
+    let names = [
+        "empty",
+        "empty@s",
+        "empty-clone",
+        "empty-restore",
+        "data",
+        "data@s",
+        "data-clone",
+        "data-restore",
+        "later",
+        "later@s",
+        "later-clone",
+        "used",
+    ];
+    let want = [true, true, true, true, false, false, false, false, false, true, true, false];
+    let pristine = |pool: &Pool| names.map(|n| pool.volume_info(n).unwrap().pristine);
+    assert_eq!(pristine(&pool), want, "{names:?}");
+    for (n, w) in names.iter().zip(want) {
+        if w {
+            let v = pool.volume(n).unwrap();
+            assert!(rt.block_on(read(&v, 0, 4 * MIB)).iter().all(|&b| b == 0), "{n} is pristine but holds data");
+        }
+    }
+    let pool = reopen_crash(pool, dir.path());
+    assert_eq!(pristine(&pool), want, "after the log's replay: {names:?}");
+    rt.block_on(pool.checkpoint()).unwrap();
+    pool.close().unwrap();
+    let pool = Pool::open(&path).unwrap();
+    assert_eq!(pristine(&pool), want, "from a checkpoint: {names:?}");
+    pool.close().unwrap();
+    assert_clean(dir.path());
+}

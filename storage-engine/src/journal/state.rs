@@ -124,8 +124,8 @@ impl State {
                         "log shares volume {source} with a different size or as a snapshot of a snapshot"
                     )));
                 }
-                // A clone is never pristine; a snapshot is what its source was.
-                let written = !snapshot || src.written;
+                // A snapshot or clone is pristine when its source was (catalogue.rs).
+                let written = src.written;
                 let map = src.map.share(&mut self.alloc);
                 self.alloc.counts.volumes += 1;
                 self.alloc.counts.volume_bytes += name.len() as u64;

@@ -342,8 +342,11 @@ impl Pool {
                     size,
                     created,
                     map: map.share(&mut alloc),
-                    // A clone is never pristine; a snapshot is what its source was.
-                    written: !snapshot || src.written.load(Ordering::SeqCst),
+                    // A snapshot or clone is pristine when its source is: it shares
+                    // nothing mapped. Read under the source's map lock, which a first
+                    // mapping holds while it sets the flag and logs its record, so
+                    // replay, seeing the records in that order, agrees.
+                    written: src.written.load(Ordering::SeqCst),
                     props: props.clone(),
                 };
                 alloc.counts.volumes += 1;
