@@ -159,7 +159,9 @@ pub(crate) async fn volume_cmd(target: &Target, cmd: VolumeCmd) -> anyhow::Resul
                 qos: (qos != mgmt_api::Qos::default()).then_some(qos),
             };
             let v = c.create_volume_with(req).await?;
-            out!("created volume {} ({} bytes, {})", v.name, v.size_bytes, human(v.size_bytes));
+            // With --exist-ok the answer does not tell a new volume from a matching one.
+            let what = if exist_ok { "volume (created, or there already)" } else { "created volume" };
+            out!("{what} {} ({} bytes, {})", v.name, v.size_bytes, human(v.size_bytes));
         }
         VolumeCmd::SetQos { name, clear, qos } => {
             let base = if clear { mgmt_api::Qos::default() } else { c.volume(&name).await?.qos.unwrap_or_default() };
@@ -199,7 +201,7 @@ pub(crate) async fn volume_cmd(target: &Target, cmd: VolumeCmd) -> anyhow::Resul
                     human(v.allocated_bytes),
                     v.export_name
                 );
-                out!("written: {}", if v.pristine { "never (created empty)" } else { "yes" });
+                out!("written: {}", if v.pristine { "never (reads as zeros)" } else { "yes" });
                 if !v.local_device.is_empty() {
                     out!("local device: {}", v.local_device);
                 }
