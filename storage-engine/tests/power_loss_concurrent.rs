@@ -651,6 +651,11 @@ fn check_cut(image: &Path, base: &[u8], events: &[IoEvent], history: &[Done], cu
         let may = model.attached(name, cut);
         assert!(may.contains(&attached), "{name}: attached to n {attached}, allowed {may:?}");
         let regions = read_regions(&rt, &v);
+        // Shared from a source that held written data (a non-zero write returned
+        // before the share began): its first mapping was logged before the share.
+        let shared_written =
+            model.source(name).is_some() && regions.iter().any(|(s, _)| !model.first_content(name, *s).contains(&0));
+        assert!(!(shared_written && v.is_pristine()), "{name} was shared from written data but counts as pristine");
         if v.is_pristine() {
             assert!(regions.iter().all(|(_, b)| b.iter().all(|&x| x == 0)), "{name} counts as pristine but holds data");
         }

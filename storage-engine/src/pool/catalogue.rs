@@ -343,9 +343,10 @@ impl Pool {
                     created,
                     map: map.share(&mut alloc),
                     // A snapshot or clone is pristine when its source is: it shares
-                    // nothing mapped. Read under the source's map lock, which a first
-                    // mapping holds while it sets the flag and logs its record, so
-                    // replay, seeing the records in that order, agrees.
+                    // nothing mapped. A first mapping sets the flag and logs its
+                    // record under the source's gate, which this share holds until
+                    // its own record is logged, so replay sees them in this order
+                    // and agrees.
                     written: src.written.load(Ordering::SeqCst),
                     props: props.clone(),
                 };
