@@ -83,6 +83,16 @@ fn a_limited_volume_serves_its_limit_and_an_unlimited_one_more() {
     assert!(err.contains("burst without a limit"), "{err}");
     let err = s.cli_err(&["volume", "create", "x", "--size", "1MiB", "--label", "ferrovol/qos=read-iops=1"]);
     assert!(err.contains("set by the server"), "{err}");
+    // The limits are kept as a label of the server's own, which counts among the 16:
+    // the refusal says so, and nothing is made.
+    let labels: Vec<String> = (0..16).map(|i| format!("k{i}=v")).collect();
+    let mut args = vec!["volume", "create", "full", "--size", "1MiB", "--write-iops", "10"];
+    for l in &labels {
+        args.extend(["--label", l.as_str()]);
+    }
+    let err = s.cli_err(&args);
+    assert!(err.contains("17 labels, 1 of them the server's own"), "{err}");
+    assert!(!s.cli_ok(&["volume", "list"]).contains("full"), "a refused create made a volume");
     let mut s = s;
     s.kill9();
     s.restart();
