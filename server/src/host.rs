@@ -644,7 +644,8 @@ thread_local! {
     static WORK: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
-/// Counts one NBD request started or finished on the calling thread, for its
+/// Counts one request (NBD, or a ublk device's, which the data-plane threads also
+/// run) started or finished on the calling thread, for its
 /// [`busy_poll`] task: a guard that counts once when made and once when dropped (the
 /// request answered or abandoned). Costs two thread-local increments.
 pub(crate) struct Working;

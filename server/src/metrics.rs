@@ -248,7 +248,8 @@ impl Metrics {
         );
         r.register(
             "dataplane_busy_poll_seconds",
-            "time the data-plane threads polled for work instead of sleeping (serve --busy-poll-us)",
+            "time the data-plane threads spent in polling windows instead of sleeping, the work done in them included \
+             (serve --busy-poll-us)",
             m.busy_poll_seconds.clone(),
         );
         Metrics { registry: r, ..m }

@@ -91,7 +91,7 @@ fn a_limited_volume_serves_its_limit_and_an_unlimited_one_more() {
         args.extend(["--label", l.as_str()]);
     }
     let err = s.cli_err(&args);
-    assert!(err.contains("17 labels, 1 of them the server's own"), "{err}");
+    assert!(err.contains("17 labels, 1 of them named ferrovol/"), "{err}");
     assert!(!s.cli_ok(&["volume", "list"]).contains("full"), "a refused create made a volume");
     let mut s = s;
     s.kill9();

@@ -212,11 +212,10 @@ fn invalid(message: String) -> Error {
 /// Errors: [`ErrorKind::InvalidArgument`] naming the label.
 pub fn validate_labels(labels: &Labels) -> Result<()> {
     if labels.len() > MAX_LABELS {
-        // Settings the server keeps as labels of its own (`ferrovol/...`, such as the
-        // QoS limits) count too: say so, or a user who gave 16 is left wondering.
+        // Settings the server keeps as labels (`ferrovol/...`: QoS limits, a clone's
+        // origin) count too: say so, or a user who gave 16 is left wondering.
         let own = labels.keys().filter(|k| k.starts_with("ferrovol/")).count();
-        let note =
-            if own > 0 { format!(", {own} of them the server's own (ferrovol/...) included") } else { String::new() };
+        let note = if own > 0 { format!(", {own} of them named ferrovol/...") } else { String::new() };
         return Err(invalid(format!("{} labels{note}: at most {MAX_LABELS} are kept", labels.len())));
     }
     for (k, v) in labels {
